@@ -1,0 +1,48 @@
+"""Error types. Anything caused by user data raises one of these; the CLI turns them into one line."""
+
+from __future__ import annotations
+
+
+class CkptToolError(Exception):
+    """Base class: a problem with the user's input or environment, reported without a traceback."""
+
+    exit_code = 1
+
+
+class CheckpointError(CkptToolError):
+    """The checkpoint (config, index, shard header or tensor bytes) is invalid."""
+
+
+class HeaderError(CheckpointError):
+    """A safetensors file's header or layout violates the format."""
+
+    def __init__(self, file: str, message: str, tensor: str | None = None) -> None:
+        self.file = file
+        self.tensor = tensor
+        where = f"{file}: tensor {tensor!r}: " if tensor else f"{file}: "
+        super().__init__(where + message)
+
+
+class PlanError(CkptToolError):
+    """The conversion cannot be planned (unknown names, missing MTP layers, bad TP degree, ...)."""
+
+
+class OutputError(CkptToolError):
+    """The output folder cannot be written (exists and is complete, locked, unwritable, disk full)."""
+
+
+class VerifyError(CkptToolError):
+    """A converted checkpoint failed verification."""
+
+
+class UsageError(CkptToolError):
+    """Bad command-line usage."""
+
+    exit_code = 2
+
+
+MTP_MISSING_MESSAGE = (
+    "MTP speculative decoding layer {layer} weights missing from checkpoint. "
+    "The checkpoint may have been quantized without including the MTP layers. "
+    "Use a checkpoint that includes MTP layer weights, or disable speculative decoding."
+)

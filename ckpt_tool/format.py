@@ -1,0 +1,268 @@
+"""The safetensors file format: header parsing and validation, without touching tensor bytes.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of UTF-8 JSON + a byte buffer. The JSON
+maps tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
+buffer) plus an optional ``__metadata__`` string map. We validate the way the Rust reference does,
+and a little more (duplicate keys, leading ``{``, trailing bytes), because the streaming writer
+copies byte ranges straight from these offsets: a header we accept must describe the file exactly.
+
+This module imports neither torch nor numpy: inspect and planning stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from .errors import CheckpointError, HeaderError
+
+MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
+
+# Bits per element of every dtype safetensors 0.8 knows. Sub-byte dtypes pack along the last dim.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a header describes it. ``start``/``end`` are absolute offsets in ``file``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # shard file name, relative to the checkpoint root
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A validated safetensors header. ``tensors`` is ordered by offset (file order)."""
+
+    file: str
+    header_len: int
+    file_size: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo] = field(repr=False)
+    header_sha256: str = ""
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of ``dtype`` and ``shape`` occupies; raises ValueError if bits do not pack to bytes."""
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise ValueError(f"{dtype} tensor of shape {list(shape)} is not a whole number of bytes")
+    return bits // 8
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None = None) -> ShardHeader:
+    """Validate a header's JSON bytes against a file of ``file_size`` bytes.
+
+    ``raw`` is the JSON text (without the 8-byte length prefix). Every violation raises
+    :class:`HeaderError` naming ``file`` and, where there is one, the tensor.
+    """
+    import hashlib
+
+    header_len = len(raw) if header_len is None else header_len
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(file, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not text.lstrip(" ").startswith("{"):
+        raise HeaderError(file, "header is not a JSON object (does not start with '{'); the file is not safetensors")
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as dup:
+        raise HeaderError(file, "appears twice in the header; tensor names must be unique", tensor=dup.key) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise HeaderError(file, f"header is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object")
+
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HeaderError(file, "__metadata__ must map strings to strings")
+
+    data_start = 8 + header_len
+    buffer_len = file_size - data_start
+    infos: list[TensorInfo] = []
+    for name, entry in doc.items():
+        infos.append(_tensor_entry(file, name, entry, data_start))
+
+    # Contiguous from 0, no gaps, no overlap, buffer used exactly (trailing bytes are rejected too).
+    infos.sort(key=lambda t: (t.start, t.end))
+    cursor = data_start
+    for info in infos:
+        if info.start != cursor:
+            what = "overlaps the previous tensor" if info.start < cursor else "leaves a gap before it"
+            raise HeaderError(
+                file,
+                f"data_offsets start at {info.start - data_start} but the previous tensor ends at "
+                f"{cursor - data_start}: the tensor {what}",
+                tensor=info.name,
+            )
+        cursor = info.end
+    used = cursor - data_start
+    if used > buffer_len:
+        last = infos[-1].name if infos else None
+        raise HeaderError(
+            file,
+            f"data ends at byte {cursor} but the file has only {file_size} bytes: the file is truncated "
+            f"({cursor - file_size} bytes missing); download it again",
+            tensor=last,
+        )
+    if used < buffer_len:
+        raise HeaderError(
+            file, f"{buffer_len - used} trailing bytes after the last tensor; the file is not a clean safetensors file"
+        )
+    return ShardHeader(
+        file=file,
+        header_len=header_len,
+        file_size=file_size,
+        metadata=dict(metadata),
+        tensors={t.name: t for t in infos},
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise HeaderError(file, "header entry is not an object", tensor=name)
+    unknown = set(entry) - {"dtype", "shape", "data_offsets"}
+    missing = {"dtype", "shape", "data_offsets"} - set(entry)
+    if missing or unknown:
+        raise HeaderError(file, f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)})", tensor=name)
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise HeaderError(file, f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})", tensor=name)
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise HeaderError(file, f"shape {shape!r} is not a list of non-negative integers", tensor=name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+    ):
+        raise HeaderError(file, f"data_offsets {offsets!r} is not two non-negative integers", tensor=name)
+    begin, end = offsets
+    if end < begin:
+        raise HeaderError(file, f"data_offsets {offsets} end before they begin", tensor=name)
+    try:
+        want = expected_nbytes(dtype, tuple(shape))
+    except ValueError as exc:
+        raise HeaderError(file, str(exc), tensor=name) from None
+    if want != end - begin:
+        raise HeaderError(
+            file,
+            f"shape {shape} x {dtype} needs {want} bytes but data_offsets {offsets} hold {end - begin}",
+            tensor=name,
+        )
+    return TensorInfo(name, dtype, tuple(shape), file, data_start + begin, data_start + end)
+
+
+def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
+    """Read and validate the header of the safetensors file at ``path`` (no tensor bytes are read)."""
+    file = file or path.name
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise HeaderError(file, f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_SIZE:
+                raise HeaderError(file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; the file is corrupt")
+            if 8 + header_len > size:
+                raise HeaderError(
+                    file,
+                    f"header length {header_len} points past the end of the {size}-byte file; "
+                    "the file is truncated or not safetensors",
+                )
+            raw = fh.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found ({path})") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{file}: is a directory, expected a safetensors file ({path})") from None
+    except PermissionError:
+        raise CheckpointError(f"{file}: permission denied reading {path}") from None
+    return parse_header(raw, file, size, header_len)
+
+
+def safe_relative_name(name: object, where: str) -> str:
+    """Check that an index entry names a file inside the checkpoint folder; return it normalised."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: shard file name {name!r} is not a non-empty string")
+    if "\\" in name or "\x00" in name or name.startswith("/") or PurePosixPath(name).is_absolute():
+        raise CheckpointError(f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder")
+    parts = PurePosixPath(name).parts
+    if any(p in ("..", ".") for p in parts) or ":" in parts[0]:
+        raise CheckpointError(f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it")
+    return "/".join(parts)
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """Read ``model.safetensors.index.json``: the tensor → shard file map, with every file name checked."""
+    where = str(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: index file not found") from None
+    except _DuplicateKey as dup:
+        raise CheckpointError(f"{where}: tensor {dup.key!r} appears twice in the index") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: no 'weight_map' object; this is not a safetensors index")
+    return {str(name): safe_relative_name(file, f"{where}: tensor {name!r}") for name, file in weight_map.items()}

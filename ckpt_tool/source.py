@@ -1,0 +1,125 @@
+"""Opening a source checkpoint: config, index and every shard header, cross-checked. No tensor bytes.
+
+A source is a folder (with or without ``model.safetensors.index.json``), an index file, or one
+``.safetensors`` file. Hub repo ids are resolved in :mod:`ckpt_tool.hub`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import V4Config
+from .errors import CheckpointError
+from .format import ShardHeader, TensorInfo, read_index, read_shard_header
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated source checkpoint: every tensor's file, dtype, shape and byte range."""
+
+    root: Path
+    config: V4Config | None
+    config_error: str | None
+    index_file: str | None
+    shards: dict[str, ShardHeader] = field(repr=False)
+    tensors: dict[str, TensorInfo] = field(repr=False)
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def require_config(self) -> V4Config:
+        if self.config is None:
+            raise CheckpointError(self.config_error or f"{self.root}: config.json not found")
+        return self.config
+
+
+def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:
+    """Find (root folder, index path or None, explicit shard list or None) for a local source."""
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such file or folder")
+    if src.is_dir():
+        index = src / INDEX_NAME
+        return src, (index if index.is_file() else None), None
+    if src.name.endswith(".index.json") or src.suffix == ".json":
+        return src.parent, src, None
+    if src.suffix == ".safetensors":
+        return src.parent, None, [src.name]
+    raise CheckpointError(f"{src}: not a folder, an index .json or a .safetensors file")
+
+
+def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
+    """Read config, index and all shard headers of ``src`` and check they agree.
+
+    Checks: every shard the index names exists and parses; the index's tensor set equals the union of
+    the shard headers; no tensor is stored twice; each tensor lives in the file the index says.
+    """
+    root, index_path, explicit = resolve_layout(Path(src))
+    config: V4Config | None = None
+    config_error: str | None = None
+    try:
+        config = V4Config.load(root / "config.json")
+    except CheckpointError as exc:
+        if need_config:
+            raise
+        config_error = str(exc)
+
+    weight_map: dict[str, str] | None = None
+    if index_path is not None:
+        weight_map = read_index(index_path)
+        files = sorted(set(weight_map.values()))
+    elif explicit is not None:
+        files = explicit
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise CheckpointError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
+
+    shards: dict[str, ShardHeader] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        path = root / file
+        if not path.is_file():
+            where = f"{index_path.name}" if index_path else str(root)
+            raise CheckpointError(
+                f"{file}: named by {where} but missing from {root}; the download is incomplete — fetch this file"
+            )
+        header = read_shard_header(path, file)
+        shards[file] = header
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise CheckpointError(f"{file}: tensor {name!r} is also stored in {tensors[name].file}; a tensor must be stored once")
+            tensors[name] = info
+
+    if weight_map is not None:
+        assert index_path is not None
+        for name, file in weight_map.items():
+            info = tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{index_path.name}: tensor {name!r} is mapped to {file} but that shard does not contain it")
+            if info.file != file:
+                raise CheckpointError(f"{index_path.name}: tensor {name!r} is mapped to {file} but is stored in {info.file}")
+        extra = sorted(set(tensors) - set(weight_map))
+        if extra:
+            shown = ", ".join(repr(n) for n in extra[:5])
+            raise CheckpointError(
+                f"{index_path.name}: {len(extra)} tensor(s) stored in shards but absent from the index "
+                f"(e.g. {shown} in {tensors[extra[0]].file}); the index and the shards disagree"
+            )
+    return Checkpoint(
+        root=root,
+        config=config,
+        config_error=config_error,
+        index_file=index_path.name if index_path else None,
+        shards=shards,
+        tensors=tensors,
+    )
