@@ -102,6 +102,82 @@ def inspect(
     raise typer.Exit(0 if report.ok else 1)
 
 
+def _parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "K": 1024, "KB": 1000, "KIB": 1024, "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
+             "G": 1024**3, "GB": 1000**3, "GIB": 1024**3, "T": 1024**4, "TB": 1000**4, "TIB": 1024**4}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a size like 5GiB, 500MB or 1048576") from None
+    if unit not in units or value <= 0:
+        raise typer.BadParameter(f"{text!r} is not a size like 5GiB, 500MB or 1048576")
+    return int(value * units[unit])
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json or .safetensors.")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (created). Never inside SRC.")],
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: one set of files per rank.")] = 1,
+    moe_parallel: Annotated[str, typer.Option("--moe-parallel", help="Routed experts: 'tp' splits each expert's intermediate dim, 'ep' gives each rank whole experts.")] = "tp",
+    only: Annotated[str | None, typer.Option("--only", help="Write only 'model' (target) or 'mtp' (draft).")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written in parallel (memory grows ~16 MiB each).")] = 1,
+    target: Annotated[str, typer.Option("--target", help="Target profile (names of the engine's parameters).")] = "vllm-seed",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (plan or summary) on stdout.")] = False,
+) -> None:
+    """Convert an original DeepSeek V4 checkpoint into vLLM's runtime layout (target model + MTP draft).
+
+    Streams source byte ranges into per-rank files (never a whole shard or fused tensor in memory),
+    renames mtp.{i}.* to model.layers.{N+i}.*, fuses wq_a|wkv and w1|w3, stacks routed experts,
+    reinterprets E8M0/I8 as uint8 for fp4 experts, splits for --tp. Files are written atomically; a
+    rerun with the same options resumes; a finished OUT is never overwritten without --force.
+
+    Examples:
+      ckpt-tool convert ./DeepSeek-V4-Flash ./v4-tp8 --tp 8
+      ckpt-tool convert ./DeepSeek-V4-Flash ./v4-mtp --only mtp --dry-run
+    """
+    from .convert import convert as run_convert
+    from .plan import Options
+    from .report import ConvertProgress, plan_json, print_json, render_plan, render_convert_summary
+
+    if moe_parallel not in ("tp", "ep"):
+        raise typer.BadParameter("must be 'tp' or 'ep'", param_hint="--moe-parallel")
+    if only not in (None, "model", "mtp"):
+        raise typer.BadParameter("must be 'model' or 'mtp'", param_hint="--only")
+    opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=target)
+    try:
+        if dry_run:
+            from .plan import plan_conversion
+            from .source import open_checkpoint
+
+            ckpt = open_checkpoint(Path(src))
+            plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
+            if json_out:
+                print_json(plan_json(plan))
+            else:
+                render_plan(plan)
+            raise typer.Exit(0)
+        with ConvertProgress(enabled=not json_out) as prog:
+            result = run_convert(Path(src), out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start)
+    except typer.Exit:
+        raise
+    except CkptToolError as exc:
+        if json_out:
+            print_json({"ok": False, "error": str(exc)})
+        _fail(exc, exc.exit_code)
+        return
+    if json_out:
+        print_json(render_convert_summary(result, as_json=True))
+    else:
+        render_convert_summary(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     try:

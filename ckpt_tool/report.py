@@ -88,3 +88,123 @@ def render_inspect(r: InspectReport) -> None:
     else:
         for p in r.problems:
             error_line(p)
+
+
+def plan_json(plan) -> dict:
+    """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations."""
+    return {
+        "options": plan.options.as_dict(),
+        "tensor_count": plan.tensor_count,
+        "total_bytes": plan.total_bytes,
+        "files": [
+            {
+                "file": f.relpath,
+                "rank": f.rank,
+                "bytes": f.data_bytes,
+                "tensors": [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "sources": list(t.sources), "rule": t.rule}
+                    for t in f.tensors
+                ],
+            }
+            for f in plan.files
+        ],
+        "dropped": plan.dropped,
+        "materialized": plan.materialized,
+        "deviations": list(plan.deviations),
+        "not_selected": len(plan.unused_by_selection),
+    }
+
+
+def render_plan(plan) -> None:
+    t = Table(title=f"plan: tp={plan.options.tp} moe={plan.options.moe_parallel} only={plan.options.only or 'model+mtp'}", title_justify="left")
+    t.add_column("file")
+    t.add_column("tensors", justify="right")
+    t.add_column("bytes", justify="right")
+    for f in plan.files:
+        t.add_row(escape(f.relpath), str(len(f.tensors)), human_bytes(f.data_bytes))
+    t.add_row("[bold]total[/]", f"[bold]{plan.tensor_count}[/]", f"[bold]{human_bytes(plan.total_bytes)}[/]")
+    out.print(t)
+    rank0 = [f for f in plan.files if f.rank == 0]
+    names = Table(title="rank 0 tensors", title_justify="left")
+    for col in ("output tensor", "dtype", "shape", "from"):
+        names.add_column(col)
+    for f in rank0:
+        for x in f.tensors:
+            src = ", ".join(x.sources[:2]) + (f" (+{len(x.sources) - 2})" if len(x.sources) > 2 else "")
+            names.add_row(escape(x.name), x.dtype, str(list(x.shape)), escape(src))
+    out.print(names)
+    for a, r in plan.materialized.items():
+        out.print(f"materialize {escape(a)} from {escape(r)}", highlight=False)
+    for d in plan.deviations:
+        out.print(f"deviation: {escape(d)}", highlight=False)
+
+
+class ConvertProgress:
+    """A rich progress bar on stderr (bytes, rate, ETA); silent when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and err.is_terminal
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> ConvertProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+            self.progress = Progress(
+                TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                console=err, transient=False,
+            )
+            self.progress.__enter__()
+        return self
+
+    def start(self, plan) -> None:
+        if self.progress is not None:
+            from .writer import file_size
+
+            total = sum(file_size(f) for f in plan.files)
+            self.task = self.progress.add_task("convert", total=total)
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.advance(self.task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def render_convert_summary(result, as_json: bool = False):
+    plan = result.plan
+    rate = result.bytes_written / result.seconds / 1e6 if result.seconds else 0.0
+    doc = {
+        "ok": True,
+        "out": str(result.out),
+        "files_written": len(result.written),
+        "files_skipped": len(result.skipped),
+        "tensors": plan.tensor_count,
+        "bytes": plan.total_bytes,
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "mb_per_s": round(rate, 1),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "materialized": plan.materialized,
+        "deviations": list(plan.deviations),
+    }
+    if as_json:
+        return doc
+    out.print(
+        f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into {escape(str(result.out))}: "
+        f"{len(result.written)} file(s) written, {len(result.skipped)} resumed, {result.seconds:.2f} s, "
+        f"{rate:.1f} MB/s, peak RSS {human_bytes(doc['peak_rss_bytes'])}",
+        highlight=False,
+    )
+    for d in plan.deviations:
+        out.print(f"deviation: {escape(d)}", highlight=False)
+    return doc
