@@ -1,0 +1,293 @@
+"""``verify``: prove a converted checkpoint right, level by level.
+
+1. structure — from headers and the manifest: the output files, tensor names, dtypes, shapes and rank
+   sets are exactly what the rules give for the source and the recorded options; index.json agrees;
+   every file's size and sha256 match the manifest; the source is the one that was converted.
+2. values — every output tensor re-derived from the source bytes and compared exactly: byte-equal for
+   renames/slices/fusions/stacks, value-equal for E8M0 → float32. The source side is read through
+   safetensors' own slicing (not the writer's gather code), in bounded row blocks.
+3. numeric — a reference forward of every MTP layer from the source (dequantized torch) and from the
+   converted ranks (through the GEMM kernels), compared within stated tolerances (see numeric.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .convert import COMPONENTS, MANIFEST, index_doc, source_fingerprint
+from .errors import CkptToolError
+from .format import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
+from .plan import Options, OutTensor, Plan, plan_conversion
+from .source import open_checkpoint
+from .writer import sha256_file
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("structure", "values", "numeric")
+VALUE_BLOCK_BYTES = 32 * 1024 * 1024  # bound on the bytes compared at once
+
+
+@dataclass
+class Check:
+    """One verdict, reported as one JUnit testcase."""
+
+    name: str
+    ok: bool
+    message: str = ""
+    file: str | None = None
+    tensor: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class VerifyReport:
+    out: str
+    source: str
+    level: str
+    checks: list[Check] = field(default_factory=list)
+    numeric: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def add(self, check: Check) -> Check:
+        self.checks.append(check)
+        if not check.ok:
+            log.info("verify failure: %s: %s", check.name, check.message)
+        return check
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "out": self.out,
+            "source": self.source,
+            "level": self.level,
+            "checks": len(self.checks),
+            "failed": len(self.failures),
+            "failures": [asdict(c) for c in self.failures],
+            "passed": [c.name for c in self.checks if c.ok],
+            "numeric": self.numeric,
+        }
+
+
+def _options_from_manifest(manifest: dict) -> Options:
+    o = manifest.get("options") or {}
+    return Options(
+        tp=int(o.get("tp", 1)),
+        moe_parallel=str(o.get("moe_parallel", "tp")),
+        only=o.get("only"),
+        max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
+        profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),
+    )
+
+
+def verify(
+    out: Path,
+    source: Path,
+    *,
+    level: str = "numeric",
+    kernels: str = "auto",
+    device: str = "auto",
+    tokens: int = 16,
+    seed: int = 0,
+    progress=None,
+) -> VerifyReport:
+    """Run the checks up to ``level``. Never raises for a failed check: failures are in the report."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}")
+    report = VerifyReport(str(out), str(source), level)
+    manifest_path = out / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        report.add(Check("manifest", False, f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion", file=str(manifest_path)))
+        return report
+    except (OSError, json.JSONDecodeError) as exc:
+        report.add(Check("manifest", False, f"{manifest_path}: unreadable ({exc})", file=str(manifest_path)))
+        return report
+    if manifest.get("complete") is not True:
+        report.add(Check("manifest", False, f"{manifest_path}: conversion is not complete; rerun convert to finish it", file=str(manifest_path)))
+        return report
+    report.add(Check("manifest", True))
+
+    try:
+        ckpt = open_checkpoint(source)
+        config = ckpt.require_config()
+        opts = _options_from_manifest(manifest)
+        plan = plan_conversion(config, ckpt.tensors, opts)
+    except CkptToolError as exc:
+        report.add(Check("plan", False, str(exc)))
+        return report
+    report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
+
+    recorded = (manifest.get("source") or {}).get("files")
+    current = source_fingerprint(ckpt)["files"]
+    if recorded != current:
+        changed = sorted(f for f in set(recorded or {}) | set(current) if (recorded or {}).get(f) != current.get(f))
+        report.add(Check("source-fingerprint", False, f"source differs from the one converted (files: {', '.join(changed[:5])}); reconvert", file=changed[0] if changed else None))
+    else:
+        report.add(Check("source-fingerprint", True))
+
+    headers = check_structure(out, plan, manifest, report)
+    if level in ("values", "numeric") and report.ok:
+        check_values(out, plan, ckpt.root, headers, report, progress)
+    if level == "numeric" and report.ok:
+        from .numeric import check_numeric
+
+        check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed)
+    return report
+
+
+def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport) -> dict[str, ShardHeader]:
+    """Files, names, dtypes, shapes per rank; index.json; manifest checksums. Returns parsed headers."""
+    planned = {f.relpath: f for f in plan.files}
+    present = {
+        f"{comp}/{p.name}" for comp in COMPONENTS if (out / comp).is_dir() for p in (out / comp).glob("*.safetensors")
+    }
+    for rel in sorted(set(planned) - present):
+        report.add(Check(f"structure:{rel}", False, f"{rel}: planned output file is missing", file=rel))
+    for rel in sorted(present - set(planned)):
+        report.add(Check(f"structure:{rel}", False, f"{rel}: file is not part of the plan for these options", file=rel))
+
+    outputs = manifest.get("outputs") or {}
+    headers: dict[str, ShardHeader] = {}
+    for rel, f in planned.items():
+        if rel not in present:
+            continue
+        problems: list[tuple[str, str | None]] = []
+        try:
+            header = read_shard_header(out / rel, rel)
+        except CkptToolError as exc:
+            report.add(Check(f"structure:{rel}", False, str(exc), file=rel))
+            continue
+        headers[rel] = header
+        want = {t.name: t for t in f.tensors}
+        for name in sorted(set(want) - set(header.tensors)):
+            problems.append((f"{rel}: tensor {name!r} missing (from {', '.join(want[name].sources[:2])})", name))
+        for name in sorted(set(header.tensors) - set(want)):
+            problems.append((f"{rel}: tensor {name!r} is not in the plan", name))
+        for name in sorted(set(want) & set(header.tensors)):
+            got, exp = header.tensors[name], want[name]
+            if got.dtype != exp.dtype or tuple(got.shape) != tuple(exp.shape):
+                problems.append(
+                    (f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected {exp.dtype}{list(exp.shape)}", name)
+                )
+        rec = outputs.get(rel)
+        if rec is None:
+            problems.append((f"{rel}: not recorded in {MANIFEST}", None))
+        elif rec.get("size") != header.file_size:
+            problems.append((f"{rel}: size {header.file_size} differs from the manifest's {rec.get('size')}", None))
+        elif rec.get("sha256") != sha256_file(out / rel):
+            problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
+        if problems:
+            msg = problems[0][0] + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+            report.add(Check(f"structure:{rel}", False, msg, file=rel, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+        else:
+            report.add(Check(f"structure:{rel}", True, file=rel))
+
+    for comp in COMPONENTS:
+        if not any(f.component == comp for f in plan.files):
+            continue
+        path = out / comp / "index.json"
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            report.add(Check(f"index:{comp}", False, f"{path}: unreadable ({exc})", file=str(path)))
+            continue
+        ok = doc == index_doc(plan, comp)
+        report.add(Check(f"index:{comp}", ok, "" if ok else f"{path}: does not match the plan (tensors, ranks or total_size)", file=f"{comp}/index.json"))
+    return headers
+
+
+def _out_width(t: OutTensor) -> int:
+    return t.segments[0].col1 - t.segments[0].col0
+
+
+def check_values(out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress=None) -> None:
+    """Re-derive every output tensor from the source and compare exactly."""
+    import torch
+    from safetensors import safe_open
+
+    handles: dict[str, object] = {}
+
+    def source_slice(info: TensorInfo, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        real = plan.sources[info.name]
+        h = handles.get(real.file)
+        if h is None:
+            h = handles[real.file] = safe_open(str(src_root / real.file), framework="pt")
+        # materialized aliases read the tensor they alias
+        key = plan.materialized.get(info.name, info.name)
+        sl = h.get_slice(key)  # type: ignore[attr-defined]
+        if len(info.shape) <= 1:
+            return sl[r0:r1]
+        return sl[r0:r1, c0:c1]
+
+    for f in plan.files:
+        header = headers.get(f.relpath)
+        if header is None:
+            continue
+        fd = os.open(out / f.relpath, os.O_RDONLY)
+        try:
+            bad: list[str] = []
+            first_tensor: str | None = None
+            for t in f.tensors:
+                msg = _compare_tensor(t, header.tensors[t.name], fd, plan, source_slice)
+                if msg:
+                    bad.append(msg)
+                    first_tensor = first_tensor or t.name
+                if progress:
+                    progress(t.nbytes)
+        finally:
+            os.close(fd)
+        if bad:
+            more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+            report.add(Check(f"values:{f.relpath}", False, bad[0] + more, file=f.relpath, tensor=first_tensor, details={"problems": bad}))
+        else:
+            report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
+
+
+def _compare_tensor(t: OutTensor, got: TensorInfo, fd: int, plan: Plan, source_slice) -> str | None:
+    import torch
+
+    width = _out_width(t)
+    out_eb = DTYPE_BITS[t.dtype] // 8
+    out_row = 0
+    for seg in t.segments:
+        src = plan.sources[seg.src]
+        src_eb = DTYPE_BITS[src.dtype] // 8
+        rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, width * max(src_eb, out_eb)))
+        r = seg.row0
+        while r < seg.row1:
+            n = min(rows_per_block, seg.row1 - r)
+            expected = source_slice(src, r, r + n, seg.col0, seg.col1).contiguous()
+            nbytes = n * width * out_eb
+            raw = os.pread(fd, nbytes, got.start + out_row * width * out_eb)
+            if len(raw) != nbytes:
+                return f"{t.name}: output file ended early"
+            actual = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if seg.convert == "e8m0_to_f32":
+                want = expected.to(torch.float32).reshape(-1).view(torch.uint8)
+            else:
+                want = expected.reshape(-1).view(torch.uint8)
+            if not torch.equal(want, actual):
+                diff = int((want != actual).nonzero()[0, 0]) // out_eb
+                row, col = divmod(diff, width)
+                what = "value" if seg.convert == "e8m0_to_f32" else "bytes"
+                return (
+                    f"tensor {t.name!r}: {what} differ from source {seg.src} "
+                    f"(rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1}) first at source element "
+                    f"[{r + row}, {seg.col0 + col}]"
+                )
+            out_row += n
+            r += n
+    return None
