@@ -208,3 +208,52 @@ def render_convert_summary(result, as_json: bool = False):
     for d in plan.deviations:
         out.print(f"deviation: {escape(d)}", highlight=False)
     return doc
+
+
+def render_verify(report) -> None:
+    for c in report.checks:
+        if c.ok:
+            continue
+        error_line(f"{c.name}: {c.message}")
+    for n in report.numeric:
+        out.print(
+            f"numeric layer {n['layer']} (mtp.{n['mtp']}, {n['backend']} on {n['device']}, {n['tokens']} tokens): "
+            f"logits cos {n['logits_cosine']:.8f} max_rel {n['logits_max_rel']:.2e}; "
+            f"hidden cos {n['hidden_cosine']:.8f} max_rel {n['hidden_max_rel']:.2e}; "
+            f"top1 {n['top1_agreement']:.3f} top5 {n['top5_agreement']:.3f}",
+            highlight=False,
+        )
+    passed = sum(c.ok for c in report.checks)
+    verdict = "[green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
+    out.print(f"verify ({report.level}): {verdict} {passed}/{len(report.checks)} checks passed", highlight=False)
+
+
+def write_junit(report, path) -> None:
+    """JUnit XML: one testsuite, one testcase per check, a <failure> for each failed one."""
+    import xml.etree.ElementTree as ET
+
+    failed = len(report.failures)
+    suites = ET.Element("testsuites", tests=str(len(report.checks)), failures=str(failed), errors="0")
+    suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", tests=str(len(report.checks)), failures=str(failed), errors="0", skipped="0")
+    for c in report.checks:
+        case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{report.level}", name=c.name)
+        if not c.ok:
+            fail = ET.SubElement(case, "failure", message=c.message[:1000], type="VerifyFailure")
+            fail.text = "\n".join(c.details.get("problems", [c.message])) if isinstance(c.details, dict) else c.message
+    ET.ElementTree(suites).write(str(path), encoding="utf-8", xml_declaration=True)
+
+
+def _gh_escape(text: str, prop: bool = False) -> str:
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if prop:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+def github_annotations(report, json_on_stdout: bool = False) -> None:
+    """GitHub Actions ``::error`` lines: on stdout, or on stderr when --json owns stdout (the runner reads both)."""
+    stream = sys.stderr if json_on_stdout else sys.stdout
+    for c in report.failures:
+        file = f"file={_gh_escape(c.file, True)}," if c.file else ""
+        stream.write(f"::error {file}title={_gh_escape('ckpt-tool verify ' + c.name, True)}::{_gh_escape(c.message)}\n")
+    stream.flush()
