@@ -96,6 +96,16 @@ class V4Config:
             value = raw[key]
             if isinstance(value, bool) or not isinstance(value, typ):
                 raise CheckpointError(f"{where}: key {key!r} has value {value!r}, expected {typ}")
+        if raw["num_nextn_predict_layers"] < 0 or raw["num_hidden_layers"] < 0:
+            raise CheckpointError(f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0")
+        try:
+            return cls._build(raw)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CheckpointError(f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json") from None
+
+    @classmethod
+    def _build(cls, raw: dict[str, Any]) -> V4Config:
+        where = "config.json"
         expert_dtype = raw.get("expert_dtype", "fp4")
         if expert_dtype not in ("fp4", "fp8"):
             raise CheckpointError(f"{where}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'")

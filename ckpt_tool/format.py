@@ -30,6 +30,8 @@ DTYPE_BITS: dict[str, int] = {
     "F8_E5M2": 8,
     "F8_E4M3": 8,
     "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
     "F4": 4,
     "F6_E2M3": 6,
     "F6_E3M2": 6,
@@ -123,13 +125,14 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
     try:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as dup:
-        raise HeaderError(file, "appears twice in the header; tensor names must be unique", tensor=dup.key) from None
+        raise HeaderError(file, "key appears twice in a header object; tensor names and entry fields must be unique", tensor=dup.key) from None
     except (json.JSONDecodeError, RecursionError) as exc:
         raise HeaderError(file, f"header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object")
 
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -246,7 +249,7 @@ def safe_relative_name(name: object, where: str) -> str:
     if "\\" in name or "\x00" in name or name.startswith("/") or PurePosixPath(name).is_absolute():
         raise CheckpointError(f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder")
     parts = PurePosixPath(name).parts
-    if any(p in ("..", ".") for p in parts) or ":" in parts[0]:
+    if not parts or any(p in ("..", ".") for p in parts) or ":" in parts[0]:
         raise CheckpointError(f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it")
     return "/".join(parts)
 
@@ -258,6 +261,8 @@ def read_index(path: Path) -> dict[str, str]:
         doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_reject_duplicates)
     except FileNotFoundError:
         raise CheckpointError(f"{where}: index file not found") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read the index ({exc.strerror or exc})") from None
     except _DuplicateKey as dup:
         raise CheckpointError(f"{where}: tensor {dup.key!r} appears twice in the index") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
