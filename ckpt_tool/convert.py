@@ -41,6 +41,7 @@ class ConvertResult:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_written: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict:
@@ -198,7 +199,7 @@ def convert(
         jlock = threading.Lock()
 
         def work(f: OutFile) -> None:
-            size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress)
+            size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings)
             with jlock:
                 journal["files"][f.relpath] = {"size": size, "sha256": digest}
                 _write_json_atomic(journal_path, journal)

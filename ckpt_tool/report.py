@@ -196,7 +196,10 @@ def render_convert_summary(result, as_json: bool = False):
         "peak_rss_bytes": _peak_rss_bytes(),
         "materialized": plan.materialized,
         "deviations": list(plan.deviations),
+        "warnings": sorted(set(result.warnings)),
     }
+    for w in doc["warnings"]:
+        warning_line(w)
     if as_json:
         return doc
     out.print(

@@ -93,14 +93,41 @@ def _e8m0_to_f32(raw: memoryview, info: TensorInfo) -> bytes:
     return bits.view(np.float32).astype("<f4").tobytes()
 
 
-class SegmentReader:
-    """Streams the bytes of one segment in chunks, reusing one buffer."""
+def _check_e8m0(raw: memoryview, info: TensorInfo) -> None:
+    import numpy as np
 
-    def __init__(self, files: SourceFiles, sources: dict[str, TensorInfo]) -> None:
+    nan = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) == 0xFF)
+    if nan.size:
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) in {nan.size} element(s) of a chunk; "
+            "the checkpoint is corrupt — re-download this shard"
+        )
+
+
+def _nonfinite(raw: memoryview, dtype: str) -> int:
+    import numpy as np
+
+    if dtype == "BF16":
+        bits = np.frombuffer(raw, dtype="<u2")
+        return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))  # exponent all ones: inf or NaN
+    if dtype == "F32":
+        return int(np.count_nonzero(~np.isfinite(np.frombuffer(raw, dtype="<f4"))))
+    return 0
+
+
+class SegmentReader:
+    """Streams the bytes of one segment in chunks, reusing one buffer.
+
+    On the way it rejects E8M0 NaN bytes (0xFF) in scales and notes non-finite values in norm
+    weights (``warnings``): both are cheap scans of bytes already in memory.
+    """
+
+    def __init__(self, files: SourceFiles, sources: dict[str, TensorInfo], warnings: list[str] | None = None) -> None:
         self.files = files
         self.sources = sources
         self.buf = bytearray(CHUNK)
         self.gather = bytearray(CHUNK)
+        self.warnings = warnings if warnings is not None else []
 
     def stream(self, seg: Segment, emit: Callable[[memoryview | bytes], None]) -> None:
         info = self.sources[seg.src]
@@ -108,7 +135,21 @@ class SegmentReader:
         cols = (info.numel // info.shape[0]) if info.shape else 1
         row_bytes = cols * eb
         convert = seg.convert
-        out = emit if convert != "e8m0_to_f32" else (lambda mv: emit(_e8m0_to_f32(mv, info)))
+        if convert == "e8m0_to_f32":
+            out = lambda mv: emit(_e8m0_to_f32(mv, info))  # noqa: E731
+        elif info.dtype == "F8_E8M0":
+            out = lambda mv: (_check_e8m0(mv, info), emit(mv))  # noqa: E731
+        elif info.name.endswith("norm.weight") and info.dtype in ("BF16", "F32"):
+            def out(mv: memoryview) -> None:
+                bad = _nonfinite(mv, info.dtype)
+                if bad:
+                    self.warnings.append(
+                        f"{info.file}: tensor {info.name!r}: {bad} NaN/Inf value(s) in a norm weight; "
+                        "copied as stored, but the model will produce NaNs"
+                    )
+                emit(mv)
+        else:
+            out = emit
         if seg.col0 == 0 and seg.col1 == cols:
             self._contiguous(info, info.start + seg.row0 * row_bytes, (seg.row1 - seg.row0) * row_bytes, out)
             return
@@ -147,13 +188,14 @@ def write_output_file(
     files: SourceFiles,
     sources: dict[str, TensorInfo],
     progress: ProgressFn | None = None,
+    warnings: list[str] | None = None,
 ) -> tuple[int, str]:
     """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256)."""
     tmp = dest.with_name(f".{dest.name}.tmp")
     digest = hashlib.sha256()
     header = header_bytes(out)
     expected = len(header) + out.data_bytes
-    reader = SegmentReader(files, sources)
+    reader = SegmentReader(files, sources, warnings)
     try:
         with open(tmp, "wb", buffering=0) as fh:
             try:
