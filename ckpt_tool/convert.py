@@ -110,13 +110,16 @@ def read_manifest(out: Path) -> dict | None:
 
 
 def _clear_previous(out: Path) -> None:
-    """--force: remove what an earlier conversion wrote (only our own files)."""
+    """--force: remove what an earlier conversion wrote (only our own files).
+
+    The manifest goes first: a kill half-way must never leave "complete": true over missing files.
+    """
+    for name in (MANIFEST, JOURNAL):
+        (out / name).unlink(missing_ok=True)
     for comp in COMPONENTS:
         d = out / comp
         if d.is_dir():
             shutil.rmtree(d)
-    for name in (MANIFEST, JOURNAL):
-        (out / name).unlink(missing_ok=True)
 
 
 def index_doc(plan: Plan, component: str) -> dict:
