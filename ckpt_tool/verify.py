@@ -130,15 +130,19 @@ def verify(
         return report
     report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
 
-    recorded = (manifest.get("source") or {}).get("files")
-    current = source_fingerprint(ckpt)["files"]
+    recorded_source = manifest.get("source") or {}
+    recorded = recorded_source.get("files")
+    fingerprint = source_fingerprint(ckpt)
+    current = fingerprint["files"]
     if recorded != current:
         changed = sorted(f for f in set(recorded or {}) | set(current) if (recorded or {}).get(f) != current.get(f))
         report.add(Check("source-fingerprint", False, f"source differs from the one converted (files: {', '.join(changed[:5])}); reconvert", file=changed[0] if changed else None))
+    elif recorded_source.get("config_sha256") != fingerprint["config_sha256"]:
+        report.add(Check("source-fingerprint", False, "source config.json differs from the one converted; reconvert", file="config.json"))
     else:
         report.add(Check("source-fingerprint", True))
 
-    headers = check_structure(out, plan, manifest, report)
+    headers = check_structure(out, plan, manifest, report, ckpt.root)
     if level in ("values", "numeric") and report.ok:
         check_values(out, plan, ckpt.root, headers, report, progress)
     if level == "numeric" and report.ok:
@@ -148,7 +152,7 @@ def verify(
     return report
 
 
-def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport) -> dict[str, ShardHeader]:
+def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path) -> dict[str, ShardHeader]:
     """Files, names, dtypes, shapes per rank; index.json; manifest checksums. Returns parsed headers."""
     planned = {f.relpath: f for f in plan.files}
     present = {
@@ -206,6 +210,11 @@ def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport)
             continue
         ok = doc == index_doc(plan, comp)
         report.add(Check(f"index:{comp}", ok, "" if ok else f"{path}: does not match the plan (tensors, ranks or total_size)", file=f"{comp}/index.json"))
+        cfg_path = out / comp / "config.json"
+        want = (src_root / "config.json").read_bytes()
+        got = cfg_path.read_bytes() if cfg_path.is_file() else None
+        msg = "" if got == want else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
+        report.add(Check(f"config:{comp}", got == want, msg, file=f"{comp}/config.json"))
     return headers
 
 

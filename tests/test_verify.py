@@ -1,0 +1,550 @@
+"""``verify``: good conversions pass at every level, and every level demonstrably FAILS on corruption.
+
+The self-tests below corrupt one tensor of a finished conversion in place (same dtype and shape, new
+bytes), then re-record that file's size and sha256 in the manifest, so the checksum check cannot be
+what catches it: the values (exact re-derivation) and numeric (reference forward) levels must. For
+the semantic corruptions (a)-(d) the numeric gate is also run on its own (``run_layer`` +
+``compare_outputs`` + ``within_tolerance``, bypassing structure/values) to prove it is not vacuous.
+
+Metrics the numeric gate measured on these fixtures (torch backend, cpu, 16 tokens, seed 0; printed by
+``test_numeric_gate_alone_catches_corruption`` under ``-s``). Tolerances: max_rel <= 2e-2, cosine >= 0.9999,
+top1 >= 0.9, top5 >= 1.0.
+
+  correct conversions (every good variant, tp 1/4, tp/ep): logits/hidden max_rel <= 4e-7, top1 1.0
+  case (fixture, tp, where)                 logits max_rel / cos     hidden max_rel / cos    top1 / top5
+  (a) w13 halves swapped, fp4 tp2 r1 e0     0.178 / 0.991674         0.239 / 0.991403        0.875 / 1
+      fp8-e8m0 tp2 r1 e0                    0.177 / 0.993723         0.222 / 0.993340        0.9375 / 1
+      (fp4 tp1, each expert 0..7 in turn: logits max_rel 0.20-0.32, cos 0.973-0.998: all caught)
+  (b) fused [wkv; wq_a], fp4 tp1            1.012 / 0.746435         0.983 / 0.735194        0.1875 / 0.4375
+      fp8 tp2                               0.923 / 0.696258         0.878 / 0.697356        0.125 / 0.3125
+      scale blocks only, fp8 tp1            0.305 / 0.992575         0.389 / 0.992757        0.875 / 0.9375
+  (c) E8M0 numeric, fp4 tp1 e0              0.278 / 0.979161         0.326 / 0.979008        0.625 / 0.875
+      fp4 tp4 ep r1 local 0 (= expert 2)    0.298 / 0.989336         0.319 / 0.987635        0.875 / 1
+      (fp4 tp1, each expert 0..7 in turn: logits max_rel 0.19-0.41: all caught)
+  (d) attn_sink r1 := r0, fp4 tp2           0.0614 / 0.999608        0.0532 / 0.999602       0.9375 / 1
+      fp8 tp4                               0.0553 / 0.999733        0.0479 / 0.999781       1 / 1
+      -> the smallest margin of all: ~2.5x over max_rel, 1-cos 2.7-4x over (sinks are O(0.1-0.5)).
+  (e) wo_b bytes from dim 0, fp4 tp2 r1     0.779 / 0.861818         0.680 / 0.861986        0.375 / 0.75
+
+Fixture note: in the E8M0 fixtures every FP8 linear has ONE block-scale value per tensor (pow2-ceil of
+similar amaxes), so a scale-layout bug in an FP8 linear is invisible there (swapping the fused scale
+rows is a no-op); only the ``fp8`` fixture (float32 scales) exercises it, hence case (b') below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ckpt_tool import numeric, reference
+from ckpt_tool.cli import main
+from ckpt_tool.convert import convert
+from ckpt_tool.plan import Options, plan_conversion
+from ckpt_tool.source import open_checkpoint
+from ckpt_tool.verify import verify
+from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
+
+MANIFEST = "ckpt-tool.json"
+S = MAIN_LAYERS  # engine layer of mtp.0
+P = f"model.layers.{S}.mtp_block."
+W13 = P + "ffn.experts.w13_weight"
+W13_SCALE_FP4 = P + "ffn.experts.w13_weight_scale"
+FUSED = P + "attn.fused_wqa_wkv.weight"
+FUSED_SCALE = P + "attn.fused_wqa_wkv.weight_scale_inv"
+SINK = P + "attn.attn_sink"
+WO_B = P + "attn.wo_b.weight"
+WO_B_SCALE = P + "attn.wo_b.weight_scale_inv"
+HEAD = f"model.layers.{S}.shared_head.head.weight"
+
+# Verify through the torch GEMM path on cpu: deterministic and independent of triton/CUDA.
+CLI_BACKEND = ("--kernels", "torch", "--device", "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def do_convert(src: Path, out: Path, tp: int = 1, moe: str = "tp", only: str | None = None) -> Path:
+    convert(src, out, Options(tp=tp, moe_parallel=moe, only=only))
+    return out
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def cli_verify(capsys, out: Path, src: Path, *extra) -> tuple[int, str, str]:
+    return run_cli(capsys, "verify", out, "--source", src, *CLI_BACKEND, *extra)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rerecord_in_manifest(out: Path, relpath: str) -> None:
+    """Make the manifest's size/sha256 for ``relpath`` match the file again (hide the edit from checksums)."""
+    path = out / MANIFEST
+    doc = json.loads(path.read_text())
+    doc["outputs"][relpath]["size"] = (out / relpath).stat().st_size
+    doc["outputs"][relpath]["sha256"] = sha256_of(out / relpath)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def file_of(out: Path, name: str, rank: int, comp: str = "mtp") -> str:
+    idx = json.loads((out / comp / "index.json").read_text())
+    return f"{comp}/{idx['ranks'][str(rank)][name]}"
+
+
+def read_tensor(out: Path, name: str, rank: int, comp: str = "mtp") -> torch.Tensor:
+    with safe_open(str(out / file_of(out, name, rank, comp)), framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
+def rewrite_tensors(
+    out: Path, rank: int, edits: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, keep_shape: bool = True,
+    comp: str = "mtp",
+) -> None:
+    """Replace tensors of one rank's output file in place (safetensors' own reader/writer), keeping the
+    other tensors, then re-record the file's size/sha256 in the manifest."""
+    rels = {file_of(out, name, rank, comp) for name in edits}
+    assert len(rels) == 1, rels
+    rel = rels.pop()
+    with safe_open(str(out / rel), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    changed = []
+    for name, edit in edits.items():
+        old = tensors[name]
+        new = edit(old.clone()).contiguous()
+        assert new.dtype == old.dtype, (name, new.dtype, old.dtype)
+        if keep_shape:
+            assert new.shape == old.shape, (name, new.shape, old.shape)
+        changed.append(new.shape != old.shape or not torch.equal(new.view(torch.uint8), old.contiguous().view(torch.uint8)))
+        tensors[name] = new
+    assert any(changed), f"{list(edits)}: the edit changed nothing"
+    save_file(tensors, str(out / rel), metadata=meta)
+    rerecord_in_manifest(out, rel)
+
+
+def drop_tensor(out: Path, name: str, rank: int, comp: str = "mtp") -> None:
+    """Remove ``name`` from its file and from index.json; re-record the file in the manifest."""
+    rel = file_of(out, name, rank, comp)
+    with safe_open(str(out / rel), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k != name}
+    save_file(tensors, str(out / rel), metadata=meta)
+    rerecord_in_manifest(out, rel)
+    idx_path = out / comp / "index.json"
+    idx = json.loads(idx_path.read_text())
+    del idx["ranks"][str(rank)][name]
+    idx_path.write_text(json.dumps(idx, indent=2))
+
+
+def source_tensor(src: Path, name: str) -> torch.Tensor:
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(src / weight_map[name]), framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
+def numeric_gate(out: Path, src: Path, *, tokens: int = 16, seed: int = 0) -> list[tuple[dict, list[str]]]:
+    """The numeric level alone, bypassing structure/values: (metrics, tolerance violations) per MTP layer."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    ckpt = open_checkpoint(src)
+    cfg = ckpt.require_config()
+    plan = plan_conversion(cfg, ckpt.tensors, Options(**manifest["options"]))
+    dev = torch.device("cpu")
+    inputs = numeric.make_inputs(cfg, tokens, seed, dev)
+    results = []
+    for i in range(cfg.num_nextn_predict_layers):
+        a, b = numeric.run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16")
+        metrics = reference.compare_outputs(a, b)
+        results.append((metrics, numeric.within_tolerance(metrics)))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# corruptions: each returns the (full) name of the tensor it corrupted
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def corrupt_swap_w13(out: Path, src: Path, rank: int = 0, expert: int = 0) -> str:
+    """(a) w1 and w3 halves of one expert swapped inside w13_weight (a fusion written as [w3; w1])."""
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        u = as_bytes(t)
+        half = u.shape[1] // 2
+        u[expert] = torch.cat([u[expert, half:], u[expert, :half]]).clone()
+        return u.view(t.dtype)
+
+    rewrite_tensors(out, rank, {W13: edit})
+    return W13
+
+
+def corrupt_swap_fused(out: Path, src: Path, rank: int = 0) -> str:
+    """(b) fused_wqa_wkv written as [wkv; wq_a]: weight rows and 128-row scale blocks (shape unchanged)."""
+
+    def rows(n_first: int):
+        def edit(t: torch.Tensor) -> torch.Tensor:
+            u = as_bytes(t)
+            return torch.cat([u[n_first:], u[:n_first]]).view(t.dtype)
+
+        return edit
+
+    rewrite_tensors(out, rank, {FUSED: rows(Q_LORA), FUSED_SCALE: rows(Q_LORA // 128)})
+    return FUSED
+
+
+def corrupt_swap_fused_scale_only(out: Path, src: Path, rank: int = 0) -> str:
+    """(b') only the scale blocks of fused_wqa_wkv in [wkv; wq_a] order (weight rows right). Needs a
+    fixture whose block scales differ (fp8: float32 scales); E8M0 fixtures have one scale per tensor."""
+    blocks = Q_LORA // 128
+    rewrite_tensors(out, rank, {FUSED_SCALE: lambda t: torch.cat([t[blocks:], t[:blocks]])})
+    return FUSED_SCALE
+
+
+def corrupt_numeric_e8m0(out: Path, src: Path, rank: int = 0, expert: int = 0) -> str:
+    """(c) one fp4 expert's raw E8M0 scale bytes b written numerically, uint8(2^(b-127)) (mostly 0)."""
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        assert t.dtype == torch.uint8
+        t[expert] = torch.exp2(t[expert].float() - 127).clamp(max=255).to(torch.uint8)
+        return t
+
+    rewrite_tensors(out, rank, {W13_SCALE_FP4: edit})
+    return W13_SCALE_FP4
+
+
+def corrupt_sink_rank(out: Path, src: Path) -> str:
+    """(d) rank 1's attn_sink replaced by rank 0's slice (a split that ignored the rank)."""
+    rank0 = read_tensor(out, SINK, 0)
+    rewrite_tensors(out, 1, {SINK: lambda t: rank0.clone()})
+    return SINK
+
+
+def wo_b_wrong_dim(src: Path, tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """wo_b (row-parallel: the rank's slice is along dim 1) sliced along dim 0 instead, weight and scale."""
+    w, s = source_tensor(src, "mtp.0.attn.wo_b.weight"), source_tensor(src, "mtp.0.attn.wo_b.scale")
+    assert tuple(w.shape) == (w.shape[0], O_GROUPS * O_LORA)
+    wn, sn = w.shape[0] // tp, s.shape[0] // tp
+    return w[rank * wn : (rank + 1) * wn].contiguous(), s[rank * sn : (rank + 1) * sn].contiguous()
+
+
+def corrupt_wo_b_wrong_shape(out: Path, src: Path, tp: int = 2, rank: int = 1) -> str:
+    """(e1) wo_b split on dim 0 instead of dim 1: the rank file holds a [D/T, G*Or] tensor."""
+    w, s = wo_b_wrong_dim(src, tp, rank)
+    rewrite_tensors(out, rank, {WO_B: lambda t: w, WO_B_SCALE: lambda t: s}, keep_shape=False)
+    return WO_B
+
+
+def corrupt_wo_b_wrong_bytes(out: Path, src: Path, tp: int = 2, rank: int = 1) -> str:
+    """(e2) the dim-0 slice's bytes written under the right [D, G*Or/T] shape (same element count)."""
+    w, s = wo_b_wrong_dim(src, tp, rank)
+
+    def like(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: x.reshape(t.shape)
+
+    rewrite_tensors(out, rank, {WO_B: like(w), WO_B_SCALE: like(s)})
+    return WO_B
+
+
+# (id, variant, tp, moe, corruption, failing level)
+CORRUPTIONS = [
+    ("a-swap-w13-fp4", "fp4", 2, "tp", lambda o, s: corrupt_swap_w13(o, s, rank=1), "values"),
+    ("a-swap-w13-fp8-e8m0", "fp8-e8m0", 2, "tp", lambda o, s: corrupt_swap_w13(o, s, rank=1), "values"),
+    ("b-fused-wkv-first-fp4", "fp4", 1, "tp", corrupt_swap_fused, "values"),
+    ("b-fused-wkv-first-fp8", "fp8", 2, "tp", corrupt_swap_fused, "values"),
+    ("b-fused-scale-only-fp8", "fp8", 1, "tp", corrupt_swap_fused_scale_only, "values"),
+    ("c-e8m0-numeric-fp4-tp1", "fp4", 1, "tp", corrupt_numeric_e8m0, "values"),
+    ("c-e8m0-numeric-fp4-tp4-ep", "fp4", 4, "ep", lambda o, s: corrupt_numeric_e8m0(o, s, rank=1), "values"),
+    ("d-sink-rank0-tp2", "fp4", 2, "tp", corrupt_sink_rank, "values"),
+    ("d-sink-rank0-tp4", "fp8", 4, "tp", corrupt_sink_rank, "values"),
+    ("e-wo_b-wrong-dim-shape", "fp4", 2, "tp", corrupt_wo_b_wrong_shape, "structure"),
+    ("e-wo_b-wrong-dim-bytes", "fp4", 2, "tp", corrupt_wo_b_wrong_bytes, "values"),
+    # a replicated tensor corrupted on rank 1 only: values catches it (the numeric gate does not, see below)
+    ("r-fused-wkv-first-on-rank1", "fp4", 2, "tp", lambda o, s: corrupt_swap_fused(o, s, rank=1), "values"),
+]
+NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values"]
+
+
+# ---------------------------------------------------------------------------------------------
+# good conversions pass
+
+
+GOOD = [(v, 1, "tp") for v in GOOD_VARIANTS] + [(v, 4, "tp") for v in GOOD_VARIANTS] + [
+    ("fp4", 4, "ep"),
+    ("fp8-e8m0", 4, "ep"),
+]
+
+
+@pytest.mark.parametrize("variant,tp,moe", GOOD, ids=[f"{v}-tp{t}-{m}" for v, t, m in GOOD])
+def test_good_conversion_passes_numeric_verify(fixture_dir, tmp_path, capsys, variant, tp, moe) -> None:
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    names = {c.name for c in report.checks}
+    assert {"manifest", "plan", "source-fingerprint", "index:model", "index:mtp"} <= names
+    n_mtp = len(report.numeric)
+    assert n_mtp == open_checkpoint(src).require_config().num_nextn_predict_layers
+    assert sum(n.startswith("values:") for n in names) == sum(n.startswith("structure:") for n in names) == 2 * tp
+    for entry in report.numeric:
+        assert entry["backend"] == "torch" and entry["ok"]
+        # a correct conversion sits far inside the tolerances (measured <= 4e-7)
+        assert entry["logits_max_rel"] < 1e-5 and entry["hidden_max_rel"] < 1e-5, entry
+        assert entry["top1_agreement"] == 1.0
+
+    code, stdout, err = cli_verify(capsys, out, src, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)  # exactly one JSON document on stdout
+    assert doc["ok"] is True and doc["failed"] == 0 and doc["level"] == "numeric"
+    assert doc["checks"] == len(report.checks)
+    assert [n["layer"] for n in doc["numeric"]] == [S + i for i in range(n_mtp)]
+
+
+def test_cli_without_json_prints_pass_and_metrics(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    code, stdout, err = cli_verify(capsys, out, src)
+    assert code == 0, err
+    assert "PASS" in stdout and f"numeric layer {S}" in stdout
+    assert "::error" not in stdout + err
+
+
+@pytest.mark.parametrize("only", ["mtp", "model"])
+def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) -> None:
+    src = fixture_dir("fp4-2mtp")
+    out = do_convert(src, tmp_path / "out", 2, only=only)
+    other = "model" if only == "mtp" else "mtp"
+    assert not (out / other).exists()
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    names = {c.name for c in report.checks}
+    assert f"index:{only}" in names and f"index:{other}" not in names
+    if only == "mtp":
+        assert len(report.numeric) == 2
+    else:
+        assert report.numeric == [] and any(c.name == "numeric" and "skipped" in c.message for c in report.checks)
+    code, stdout, err = cli_verify(capsys, out, src, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["ok"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# corruption self-tests: the checks can fail, and name the tensor
+
+
+def test_rewrite_helper_alone_keeps_verify_green(fixture_dir, tmp_path) -> None:
+    """Control: rewriting a file with the same tensors (new layout/bytes on disk) + re-recorded manifest passes.
+    So any failure below comes from the corrupted values, not from the rewrite itself."""
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    rel = file_of(out, W13, 1)
+    before = sha256_of(out / rel)
+    with safe_open(str(out / rel), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in reversed(list(fh.keys()))}
+    save_file(tensors, str(out / rel), metadata={**(meta or {}), "rewritten": "yes"})
+    assert sha256_of(out / rel) != before
+    # without re-recording, the checksum check catches the changed file
+    report = verify(out, src, level="structure")
+    assert not report.ok and "differs from the manifest" in report.failures[0].message
+    rerecord_in_manifest(out, rel)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+
+
+@pytest.mark.parametrize("cid,variant,tp,moe,corrupt,level", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
+def test_corruption_fails_verify_naming_the_tensor(fixture_dir, tmp_path, capsys, cid, variant, tp, moe, corrupt, level) -> None:
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    name = corrupt(out, src)
+
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert not report.ok
+    first = report.failures[0]
+    assert first.name.startswith(f"{level}:mtp/"), (first.name, first.message)
+    assert first.tensor == name and repr(name) in first.message, first.message
+    assert all("sha256" not in c.message for c in report.failures)  # the checksum is not what caught it
+    assert report.numeric == []  # numeric does not run after a failed level
+
+    code, stdout, err = cli_verify(capsys, out, src, "--json")
+    assert code == 1, err
+    doc = json.loads(stdout)
+    assert doc["ok"] is False and doc["failures"][0]["tensor"] == name
+    assert name in doc["failures"][0]["message"]
+
+
+def test_dropped_mtp_tensor_fails_structure_naming_it(fixture_dir, tmp_path, capsys) -> None:
+    """(f) one MTP tensor removed from its rank file and from index.json."""
+    src = fixture_dir("fp4-mtp-emb")
+    out = do_convert(src, tmp_path / "out", 2)
+    drop_tensor(out, HEAD, rank=1)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert not report.ok
+    fail = next(c for c in report.failures if c.name == "structure:mtp/model-rank-1-part-0.safetensors")
+    assert fail.tensor == HEAD and repr(HEAD) in fail.message and "missing" in fail.message
+    assert any(c.name == "index:mtp" for c in report.failures)  # index no longer matches the plan either
+    assert all("sha256" not in c.message for c in report.failures)
+    code, _, err = cli_verify(capsys, out, src)
+    assert code == 1
+    assert HEAD in err
+
+
+@pytest.mark.parametrize("cid,variant,tp,moe,corrupt,level", NUMERIC_GATE, ids=[c[0] for c in NUMERIC_GATE])
+def test_numeric_gate_alone_catches_corruption(fixture_dir, tmp_path, cid, variant, tp, moe, corrupt, level) -> None:
+    """Bypass structure/values: the reference forward + tolerances must reject the corrupted output too."""
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    (clean_metrics, clean_bad), = numeric_gate(out, src)
+    assert clean_bad == [], clean_bad  # control: the same call on the clean output passes
+    corrupt(out, src)
+    (metrics, bad), = numeric_gate(out, src)
+    print(f"{cid}: " + ", ".join(f"{k}={metrics[k]:.6g}" for k in ("logits_max_rel", "logits_cosine", "hidden_max_rel", "hidden_cosine", "top1_agreement", "top5_agreement")))
+    assert bad, f"{cid}: numeric gate passed a corrupted conversion: {metrics}"
+    # every corruption moves at least the max_rel metrics well past the noise floor
+    assert metrics["logits_max_rel"] > 2e-2 and metrics["hidden_max_rel"] > 2e-2, metrics
+    assert metrics["logits_cosine"] < 0.9999, metrics
+
+
+def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, tmp_path) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    corrupt_swap_fused(out, src, rank=1)
+    assert not verify(out, src, level="values").ok  # the exact check does catch it
+    (metrics, bad), = numeric_gate(out, src)
+    # measured: logits max_rel 2.2e-7 (identical to the clean run) -> passes
+    assert bad, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+
+def test_junit_has_one_testcase_per_check_and_counts_failures(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    good_xml = tmp_path / "good.xml"
+    code, _, err = cli_verify(capsys, out, src, "--junit", good_xml)
+    assert code == 0, err
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    root = ET.parse(good_xml).getroot()
+    cases = root.findall(".//testcase")
+    assert [c.get("name") for c in cases] == [c.name for c in report.checks]
+    assert root.get("failures") == "0" and not root.findall(".//failure")
+
+    corrupt_sink_rank(out, src)
+    bad_xml = tmp_path / "bad.xml"
+    code, _, _ = cli_verify(capsys, out, src, "--junit", bad_xml)
+    assert code == 1
+    root = ET.parse(bad_xml).getroot()
+    failures = root.findall(".//failure")
+    assert int(root.get("failures")) == len(failures) > 0
+    assert int(root.get("tests")) == len(root.findall(".//testcase"))
+    assert any(SINK in (f.get("message") or "") for f in failures)
+
+
+def test_github_annotations_on_failure_and_json_stays_clean(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    code, stdout, err = cli_verify(capsys, out, src, "--github")
+    assert code == 0 and "::error" not in stdout + err
+
+    corrupt_swap_fused(out, src)
+    code, stdout, _ = cli_verify(capsys, out, src, "--github")
+    assert code == 1
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("::error")]
+    assert lines and "%0A" not in lines[0][:8]
+    assert "file=mtp/model-rank-0-part-0.safetensors" in lines[0] and FUSED in lines[0]
+    # with --json, stdout is one JSON document and the annotations go to stderr
+    code, stdout, err = cli_verify(capsys, out, src, "--github", "--json")
+    assert code == 1
+    assert json.loads(stdout)["ok"] is False
+    assert any(ln.startswith("::error") and FUSED in ln for ln in err.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------
+# the source, the manifest, usage
+
+
+def test_source_changed_after_conversion_fails_source_fingerprint(fixture_copy, tmp_path, capsys) -> None:
+    src = fixture_copy("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    # same tensors, new header (metadata + order): only the fingerprint can tell
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    with safe_open(str(shard), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    save_file(tensors, str(shard), metadata={"format": "pt", "edited": "after conversion"})
+    report = verify(out, src, level="structure")
+    assert not report.ok
+    assert [c.name for c in report.failures] == ["source-fingerprint"]
+    assert shard.name in report.failures[0].message
+    code, stdout, err = cli_verify(capsys, out, src, "--json")
+    assert code == 1
+    assert json.loads(stdout)["failures"][0]["name"] == "source-fingerprint"
+
+
+def test_source_config_changed_after_conversion_fails_source_fingerprint(fixture_copy, tmp_path) -> None:
+    src = fixture_copy("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["routed_scaling_factor"] = 2.5
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    report = verify(out, src, level="structure")
+    assert any(c.name == "source-fingerprint" for c in report.failures)
+
+
+def test_missing_output_config_json_fails_verify(fixture_dir, tmp_path) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    (out / "mtp" / "config.json").unlink()
+    report = verify(out, src, level="structure")
+    assert not report.ok
+
+
+def test_missing_or_incomplete_manifest_exits_1(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 1)
+    doc = json.loads((out / MANIFEST).read_text())
+
+    doc["complete"] = False
+    (out / MANIFEST).write_text(json.dumps(doc))
+    report = verify(out, src)
+    assert [c.name for c in report.failures] == ["manifest"] and "not complete" in report.failures[0].message
+    code, _, err = cli_verify(capsys, out, src)
+    assert code == 1 and "not complete" in err
+
+    (out / MANIFEST).unlink()
+    report = verify(out, src)
+    assert [c.name for c in report.failures] == ["manifest"] and "missing" in report.failures[0].message
+    code, stdout, err = cli_verify(capsys, out, src, "--json")
+    assert code == 1
+    assert json.loads(stdout)["failures"][0]["name"] == "manifest"
+
+
+@pytest.mark.parametrize("args", [("--level", "bogus"), ("--kernels", "cuda-graphs"), ("--device", "tpu")])
+def test_unknown_level_kernels_device_exit_2(fixture_dir, tmp_path, capsys, args) -> None:
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 1)
+    code, stdout, err = run_cli(capsys, "verify", out, "--source", src, *args)
+    assert code == 2, (stdout, err)
+    assert args[0] in err and "Traceback" not in err
+    with pytest.raises(ValueError):
+        verify(out, src, level="bogus")
