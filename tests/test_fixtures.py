@@ -344,7 +344,7 @@ def test_fp8_dequantized_weights_have_magnitude_one_over_sqrt_fan_in(fixture_dir
         out, inp = q.shape
         amax = qa.view(out // 128, 128, inp // 128, 128).amax(dim=(1, 3))
         if s.dtype == torch.float8_e8m0fnu:
-            assert bool((amax > 224).all() and (amax <= 448).all()), name  # power-of-two scale: within 2x
+            assert bool((amax >= 224).all() and (amax <= 448).all()), name  # power-of-two scale: within 2x (224.x rounds to 224)
         else:
             assert bool((amax >= 416).all() and (amax <= 448).all()), name  # exact scale: 448 up to rounding
 
