@@ -57,6 +57,18 @@ def _fail(exc: BaseException, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def _os_error(exc: OSError, out: Path) -> CkptToolError:
+    from .errors import OutputError
+
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"{exc.filename or out}: no space left on device; free space and rerun to resume")
+    return OutputError(
+        f"{exc.filename or out}: {exc.strerror or exc}; check that SRC is readable and OUT is a folder you can create and write"
+    )
+
+
 @app.command()
 def inspect(
     src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint folder, index .json, one .safetensors file, or hub repo id (org/name[@rev]).")],
@@ -119,7 +131,7 @@ def _parse_size(text: str) -> int:
 
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json or .safetensors.")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json, .safetensors, or hub repo id (org/name[@rev]).")],
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (created). Never inside SRC.")],
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: one set of files per rank.")] = 1,
     moe_parallel: Annotated[str, typer.Option("--moe-parallel", help="Routed experts: 'tp' splits each expert's intermediate dim, 'ep' gives each rank whole experts.")] = "tp",
@@ -130,6 +142,10 @@ def convert(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (plan or summary) on stdout.")] = False,
+    ranks: Annotated[str | None, typer.Option("--ranks", help="Write only these TP ranks, e.g. 0,3-5 (the manifest records them).")] = None,
+    shard_index: Annotated[int, typer.Option("--shard-index", min=0, help="Scale-out: this machine's part K of --shard-count M.")] = 0,
+    shard_count: Annotated[int, typer.Option("--shard-count", min=1, help="Scale-out: write only planned files i with i % M == K; no manifest until --finalize.")] = 1,
+    finalize: Annotated[bool, typer.Option("--finalize", help="After all shards ran (same options): check every file against its checksum, write index, config and manifest.")] = False,
 ) -> None:
     """Convert an original DeepSeek V4 checkpoint into vLLM's runtime layout (target model + MTP draft).
 
@@ -138,9 +154,14 @@ def convert(
     reinterprets E8M0/I8 as uint8 for fp4 experts, splits for --tp. Files are written atomically; a
     rerun with the same options resumes; a finished OUT is never overwritten without --force.
 
+    SRC may be a hub repo id: headers are read and the plan made first, then only the shards the
+    plan needs are downloaded into the HF cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
+
     Examples:
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-tp8 --tp 8
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-mtp --only mtp --dry-run
+      ckpt-tool convert deepseek-ai/DeepSeek-V4-Flash ./v4-mtp --only mtp
+      ckpt-tool convert ./DeepSeek-V4-Flash /shared/v4 --tp 8 --shard-index 2 --shard-count 4   # then --finalize
     """
     from .convert import convert as run_convert
     from .plan import Options
@@ -151,20 +172,40 @@ def convert(
     if only not in (None, "model", "mtp"):
         raise typer.BadParameter("must be 'model' or 'mtp'", param_hint="--only")
     opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=target)
+    if shard_index >= shard_count:
+        raise typer.BadParameter(f"{shard_index} is not below --shard-count {shard_count}", param_hint="--shard-index")
+    if finalize and dry_run:
+        raise typer.BadParameter("--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize")
     try:
+        from .convert import parse_ranks, select_files
+        from .hub import open_hub_source, parse_hub_ref
+
+        rank_list = parse_ranks(ranks) if ranks is not None else None
+        ref = parse_hub_ref(src)
+        source = open_hub_source(ref, opts, download=not dry_run) if ref is not None else Path(src)
         if dry_run:
+            from dataclasses import replace
+
             from .plan import plan_conversion
             from .source import open_checkpoint
 
-            ckpt = open_checkpoint(Path(src))
+            ckpt = open_checkpoint(source) if isinstance(source, Path) else source
             plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
+            if rank_list is not None or shard_count > 1:
+                plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if json_out:
                 print_json(plan_json(plan))
             else:
                 render_plan(plan)
             raise typer.Exit(0)
         with ConvertProgress(enabled=not json_out) as prog:
-            result = run_convert(Path(src), out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start)
+            try:
+                result = run_convert(
+                    source, out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start,
+                    ranks=rank_list, shard=(shard_index, shard_count), finalize=finalize,
+                )
+            except OSError as exc:  # one the library did not word, e.g. OUT's parent is a file: still one line
+                raise _os_error(exc, out) from exc
     except typer.Exit:
         raise
     except CkptToolError as exc:
@@ -173,15 +214,26 @@ def convert(
         _fail(exc, exc.exit_code)
         return
     if json_out:
-        print_json(render_convert_summary(result, as_json=True))
+        doc = render_convert_summary(result, as_json=True)
+        doc.update(partial=result.partial, finalized=result.finalized)
+        print_json(doc)
+    elif finalize:
+        from .report import human_bytes
+
+        typer.echo(f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest complete")
     else:
         render_convert_summary(result)
+        if result.partial:
+            typer.echo(
+                f"shard {shard_index} of {shard_count} done (no manifest yet): run the same command with --finalize "
+                "once every shard has finished"
+            )
 
 
 @app.command()
 def verify(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
-    source: Annotated[str, typer.Option("--source", help="The original checkpoint OUT was converted from.")],
+    source: Annotated[str, typer.Option("--source", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]).")],
     level: Annotated[str, typer.Option("--level", help="structure | values | numeric (each includes the ones before).")] = "numeric",
     kernels: Annotated[str, typer.Option("--kernels", help="GEMM backend for the converted side: auto | triton | torch.")] = "auto",
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
@@ -213,7 +265,11 @@ def verify(
     if device not in ("auto", "cpu", "cuda"):
         raise typer.BadParameter("must be auto, cpu or cuda", param_hint="--device")
     try:
-        report = run_verify(out, Path(source), level=level, kernels=kernels, device=device, tokens=tokens, seed=seed)
+        from .hub import parse_hub_ref, snapshot_for_verify
+
+        ref = parse_hub_ref(source)
+        src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
+        report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed)
     except CkptToolError as exc:
         if json_out:
             print_json({"ok": False, "error": str(exc)})
@@ -231,12 +287,56 @@ def verify(
 
 
 @app.command()
+def unconvert(
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
+    dest: Annotated[Path, typer.Argument(metavar="DEST", help="Folder for the rebuilt original checkpoint (created).")],
+    source: Annotated[Path | None, typer.Option("--source", help="Only for OUTs without ckpt-tool-source.json: the checkpoint OUT was converted from (its headers are read).")] = None,
+    partial: Annotated[bool, typer.Option("--partial", help="Write the source tensors OUT holds even if some are not in it (--only, --ranks, dropped).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Write into a non-empty DEST.")] = False,
+    no_checksums: Annotated[bool, typer.Option("--no-checksums", help="Skip re-hashing OUT's files against the manifest.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary on stdout.")] = False,
+) -> None:
+    """Rebuild the original DeepSeek V4 checkpoint from a converted OUT (DeepSeek names, TP ranks merged).
+
+    Re-plans the conversion from the manifest, the recorded source headers and config.json, then runs
+    it backwards: ranks concatenated along their split dims, experts unstacked, fused tensors unfused,
+    uint8 views and float32 E8M0 scales back to their stored dtypes. Every lossless conversion round
+    trips byte for byte; a source file whose tensors all come back is identical to the original file.
+
+    Examples:
+      ckpt-tool unconvert ./v4-tp8 ./DeepSeek-V4-Flash-again
+      ckpt-tool unconvert ./v4-mtp ./mtp-only --partial
+    """
+    from .report import human_bytes, print_json
+    from .unconvert import unconvert as run_unconvert
+
+    try:
+        result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums)
+    except CkptToolError as exc:
+        if json_out:
+            print_json({"ok": False, "error": str(exc)})
+        _fail(exc, exc.exit_code)
+        return
+    if json_out:
+        print_json({
+            "ok": True, "dest": str(dest), "files": result.files, "identical_files": result.identical_files,
+            "tensors": result.tensors, "bytes": result.bytes, "missing": sorted(result.missing),
+        })
+    else:
+        typer.echo(
+            f"unconverted {result.tensors} tensors ({human_bytes(result.bytes)}) into {dest}: {len(result.files)} file(s), "
+            f"{len(result.identical_files)} identical to the original files"
+            + (f"; {len(result.missing)} source tensor(s) not in OUT" if result.missing else "")
+        )
+
+
+@app.command()
 def profiles() -> None:
     """List the target profiles (engine parameter layouts) convert can write."""
     from .rules import PROFILES
 
     for p in PROFILES.values():
-        typer.echo(f"{p.name:12s} {p.description}")
+        typer.echo(f"{p.name:16s} {p.description}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,19 +85,24 @@ class V4Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> V4Config:
         if not isinstance(raw, dict):
-            raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+            raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}; use the model's released config.json")
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise CheckpointError(
                 f"{where}: missing required key(s) {', '.join(missing)}; "
-                "a DeepSeek V4 config.json carries them all (see research/v4_format.md §1)"
+                "a DeepSeek V4 config.json carries them all (see research/v4_format.md §1); use the model's released config.json"
             )
         for key, typ in REQUIRED_KEYS.items():
             value = raw[key]
             if isinstance(value, bool) or not isinstance(value, typ):
-                raise CheckpointError(f"{where}: key {key!r} has value {value!r}, expected {typ}")
+                expected = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+                raise CheckpointError(
+                    f"{where}: key {key!r} has value {value!r}, expected {expected}; use the model's released config.json"
+                )
         if raw["num_nextn_predict_layers"] < 0 or raw["num_hidden_layers"] < 0:
-            raise CheckpointError(f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0")
+            raise CheckpointError(
+                f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0; use the model's released config.json"
+            )
         try:
             return cls._build(raw)
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -108,7 +113,9 @@ class V4Config:
         where = "config.json"
         expert_dtype = raw.get("expert_dtype", "fp4")
         if expert_dtype not in ("fp4", "fp8"):
-            raise CheckpointError(f"{where}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'")
+            raise CheckpointError(
+                f"{where}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'; use the model's released config.json"
+            )
         quant = raw.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size", (128, 128)))
         return cls(
@@ -155,6 +162,8 @@ class V4Config:
             )
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
+            from .format import json_problem
+
+            raise CheckpointError(f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json") from None
         return cls.from_dict(raw, where=str(path))

@@ -21,6 +21,8 @@ from pathlib import Path, PurePosixPath
 from .errors import CheckpointError, HeaderError
 
 MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
+MAX_INT = 2**64 - 1  # shapes and offsets are u64/usize in the reference; bigger numbers are corrupt
+CORRUPT = "the file is corrupt — download it again"  # what to do about a header we cannot trust
 
 # Bits per element of every dtype safetensors 0.8 knows. Sub-byte dtypes pack along the last dim.
 DTYPE_BITS: dict[str, int] = {
@@ -93,6 +95,15 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
+def json_problem(exc: BaseException) -> str:
+    """Why ``json.loads`` failed, in words for a user (not Python's advice to raise interpreter limits)."""
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+        return str(exc)
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return "a number has too many digits"  # ValueError from int(): more than sys.get_int_max_str_digits()
+
+
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     seen: dict[str, object] = {}
     for key, value in pairs:
@@ -119,24 +130,26 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HeaderError(file, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise HeaderError(file, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start}); {CORRUPT}") from None
     if not text.lstrip(" ").startswith("{"):
-        raise HeaderError(file, "header is not a JSON object (does not start with '{'); the file is not safetensors")
+        raise HeaderError(file, "header is not a JSON object (does not start with '{'); the file is not safetensors — download it again")
     try:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as dup:
-        raise HeaderError(file, "key appears twice in a header object; tensor names and entry fields must be unique", tensor=dup.key) from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise HeaderError(file, f"header is not valid JSON ({exc})") from None
+        raise HeaderError(
+            file, f"key appears twice in a header object; tensor names and entry fields must be unique; {CORRUPT}", tensor=dup.key
+        ) from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over sys.get_int_max_str_digits()
+        raise HeaderError(file, f"header is not valid JSON ({json_problem(exc)}); {CORRUPT}") from None
     if not isinstance(doc, dict):
-        raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object")
+        raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object; {CORRUPT}")
 
     metadata = doc.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise HeaderError(file, "__metadata__ must map strings to strings")
+        raise HeaderError(file, f"__metadata__ must map strings to strings; {CORRUPT}")
 
     data_start = 8 + header_len
     buffer_len = file_size - data_start
@@ -153,7 +166,7 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
             raise HeaderError(
                 file,
                 f"data_offsets start at {info.start - data_start} but the previous tensor ends at "
-                f"{cursor - data_start}: the tensor {what}",
+                f"{cursor - data_start}: the tensor {what}; {CORRUPT}",
                 tensor=info.name,
             )
         cursor = info.end
@@ -168,7 +181,9 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
         )
     if used < buffer_len:
         raise HeaderError(
-            file, f"{buffer_len - used} trailing bytes after the last tensor; the file is not a clean safetensors file"
+            file,
+            f"{buffer_len - used} trailing bytes after the last tensor; the file is not a clean safetensors file — "
+            "download it again",
         )
     return ShardHeader(
         file=file,
@@ -182,33 +197,42 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
 
 def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise HeaderError(file, "header entry is not an object", tensor=name)
+        raise HeaderError(file, f"header entry is not an object; {CORRUPT}", tensor=name)
     unknown = set(entry) - {"dtype", "shape", "data_offsets"}
     missing = {"dtype", "shape", "data_offsets"} - set(entry)
     if missing or unknown:
-        raise HeaderError(file, f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)})", tensor=name)
+        raise HeaderError(
+            file, f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)}); {CORRUPT}", tensor=name
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_BITS:
-        raise HeaderError(file, f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})", tensor=name)
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise HeaderError(file, f"shape {shape!r} is not a list of non-negative integers", tensor=name)
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise HeaderError(
+            file,
+            f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)}); the file is corrupt or newer than this tool — "
+            "download it again or upgrade ckpt-tool",
+            tensor=name,
+        )
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= MAX_INT for d in shape):
+        raise HeaderError(file, f"shape {shape!r} is not a list of non-negative integers (below 2^64); {CORRUPT}", tensor=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
+        or not all(type(o) is int and 0 <= o <= MAX_INT for o in offsets)
     ):
-        raise HeaderError(file, f"data_offsets {offsets!r} is not two non-negative integers", tensor=name)
+        raise HeaderError(file, f"data_offsets {offsets!r} is not two non-negative integers (below 2^64); {CORRUPT}", tensor=name)
     begin, end = offsets
+    if math.prod(shape) > MAX_INT:
+        raise HeaderError(file, f"shape has more than 2^64 elements; {CORRUPT}", tensor=name)
     if end < begin:
-        raise HeaderError(file, f"data_offsets {offsets} end before they begin", tensor=name)
+        raise HeaderError(file, f"data_offsets {offsets} end before they begin; {CORRUPT}", tensor=name)
     try:
         want = expected_nbytes(dtype, tuple(shape))
     except ValueError as exc:
-        raise HeaderError(file, str(exc), tensor=name) from None
+        raise HeaderError(file, f"{exc}; {CORRUPT}", tensor=name) from None
     if want != end - begin:
         raise HeaderError(
             file,
-            f"shape {shape} x {dtype} needs {want} bytes but data_offsets {offsets} hold {end - begin}",
+            f"shape {shape} x {dtype} needs {want} bytes but data_offsets {offsets} hold {end - begin}; {CORRUPT}",
             tensor=name,
         )
     return TensorInfo(name, dtype, tuple(shape), file, data_start + begin, data_start + end)
@@ -222,15 +246,15 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
             size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
-                raise HeaderError(file, f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length)")
+                raise HeaderError(file, f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length); {CORRUPT}")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_SIZE:
-                raise HeaderError(file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; the file is corrupt")
+                raise HeaderError(file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; {CORRUPT}")
             if 8 + header_len > size:
                 raise HeaderError(
                     file,
                     f"header length {header_len} points past the end of the {size}-byte file; "
-                    "the file is truncated or not safetensors",
+                    "the file is truncated or not safetensors — download it again",
                 )
             raw = fh.read(header_len)
     except FileNotFoundError:
@@ -239,6 +263,8 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
         raise CheckpointError(f"{file}: is a directory, expected a safetensors file ({path})") from None
     except PermissionError:
         raise CheckpointError(f"{file}: permission denied reading {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again") from None
     return parse_header(raw, file, size, header_len)
 
 
@@ -247,10 +273,15 @@ def safe_relative_name(name: object, where: str) -> str:
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{where}: shard file name {name!r} is not a non-empty string")
     if "\\" in name or "\x00" in name or name.startswith("/") or PurePosixPath(name).is_absolute():
-        raise CheckpointError(f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder")
+        raise CheckpointError(
+            f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder — "
+            "fix the index or download it again"
+        )
     parts = PurePosixPath(name).parts
     if not parts or any(p in ("..", ".") for p in parts) or ":" in parts[0]:
-        raise CheckpointError(f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it")
+        raise CheckpointError(
+            f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it — fix the index or download it again"
+        )
     return "/".join(parts)
 
 
@@ -265,9 +296,9 @@ def read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{where}: cannot read the index ({exc.strerror or exc})") from None
     except _DuplicateKey as dup:
         raise CheckpointError(f"{where}: tensor {dup.key!r} appears twice in the index") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
+        raise CheckpointError(f"{where}: not valid JSON ({json_problem(exc)}); download the index again") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{where}: no 'weight_map' object; this is not a safetensors index")
+        raise CheckpointError(f"{where}: no 'weight_map' object; this is not a safetensors index — download the index again")
     return {str(name): safe_relative_name(file, f"{where}: tensor {name!r}") for name, file in weight_map.items()}

@@ -309,11 +309,14 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         g.parts[(idx, expert)] = info
     if unknown:
         unknown.sort()
-        shown = "\n  ".join(f"{n} (in {sources[n].file})" for n in unknown[:20])
-        more = f"\n  ... and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+        first, rest = unknown[0], unknown[1:]
+        also = ""
+        if rest:
+            shown = ", ".join(f"{n!r} (in {sources[n].file})" for n in rest[:5])
+            also = f" (nor do {len(rest)} more: {shown}{', ...' if len(rest) > 5 else ''})"
         raise PlanError(
-            f"{len(unknown)} tensor(s) match no rule of profile {opts.profile!r}; is this a DeepSeek V4 checkpoint "
-            f"in DeepSeek's own names?\n  {shown}{more}"
+            f"{sources[first].file}: tensor {first!r}: matches no rule of profile {opts.profile!r}{also}; is this a "
+            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra tensors"
         )
 
     outputs: dict[tuple[str, int], list[OutTensor]] = defaultdict(list)
@@ -378,12 +381,16 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
                 extra = sorted(set(have) - set(range(E)))
                 raise PlanError(
                     f"{where}: routed experts incomplete for {pat.format(**g.bind, expert='{j}')}: "
-                    f"missing {missing or '-'}, unexpected {extra or '-'} (config n_routed_experts={E})"
+                    f"missing {missing or '-'}, unexpected {extra or '-'} (config n_routed_experts={E}); "
+                    "the checkpoint is incomplete — download it again or fix n_routed_experts in config.json"
                 )
     else:
         missing = [s.format(**g.bind) for i, s in enumerate(rule.sources) if (i, None) not in g.parts]
         if missing:
-            raise PlanError(f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}")
+            raise PlanError(
+                f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; the checkpoint is incomplete — "
+                "download it again"
+            )
     infos = list(g.parts.values())
     dtypes = {t.dtype for t in infos}
     if len(dtypes) > 1:
@@ -422,3 +429,35 @@ def _pack(outputs: dict[tuple[str, int], list[OutTensor]], sources: dict[str, Te
         if part:
             files.append(OutFile(component, rank, n, tuple(part)))
     return tuple(files)
+
+
+def needed_sources(names: list[str] | set[str], config: V4Config, opts: Options) -> set[str]:
+    """Source tensor names (from an index: no headers needed) whose bytes a conversion under ``opts`` reads.
+
+    Used to fetch only part of a hub checkpoint. ``--only mtp`` needs the tensors of the MTP rules plus
+    the ones materialized aliases copy (embed/head when the checkpoint has no MTP embedding/head);
+    tensors a rule drops are not needed. Anything else (``--only model`` or both) needs every tensor:
+    the plan checks that every MTP layer is present, so even ``--only model`` reads MTP headers.
+    """
+    if opts.profile not in PROFILES:
+        raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
+    names = set(names)
+    if opts.only != "mtp":
+        return names
+    rules = PROFILES[opts.profile].rules(config.expert_dtype)
+    keep: set[str] = set()
+    for name in names:
+        hit = _match(rules, name)
+        if hit is None:
+            if _MTP_RE.match(name):
+                keep.add(name)  # an unknown MTP tensor: kept so the plan reports it
+        elif hit[0].kind != "drop" and hit[0].component == "mtp":
+            keep.add(name)
+    for i in range(config.num_nextn_predict_layers):
+        for alias_pat, real in MATERIALIZE.items():
+            alias = alias_pat.format(mtp=i)
+            if alias in names or (alias.endswith("emb.tok_emb.weight") and i > 0):
+                continue
+            if real in names:
+                keep.add(real)
+    return keep

@@ -97,7 +97,10 @@ def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
         shards[file] = header
         for name, info in header.tensors.items():
             if name in tensors:
-                raise CheckpointError(f"{file}: tensor {name!r} is also stored in {tensors[name].file}; a tensor must be stored once")
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} is also stored in {tensors[name].file}; a tensor must be stored once — "
+                    "remove the stray copy or download the checkpoint again"
+                )
             tensors[name] = info
 
     if weight_map is not None:
@@ -105,15 +108,21 @@ def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
         for name, file in weight_map.items():
             info = tensors.get(name)
             if info is None:
-                raise CheckpointError(f"{index_path.name}: tensor {name!r} is mapped to {file} but that shard does not contain it")
+                raise CheckpointError(
+                    f"{index_path.name}: tensor {name!r} is mapped to {file} but that shard does not contain it; "
+                    "the index and the shards disagree — download the checkpoint again"
+                )
             if info.file != file:
-                raise CheckpointError(f"{index_path.name}: tensor {name!r} is mapped to {file} but is stored in {info.file}")
+                raise CheckpointError(
+                    f"{index_path.name}: tensor {name!r} is mapped to {file} but is stored in {info.file}; "
+                    "the index and the shards disagree — download the checkpoint again"
+                )
         extra = sorted(set(tensors) - set(weight_map))
         if extra:
             shown = ", ".join(repr(n) for n in extra[:5])
             raise CheckpointError(
                 f"{index_path.name}: {len(extra)} tensor(s) stored in shards but absent from the index "
-                f"(e.g. {shown} in {tensors[extra[0]].file}); the index and the shards disagree"
+                f"(e.g. {shown} in {tensors[extra[0]].file}); the index and the shards disagree — download the checkpoint again"
             )
     return Checkpoint(
         root=root,

@@ -1,0 +1,177 @@
+"""Two converts into the same OUT: the second refuses, naming the lock, and never touches the first's files.
+
+The first convert is either held by the test itself (``convert.OutputLock``) or runs in another
+process paused half-way through writing its first file (a progress hook waits for a go file), so
+the refusal is checked while a temporary file is really open and being written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_tool.cli import main
+from ckpt_tool.convert import LOCK, MANIFEST, OutputLock
+
+REPO = Path(__file__).resolve().parents[1]
+OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
+
+PAUSED_CONVERT = r"""
+import sys, time
+from pathlib import Path
+from ckpt_tool.convert import convert
+from ckpt_tool.plan import Options
+
+src, out, ready, go = map(Path, sys.argv[1:5])
+seen = [0]
+
+def progress(n):
+    seen[0] += n
+    if not ready.exists():  # first call: the header of the first file is written, its temporary is open
+        ready.write_text(str(seen[0]))
+        deadline = time.monotonic() + 60
+        while not go.exists():
+            if time.monotonic() > deadline:
+                sys.exit(3)
+            time.sleep(0.01)
+
+convert(src, out, Options(tp=2, max_shard_size=2_000_000), progress=progress)
+"""
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): ("dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def check_refused(code: int, err: str) -> None:
+    assert code == 1, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert LOCK in lines[0] and "another ckpt-tool convert" in lines[0] and "wait" in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def clean(fixture_dir, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    src = fixture_dir("fp4")
+    ref = tmp_path_factory.mktemp("concurrency") / "ref"
+    assert main(["convert", str(src), str(ref), *OPTS]) == 0
+    return src, snapshot(ref)
+
+
+def test_second_convert_refuses_while_the_lock_is_held(clean, tmp_path: Path, capsys) -> None:
+    src, want = clean
+    out = tmp_path / "out"
+    out.mkdir()
+    with OutputLock(out):
+        before = snapshot(out)
+        for extra in ([], ["--force"], ["--workers", "2"]):
+            code, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
+            check_refused(code, err)
+            assert snapshot(out) == before, f"a refused convert {extra} changed OUT"
+    # lock released: the same command now succeeds and equals a clean conversion
+    code, err = run_cli(capsys, "convert", src, out, *OPTS)
+    assert code == 0, err
+    assert snapshot(out) == want
+
+
+def test_second_convert_refuses_while_another_process_is_mid_write(clean, tmp_path: Path, capsys) -> None:
+    src, want = clean
+    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert first.poll() is None, f"first convert exited early: {first.communicate()}"
+            assert time.monotonic() < deadline, "first convert never reached its first write"
+            time.sleep(0.02)
+        temps = list(out.rglob(".*.safetensors.tmp"))
+        assert temps, "the first convert should be paused inside its first file"
+        before = snapshot(out)
+        for extra in ([], ["--force"]):
+            code, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
+            check_refused(code, err)
+            assert snapshot(out) == before, "the refused convert touched the first one's files"
+        go.write_text("go")
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        go.write_text("go")
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, stderr
+    assert snapshot(out) == want, "the first convert's output differs from a clean conversion"
+
+
+def test_two_racing_processes_one_converts_the_other_refuses(clean, tmp_path: Path) -> None:
+    """No pause: whichever loses the race sees the lock (or, if it starts late, the finished OUT)."""
+    src, want = clean
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), *OPTS]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+    codes = sorted(c for c, _ in results)
+    assert codes == [0, 1], results
+    loser = next(err for c, err in results if c == 1)
+    assert "Traceback" not in loser and len(loser.strip().splitlines()) == 1, loser
+    assert LOCK in loser or f"{MANIFEST} is complete" in loser, loser
+    assert snapshot(out) == want
+
+
+def test_a_stale_lock_file_does_not_block(clean, tmp_path: Path, capsys) -> None:
+    """A lock file left by a killed convert is just a file: flock locks die with their process."""
+    src, want = clean
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK).write_text("")
+    code, err = run_cli(capsys, "convert", src, out, *OPTS)
+    assert code == 0, err
+    assert snapshot(out) == want
+
+
+@pytest.mark.xfail(
+    reason="convert.py: a --shard-index/--shard-count run locks only .ckpt-tool-K-of-M.lock, so it runs beside a plain "
+    "convert of the same OUT, deletes its open temporary and writes the same files (the plain run then fails). "
+    "Fix: plain convert and --finalize take .ckpt-tool.lock LOCK_EX; shard runs take it LOCK_SH plus their own lock LOCK_EX.",
+    strict=False,
+)
+def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Path, capsys) -> None:
+    src, _ = clean
+    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        before = snapshot(out)
+        code, err = run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", "0", "--shard-count", "2")
+        check_refused(code, err)
+        assert snapshot(out) == before
+    finally:
+        go.write_text("go")
+        try:
+            first.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0
