@@ -114,9 +114,10 @@ def inspect_tensors(
         for i in missing:
             problems.append(MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i))
         if not quant.consistent:
+            example = next(t for t in experts if t.dtype == expert_dtype)
             problems.append(
-                f"config.json says expert_dtype {config.expert_dtype!r} but routed experts are stored as "
-                f"{expert_dtype} ({expert_format}); fix config.json or use the matching checkpoint"
+                f"{example.file}: tensor {example.name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
+                f"experts are stored as {expert_dtype} ({expert_format}); fix config.json or use the matching checkpoint"
             )
     return InspectReport(
         source=source,
