@@ -3,24 +3,35 @@
 Output layout (SPEC.md): OUT/model and OUT/mtp each hold ``model-rank-{r}-part-{p}.safetensors``,
 ``index.json`` and ``config.json``; OUT/ckpt-tool.json is the manifest, written last with
 ``"complete": true``. Until then, OUT/.ckpt-tool-journal.json records finished files so a rerun with
-the same source and options skips them (after re-checking their checksum).
+the same source and options skips them (after re-checking their checksum). OUT/ckpt-tool-source.json
+keeps the source's raw safetensors headers (named and hashed in the manifest) so ``unconvert`` can
+rebuild the original checkpoint from OUT alone.
+
+Scale-out: ``ranks`` restricts the run to some TP ranks (it still finishes with a manifest, which
+records the ranks); ``shard=(K, M)`` writes only the planned files ``i % M == K`` of the selection,
+journals them in ``.ckpt-tool-journal-{K}-of-{M}.json`` under its own lock and writes no manifest,
+so M machines can fill one shared OUT; ``finalize=True`` then checks every planned file against the
+journals' checksums and writes the index files, config copies, source layout and manifest.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import __version__
-from .errors import OutputError
+from .errors import OutputError, PlanError, UsageError
 from .plan import Options, OutFile, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
 from .writer import ProgressFn, SourceFiles, file_size, sha256_file, write_output_file
@@ -28,20 +39,78 @@ from .writer import ProgressFn, SourceFiles, file_size, sha256_file, write_outpu
 log = logging.getLogger(__name__)
 
 MANIFEST = "ckpt-tool.json"
+SOURCE_LAYOUT = "ckpt-tool-source.json"
 JOURNAL = ".ckpt-tool-journal.json"
 LOCK = ".ckpt-tool.lock"
 COMPONENTS = ("model", "mtp")
+_JOURNAL_RE = re.compile(r"^\.ckpt-tool-journal(?:-\d+-of-\d+)?\.json$")
+_SHARD_LOCK_RE = re.compile(r"^\.ckpt-tool-\d+-of-\d+\.lock$")
 
 
 @dataclass
 class ConvertResult:
-    plan: Plan
+    plan: Plan  # the plan of the files this run is responsible for (the whole plan unless ranks/shard select)
     out: Path
     written: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_written: int = 0
     warnings: list[str] = field(default_factory=list)
+    partial: bool = False  # a --shard-count run: files and journal written, no manifest
+    finalized: bool = False  # a manifest with "complete": true was written by this run
+
+
+# ---------------------------------------------------------------------------------------------
+# Selections (scale-out)
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """``"0,3-5"`` → ``(0, 3, 4, 5)``. Raises UsageError on anything else."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"--ranks {text!r}: {part!r} is not a rank or a range like 3-5")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UsageError(f"--ranks {text!r}: range {part!r} ends before it starts")
+        ranks.update(range(lo, hi + 1))
+    return tuple(sorted(ranks))
+
+
+def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1) -> list[OutFile]:
+    """The planned files of ``ranks`` (all if None), then every ``shard_count``-th of them from ``shard_index``.
+
+    Deterministic: the partition depends only on the plan, so every machine computes the same one,
+    and the shards of one selection are disjoint and together cover it exactly once.
+    """
+    if shard_count < 1 or not 0 <= shard_index < shard_count:
+        raise UsageError(f"--shard-index {shard_index} --shard-count {shard_count}: need 0 <= K < M")
+    if ranks is not None:
+        bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
+        if bad:
+            raise PlanError(f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})")
+        chosen = set(ranks)
+        files = [f for f in plan.files if f.rank in chosen]
+    else:
+        files = list(plan.files)
+    return [f for i, f in enumerate(files) if i % shard_count == shard_index]
+
+
+def _journal_name(shard: tuple[int, int] | None) -> str:
+    if shard is None or shard[1] == 1:
+        return JOURNAL
+    return f".ckpt-tool-journal-{shard[0]}-of-{shard[1]}.json"
+
+
+def _lock_name(shard: tuple[int, int] | None) -> str:
+    if shard is None or shard[1] == 1:
+        return LOCK
+    return f".ckpt-tool-{shard[0]}-of-{shard[1]}.lock"
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict:
@@ -55,6 +124,23 @@ def run_fingerprint(source: dict, opts: Options) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+def source_layout(ckpt: Checkpoint) -> dict:
+    """The source's raw safetensors headers, per shard: with config.json (copied into OUT) enough to
+    re-plan the conversion and rebuild every source file (``unconvert``) without the source."""
+    files = {}
+    for name, h in sorted(ckpt.shards.items()):
+        with open(ckpt.root / name, "rb") as fh:
+            fh.seek(8)
+            raw = fh.read(h.header_len)
+        if hashlib.sha256(raw).hexdigest() != h.header_sha256:
+            raise OutputError(f"{name}: header changed while converting; rerun")
+        files[name] = {"size": h.file_size, "header": raw.decode("utf-8")}
+    index_text = None
+    if ckpt.index_file and (ckpt.root / ckpt.index_file).is_file():
+        index_text = (ckpt.root / ckpt.index_file).read_text(encoding="utf-8")
+    return {"format": 1, "index_file": ckpt.index_file, "index": index_text, "files": files}
+
+
 def check_paths(src_root: Path, out: Path) -> None:
     s, o = src_root.resolve(), out.resolve()
     if s == o:
@@ -64,39 +150,61 @@ def check_paths(src_root: Path, out: Path) -> None:
     if o in s.parents:
         raise OutputError(f"{out}: the source folder {src_root} lies inside OUT; choose another OUT")
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder")
+        raise OutputError(f"{out}: exists and is not a folder; give OUT a folder path, or one that does not exist yet")
 
 
 def _write_json_atomic(path: Path, doc: dict) -> None:
+    _write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise OutputError(f"{path}: no space left on device; free space and rerun to resume") from None
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
 class OutputLock:
-    """An exclusive lock on OUT, so two converts never interleave their writes."""
+    """Locks on OUT so two converts never interleave their writes.
 
-    def __init__(self, out: Path) -> None:
-        self.path = out / LOCK
-        self.fh = None
+    A plain convert and ``--finalize`` hold ``.ckpt-tool.lock`` exclusively. A ``--shard-index`` run
+    holds it shared (other shards may run beside it, a plain convert may not) plus its own shard
+    lock exclusively (the same shard cannot run twice).
+    """
+
+    def __init__(self, out: Path, name: str = LOCK) -> None:
+        self.out = out
+        self.locks = [(LOCK, fcntl.LOCK_EX)] if name == LOCK else [(LOCK, fcntl.LOCK_SH), (name, fcntl.LOCK_EX)]
+        self.path = out / self.locks[-1][0]
+        self.handles: list = []
 
     def __enter__(self) -> OutputLock:
-        self.fh = open(self.path, "a+")
-        try:
-            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.fh.close()
-            raise OutputError(f"{self.path.parent}: another ckpt-tool convert is writing this folder (lock {LOCK} is held); wait for it to finish") from None
+        for name, mode in self.locks:
+            fh = open(self.out / name, "a+")
+            try:
+                fcntl.flock(fh.fileno(), mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.close()
+                self.__exit__()
+                raise OutputError(
+                    f"{self.out}: another ckpt-tool convert is writing this folder (lock {name} is held); wait for it to finish"
+                ) from None
+            self.handles.append(fh)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self.fh is not None
-        fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
-        self.fh.close()
+        for fh in reversed(self.handles):
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fh.close()
+        self.handles.clear()
 
 
 def read_manifest(out: Path) -> dict | None:
@@ -109,13 +217,28 @@ def read_manifest(out: Path) -> dict | None:
         return None
 
 
-def _clear_previous(out: Path) -> None:
-    """--force: remove what an earlier conversion wrote (only our own files).
+def options_from_manifest(manifest: dict) -> Options:
+    o = manifest.get("options") or {}
+    return Options(
+        tp=int(o.get("tp", 1)),
+        moe_parallel=str(o.get("moe_parallel", "tp")),
+        only=o.get("only"),
+        max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
+        profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),
+    )
 
-    The manifest goes first: a kill half-way must never leave "complete": true over missing files.
-    """
-    for name in (MANIFEST, JOURNAL):
-        (out / name).unlink(missing_ok=True)
+
+def _journals(out: Path) -> list[Path]:
+    return sorted(p for p in out.iterdir() if _JOURNAL_RE.match(p.name)) if out.is_dir() else []
+
+
+def _clear_previous(out: Path) -> None:
+    """--force: remove what an earlier conversion wrote (only our own files). The manifest goes first,
+    so an interrupted clear never leaves a complete manifest over missing files."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for j in _journals(out):
+        j.unlink(missing_ok=True)
+    (out / SOURCE_LAYOUT).unlink(missing_ok=True)
     for comp in COMPONENTS:
         d = out / comp
         if d.is_dir():
@@ -135,8 +258,12 @@ def index_doc(plan: Plan, component: str) -> dict:
     return {"tp": plan.options.tp, "ranks": ranks, "total_size": total}
 
 
+def _open(src: Path | Checkpoint) -> Checkpoint:
+    return src if isinstance(src, Checkpoint) else open_checkpoint(src)
+
+
 def convert(
-    src: Path,
+    src: Path | Checkpoint,
     out: Path,
     opts: Options,
     *,
@@ -144,29 +271,57 @@ def convert(
     workers: int = 1,
     progress: ProgressFn | None = None,
     on_plan=None,
+    ranks: Sequence[int] | None = None,
+    shard: tuple[int, int] | None = None,
+    finalize: bool = False,
 ) -> ConvertResult:
-    """Convert ``src`` into ``out``. Plans (and fails) before writing anything."""
+    """Convert ``src`` (a path, or an already opened :class:`Checkpoint`) into ``out``.
+
+    Plans (and fails) before writing anything. ``ranks`` / ``shard`` / ``finalize``: see the module doc.
+    """
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(src)
+    ckpt = _open(src)
     config = ckpt.require_config()
     check_paths(ckpt.root, out)
-    plan = plan_conversion(config, ckpt.tensors, opts)
-    if on_plan:
+    full = plan_conversion(config, ckpt.tensors, opts)
+    shard_index, shard_count = shard or (0, 1)
+    if finalize:
+        selected = select_files(full, ranks)
+    else:
+        selected = select_files(full, ranks, shard_index, shard_count)
+    # the manifest/index cover the rank selection; a shard only writes its part of it
+    covered = full if ranks is None else replace(full, files=tuple(select_files(full, ranks)))
+    plan = replace(full, files=tuple(selected))
+    if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
         on_plan(plan)
     source = source_fingerprint(ckpt)
     fingerprint = run_fingerprint(source, opts)
+    partial = not finalize and shard_count > 1
 
-    out.mkdir(parents=True, exist_ok=True)
-    result = ConvertResult(plan, out)
-    with OutputLock(out):
+    if finalize:
+        result = _finalize(ckpt, out, covered, source, fingerprint, ranks)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create the output folder ({exc.strerror or exc}); choose a folder you can write") from None
+    result = ConvertResult(plan, out, partial=partial)
+    with OutputLock(out, _lock_name(shard)):
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("complete"):
             if not force:
                 raise OutputError(
                     f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or choose a new OUT"
                 )
-            _clear_previous(out)
-        journal_path = out / JOURNAL
+            if partial:  # never delete what other shards wrote: drop the manifest, rewrite our own files
+                (out / MANIFEST).unlink(missing_ok=True)
+                for f in plan.files:
+                    (out / f.relpath).unlink(missing_ok=True)
+            else:
+                _clear_previous(out)
+        journal_path = out / _journal_name(shard)
         journal = _read_journal(journal_path)
         if journal and journal.get("fingerprint") != fingerprint:
             if not force:
@@ -174,7 +329,11 @@ def convert(
                     f"{out}: holds an unfinished conversion of another source or with other options; rerun with the "
                     "same SRC and options to resume it, or pass --force to start over"
                 )
-            _clear_previous(out)
+            if partial:
+                for f in plan.files:
+                    (out / f.relpath).unlink(missing_ok=True)
+            else:
+                _clear_previous(out)
             journal = None
         if journal is None:
             journal = {"fingerprint": fingerprint, "files": {}}
@@ -182,15 +341,21 @@ def convert(
         for comp in COMPONENTS:
             if any(f.component == comp for f in plan.files):
                 (out / comp).mkdir(exist_ok=True)
-                for stale in (out / comp).glob(".*.tmp"):
-                    stale.unlink()
+        for f in plan.files:  # only our own temporaries: other shards may be writing theirs
+            (out / f.component / f".{f.name}.tmp").unlink(missing_ok=True)
 
+        # files finished by any run of this same conversion (another shard, an earlier run) count
+        known = _recorded_files(out, fingerprint)
+        known.update(journal["files"])
         todo: list[OutFile] = []
         for f in plan.files:
             dest = out / f.relpath
-            done = journal["files"].get(f.relpath)
+            done = known.get(f.relpath)
             if done and dest.is_file() and dest.stat().st_size == done["size"] == file_size(f) and sha256_file(dest) == done["sha256"]:
                 result.skipped.append(f.relpath)
+                if f.relpath not in journal["files"]:
+                    journal["files"][f.relpath] = done
+                    _write_json_atomic(journal_path, journal)
                 if progress:
                     progress(done["size"])
                 continue
@@ -220,14 +385,89 @@ def convert(
         finally:
             files.close()
 
-        for comp in COMPONENTS:
-            if any(f.component == comp for f in plan.files):
-                _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
-                shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
-        _write_json_atomic(out / MANIFEST, manifest_doc(plan, source, fingerprint, journal["files"]))
+        if partial:
+            result.seconds = time.perf_counter() - t0
+            return result
+        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks)
         journal_path.unlink(missing_ok=True)
+        _drop_journals(out, fingerprint)
+        result.finalized = True
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _recorded_files(out: Path, fingerprint: str) -> dict[str, dict]:
+    """{relpath: {size, sha256}} from every journal in OUT that belongs to this conversion."""
+    files: dict[str, dict] = {}
+    for path in _journals(out):
+        doc = _read_journal(path)
+        if doc and doc.get("fingerprint") == fingerprint:
+            files.update(doc["files"])
+    return files
+
+
+def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None) -> None:
+    """Index files, config copies, the source layout, then the manifest (last: it says "complete")."""
+    for comp in COMPONENTS:
+        if any(f.component == comp for f in plan.files):
+            (out / comp).mkdir(exist_ok=True)
+            _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
+            shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
+    layout = source_layout(ckpt)
+    _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
+    doc = manifest_doc(plan, source, fingerprint, outputs)
+    doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
+    if ranks is not None:
+        doc["ranks"] = sorted(set(ranks))
+    doc["complete"] = doc.pop("complete")  # keep "complete" the last key
+    _write_json_atomic(out / MANIFEST, doc)
+
+
+def _finalize(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None) -> ConvertResult:
+    """Check every planned file against the shard journals and write the final index/config/manifest."""
+    result = ConvertResult(plan, out)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such folder; run the convert shards (--shard-index K --shard-count M) first")
+    with OutputLock(out):
+        manifest = read_manifest(out)
+        if manifest is not None and manifest.get("complete"):
+            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (sorted(set(ranks)) if ranks is not None else None):
+                result.skipped = [f.relpath for f in plan.files]
+                return result  # already finalized: nothing to do
+            raise OutputError(f"{out}: holds a finished conversion of another source or with other options; choose a new OUT")
+        recorded = _recorded_files(out, fingerprint)
+        problems: list[str] = []
+        for f in plan.files:
+            dest = out / f.relpath
+            rec = recorded.get(f.relpath)
+            if not dest.is_file():
+                problems.append(f"{f.relpath}: missing part (planned file not in OUT); run the shard that writes it")
+            elif rec is None:
+                problems.append(f"{f.relpath}: not recorded by any journal of this conversion (its shard did not finish); rerun that shard")
+            elif dest.stat().st_size != rec["size"] or dest.stat().st_size != file_size(f):
+                problems.append(f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard")
+            elif sha256_file(dest) != rec["sha256"]:
+                problems.append(f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun its shard")
+            else:
+                result.skipped.append(f.relpath)
+        if problems:
+            more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+            raise OutputError(f"{out}: cannot finalize: {problems[0]}{more}")
+        _write_final(ckpt, out, plan, source, fingerprint, {f.relpath: recorded[f.relpath] for f in plan.files}, ranks)
+        _drop_journals(out, fingerprint)
+        result.finalized = True
+    return result
+
+
+def _drop_journals(out: Path, fingerprint: str) -> None:
+    """After the manifest: the journals of this conversion and the shards' lock files are done with."""
+    for j in _journals(out):
+        doc = _read_journal(j)
+        if doc is not None and doc.get("fingerprint") == fingerprint:
+            j.unlink(missing_ok=True)
+    for lock in out.iterdir():
+        if _SHARD_LOCK_RE.match(lock.name):
+            lock.unlink(missing_ok=True)
 
 
 def _read_journal(path: Path) -> dict | None:

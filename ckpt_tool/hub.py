@@ -1,7 +1,19 @@
 """Hub repo ids as sources: ``org/name[@revision]`` or ``hf://org/name[@revision]``.
 
-Header-only: tensor headers come from ``HfApi.get_safetensors_metadata`` (HTTP range reads), the
-config from ``hf_hub_download``. huggingface_hub is imported lazily so local use never pays for it.
+``inspect`` reads headers only: ``HfApi.get_safetensors_metadata`` (HTTP range reads) online, the
+cached snapshot's shard headers offline. ``convert`` (and ``verify --source``) resolve the revision
+to a commit, fetch config.json and the index, read every header, plan — so a bad ``--tp`` or a
+missing MTP layer fails before any shard is fetched — then download only the shards the plan needs
+with ``snapshot_download(allow_patterns=[...])`` into the normal HF cache (``HF_HOME``,
+``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are honoured by huggingface_hub itself; its tqdm bars show the
+download). With ``HF_HUB_OFFLINE=1`` the cached snapshot is used as it is, and a file the
+conversion needs but the cache lacks is named.
+
+``--only mtp`` needs only the shards holding ``mtp.*`` (plus ``embed``/``head`` when they are
+materialized): the checkpoint is then opened from those shards alone (:func:`open_partial`), the
+index still naming every shard. A local folder with a missing shard stays an error
+(:func:`ckpt_tool.source.open_checkpoint`). huggingface_hub is imported lazily so local use never
+pays for it.
 """
 
 from __future__ import annotations
@@ -13,9 +25,11 @@ from pathlib import Path
 
 from .config import V4Config
 from .errors import CheckpointError
-from .format import TensorInfo
+from .format import TensorInfo, read_index, read_shard_header
+from .source import INDEX_NAME, Checkpoint, open_checkpoint
 
 _REPO_RE = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
+SMALL_FILES = ("config.json", INDEX_NAME)
 
 
 @dataclass(frozen=True)
@@ -37,32 +51,219 @@ def parse_hub_ref(src: str) -> HubRef | None:
     return HubRef(m.group(1), m.group(2))
 
 
-def hub_headers(ref: HubRef) -> tuple[dict[str, TensorInfo], V4Config | None, str | None]:
-    """Tensor headers and config of a hub repo, without downloading any shard."""
+def _hf():
     try:
-        from huggingface_hub import HfApi, hf_hub_download
-        from huggingface_hub import constants as hf_constants
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+        import huggingface_hub
+        from huggingface_hub import constants
     except ImportError as exc:  # pragma: no cover - huggingface_hub is a declared dependency
-        raise CheckpointError(f"{ref}: reading hub repos needs huggingface_hub ({exc})") from None
-    if hf_constants.HF_HUB_OFFLINE:
-        raise CheckpointError(
-            f"{ref}: HF_HUB_OFFLINE is set, so the repo's headers cannot be read from the hub; "
-            "unset it, or point at a local folder (e.g. the snapshot in your HF cache)"
-        )
+        raise CheckpointError(f"reading hub repos needs huggingface_hub ({exc})") from None
+    return huggingface_hub, constants
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import."""
+    return bool(_hf()[1].HF_HUB_OFFLINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which files a conversion needs
+
+
+def needed_files(weight_map: dict[str, str], config: V4Config, opts) -> list[str]:
+    """Shard files holding a tensor the conversion under ``opts`` reads (see plan.needed_sources)."""
+    from .plan import needed_sources
+
+    return sorted({weight_map[n] for n in needed_sources(set(weight_map), config, opts)})
+
+
+def allow_patterns(weight_map: dict[str, str], config: V4Config, opts) -> list[str]:
+    """``snapshot_download`` allow_patterns for a conversion: config, index and the needed shards."""
+    return [*SMALL_FILES, *needed_files(weight_map, config, opts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving a snapshot folder
+
+
+def cached_snapshot(ref: HubRef) -> Path:
+    """The snapshot folder of ``ref`` in the local HF cache, without any network access."""
+    hf, constants = _hf()
     try:
-        meta = HfApi().get_safetensors_metadata(ref.repo_id, revision=ref.revision)
-    except (OfflineModeIsEnabled, HfHubHTTPError, OSError, ValueError) as exc:
+        folder = hf.snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True)
+    except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
+        why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
+        raise CheckpointError(
+            f"{ref}: {why}the repo is not in the local HF cache ({constants.HF_HUB_CACHE}) "
+            f"({type(exc).__name__}); unset HF_HUB_OFFLINE to download it, or point at a local folder"
+        ) from None
+    return Path(folder)
+
+
+def _missing(folder: Path, files: list[str]) -> list[str]:
+    return [f for f in files if not (folder / f).is_file()]  # a dangling blob link counts as missing
+
+
+def _read_small(folder: Path, ref: HubRef) -> tuple[V4Config, dict[str, str] | None]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{ref}: config.json is not in the snapshot {folder}")
+    config = V4Config.load(config_path)
+    index = folder / INDEX_NAME
+    return config, (read_index(index) if index.is_file() else None)
+
+
+def _offline_error(ref: HubRef, folder: Path, missing: list[str], what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{ref}: HF_HUB_OFFLINE is set and {len(missing)} file(s) {what} are not in the HF cache "
+        f"(snapshot {folder}): {', '.join(missing)}; unset HF_HUB_OFFLINE to download them"
+    )
+
+
+def metadata_tensors(ref: HubRef, revision: str | None) -> dict[str, TensorInfo]:
+    """Every tensor's header from the hub (HTTP range reads, no download). Offsets are buffer-relative."""
+    hf, _ = _hf()
+    try:
+        meta = hf.HfApi().get_safetensors_metadata(ref.repo_id, revision=revision)
+    except Exception as exc:  # network, auth, not-a-safetensors-repo
         raise CheckpointError(f"{ref}: cannot read safetensors headers from the hub ({type(exc).__name__}: {exc})") from None
     tensors: dict[str, TensorInfo] = {}
     for file, fmeta in meta.files_metadata.items():
         for name, t in fmeta.tensors.items():
             begin, end = t.data_offsets
             tensors[name] = TensorInfo(name, t.dtype, tuple(t.shape), file, begin, end)
+    return tensors
+
+
+def open_partial(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config) -> Checkpoint:
+    """A checkpoint of hub snapshot ``folder`` opened from ``files`` alone, keeping the tensors ``names``.
+
+    The same agreement checks as open_checkpoint, restricted to those shards: each exists and parses,
+    stores exactly the tensors the index maps to it, and no tensor twice.
+    """
+    shards = {}
+    tensors: dict[str, TensorInfo] = {}
+    by_file: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, set()).add(name)
+    for file in files:
+        path = folder / file
+        if not path.is_file():
+            raise CheckpointError(f"{file}: named by {INDEX_NAME} and needed, but missing from {folder}; fetch this file")
+        header = read_shard_header(path, file)
+        stored, mapped = set(header.tensors), by_file.get(file, set())
+        if stored != mapped:
+            extra, absent = sorted(stored - mapped), sorted(mapped - stored)
+            what = f"stores {extra[0]!r} the index does not map to it" if extra else f"lacks {absent[0]!r} the index maps to it"
+            raise CheckpointError(f"{INDEX_NAME}: the index and the shards disagree: {file} {what}")
+        shards[file] = header
+        for name, info in header.tensors.items():
+            if name in names:
+                tensors[name] = info
+    return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards=shards, tensors=tensors)
+
+
+def open_hub_source(ref: HubRef, opts, *, download: bool = True) -> Checkpoint:
+    """Resolve ``ref`` for a conversion under ``opts``: plan from headers, fetch only the needed shards, open.
+
+    ``download=False`` (``--dry-run``) plans from the hub's headers without fetching any shard and
+    returns a checkpoint whose tensors come from those headers (for planning only).
+    """
+    from .plan import needed_sources, plan_conversion
+
+    hf, constants = _hf()
+    if constants.HF_HUB_OFFLINE:
+        folder = cached_snapshot(ref)
+        config, weight_map = _read_small(folder, ref)
+        if weight_map is None:  # one-file repo: whatever .safetensors the snapshot holds
+            return open_checkpoint(folder)
+        names = needed_sources(set(weight_map), config, opts)
+        files = sorted({weight_map[n] for n in names})
+        missing = _missing(folder, files)
+        if missing:
+            raise _offline_error(ref, folder, missing, "this conversion needs")
+        return _open(folder, weight_map, files, names, config, opts)
+
+    api = hf.HfApi()
+    try:
+        commit = api.model_info(ref.repo_id, revision=ref.revision).sha
+    except Exception as exc:
+        raise CheckpointError(f"{ref}: cannot resolve the repo on the hub ({type(exc).__name__}: {exc})") from None
+    try:
+        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=list(SMALL_FILES)))
+    except Exception as exc:
+        raise CheckpointError(f"{ref}: cannot download config.json / {INDEX_NAME} ({type(exc).__name__}: {exc})") from None
+    config, weight_map = _read_small(folder, ref)
+    header_tensors = metadata_tensors(ref, commit)
+    if weight_map is None:
+        weight_map = {n: t.file for n, t in header_tensors.items()}
+    names = needed_sources(set(weight_map), config, opts)
+    files = sorted({weight_map[n] for n in names})
+    # plan from the hub's headers first: every plan error comes before a byte is downloaded
+    plan_conversion(config, {n: header_tensors[n] for n in names if n in header_tensors}, opts)
+    if not download:
+        planned = {n: header_tensors[n] for n in names if n in header_tensors}
+        return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned)
+    try:
+        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *files])
+    except Exception as exc:
+        raise CheckpointError(f"{ref}: downloading {len(files)} shard(s) failed ({type(exc).__name__}: {exc})") from None
+    missing = _missing(folder, files)
+    if missing:
+        raise CheckpointError(f"{ref}: after the download {len(missing)} needed file(s) are still missing from {folder}: {', '.join(missing)}")
+    return _open(folder, weight_map, files, names, config, opts)
+
+
+def _open(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config, opts) -> Checkpoint:
+    if opts.only == "mtp":  # part of the repo: open just those shards, keep just those tensors
+        return open_partial(folder, weight_map, files, names, config)
+    return open_checkpoint(folder)  # every shard: exactly the local-folder behaviour
+
+
+def snapshot_for_verify(ref: HubRef, out: Path) -> Path | Checkpoint:
+    """The snapshot folder ``verify --source REF`` reads, fetched if absent.
+
+    An ``--only mtp`` conversion made from part of a hub repo recorded just the shards it read: it is
+    verified against that same partial checkpoint (no other shard is fetched). Otherwise the whole
+    snapshot is resolved.
+    """
+    from dataclasses import replace
+
+    from .convert import MANIFEST, options_from_manifest, read_manifest
+
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise CheckpointError(f"{out / MANIFEST}: missing; OUT is not a finished ckpt-tool conversion")
+    opts = options_from_manifest(manifest)
+    recorded = set(((manifest.get("source") or {}).get("files") or {}))
+    if opts.only == "mtp":
+        part = open_hub_source(ref, opts)  # the shards the conversion read (fetched if absent)
+        if recorded == set(part.shards):
+            return part  # verify the partial source it was converted from, without fetching the rest
+    return open_hub_source(ref, replace(opts, only=None)).root
+
+
+def snapshot_for_inspect(ref: HubRef) -> Checkpoint:
+    """Offline ``inspect``: every shard header from the cached snapshot (all shards must be cached)."""
+    folder = cached_snapshot(ref)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        missing = _missing(folder, sorted(set(read_index(index).values())))
+        if missing:
+            raise _offline_error(ref, folder, missing, "named by the index")
+    return open_checkpoint(folder, need_config=False)
+
+
+def hub_headers(ref: HubRef) -> tuple[dict[str, TensorInfo], V4Config | None, str | None]:
+    """Tensor headers and config of a hub repo, without downloading any shard (offline: from the cache)."""
+    hf, constants = _hf()
+    if constants.HF_HUB_OFFLINE:
+        ckpt = snapshot_for_inspect(ref)
+        return ckpt.tensors, ckpt.config, ckpt.config_error
+    tensors = metadata_tensors(ref, ref.revision)
     config: V4Config | None = None
     config_error: str | None = None
     try:
-        path = hf_hub_download(ref.repo_id, "config.json", revision=ref.revision)
+        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=ref.revision)
         config = V4Config.from_dict(json.loads(Path(path).read_text()), where=f"{ref}/config.json")
     except CheckpointError as exc:
         config_error = str(exc)

@@ -21,6 +21,7 @@ writes ``2^(b-127)`` as F32 (E8M0 scales landing in a float32 parameter — the 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -194,20 +195,59 @@ def vllm_seed_rules(expert_dtype: str) -> list[Rule]:
 
 @dataclass(frozen=True)
 class Profile:
+    """A target profile: a base rule table plus whole-segment renames of the targets, as data.
+
+    ``target_renames`` maps a dot-separated tail of a target name to its replacement; a rule whose
+    target ends with ``.{tail}`` gets it replaced (whole segments only, first matching entry wins). A
+    new engine layout that only renames parameters is therefore one entry in ``PROFILES``.
+    """
+
     name: str
     description: str
-    build: object  # Callable[[str], list[Rule]]
+    build: Callable[[str], list[Rule]]  # the base rule table, by expert_dtype
+    target_renames: tuple[tuple[str, str], ...] = ()
 
     def rules(self, expert_dtype: str) -> list[Rule]:
-        return self.build(expert_dtype)  # type: ignore[operator]
+        return [rename_target(r, self.target_renames) for r in self.build(expert_dtype)]
 
+
+def rename_target(rule: Rule, renames: tuple[tuple[str, str], ...]) -> Rule:
+    """``rule`` with the first matching whole-segment tail of its target replaced."""
+    from dataclasses import replace
+
+    if rule.target is None:
+        return rule
+    for tail, new in renames:
+        if rule.target == tail or rule.target.endswith("." + tail):
+            return replace(rule, target=rule.target[: len(rule.target) - len(tail)] + new)
+    return rule
+
+
+# vLLM's newer DeepSeek V4 (NormGateLinear; research/v4_format.md §3): the FFN norm and router live
+# under `ffn.norm_gate.`, for main layers and the MTP block alike.
+NORM_GATE_RENAMES: tuple[tuple[str, str], ...] = (
+    ("ffn_norm.weight", "ffn.norm_gate.norm.weight"),
+    ("ffn.gate.weight", "ffn.norm_gate.gate.weight"),
+    ("ffn.gate.e_score_correction_bias", "ffn.norm_gate.e_score_correction_bias"),
+    ("ffn.gate.tid2eid", "ffn.norm_gate.tid2eid"),
+)
 
 PROFILES: dict[str, Profile] = {
-    "vllm-seed": Profile(
-        "vllm-seed",
-        "vLLM DeepSeek V4 + the seed's DeepSeekV4MTP.load_weights (ffn_norm / ffn.gate.* names)",
-        vllm_seed_rules,
-    ),
+    p.name: p
+    for p in (
+        Profile(
+            "vllm-seed",
+            "vLLM DeepSeek V4 + the seed's DeepSeekV4MTP.load_weights (ffn_norm / ffn.gate.* names)",
+            vllm_seed_rules,
+        ),
+        Profile(
+            "vllm-norm-gate",
+            "newer vLLM DeepSeek V4 (NormGateLinear: ffn.norm_gate.{norm,gate}.weight, "
+            "ffn.norm_gate.e_score_correction_bias / tid2eid)",
+            vllm_seed_rules,
+            NORM_GATE_RENAMES,
+        ),
+    )
 }
 
 # What the MTP draft model needs that a checkpoint may lack (the released V4-Flash has no MTP

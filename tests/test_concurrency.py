@@ -146,12 +146,6 @@ def test_a_stale_lock_file_does_not_block(clean, tmp_path: Path, capsys) -> None
     assert snapshot(out) == want
 
 
-@pytest.mark.xfail(
-    reason="convert.py: a --shard-index/--shard-count run locks only .ckpt-tool-K-of-M.lock, so it runs beside a plain "
-    "convert of the same OUT, deletes its open temporary and writes the same files (the plain run then fails). "
-    "Fix: plain convert and --finalize take .ckpt-tool.lock LOCK_EX; shard runs take it LOCK_SH plus their own lock LOCK_EX.",
-    strict=False,
-)
 def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Path, capsys) -> None:
     src, _ = clean
     out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
