@@ -1,0 +1,277 @@
+"""Side-by-side performance of ckpt-tool on a full-width V4-Flash skeleton (a plain script, not a test).
+
+    python bench/convert_bench.py                 # everything, 3 interleaved rounds (medians), ~6 min on 2 cores
+    python bench/convert_bench.py --quick         # one round, flatness at 1 vs 2 layers, ~3 min
+    python bench/convert_bench.py --json results.json --keep
+
+In one run, on the same generated skeleton (bench/make_skeleton.py: embed/head/norm/hc_head + the
+MTP layer at real V4-Flash shapes and dtypes, ~5.7 GB), every command runs as a subprocess under
+``/usr/bin/time -v`` (peak RSS = "Maximum resident set size"), after an untimed ``sync`` so that no
+run pays for the previous one's dirty pages:
+
+- ``cp -r SRC DST && sync DST/*`` — the ceiling (ckpt-tool fsyncs its files, so the copy is synced too);
+- ``dd bs=16M oflag=direct conv=fsync`` per file — a copy that bypasses the page cache on the write side
+  like ckpt-tool does (but reads and writes in turn, without overlap);
+- ``ckpt-tool convert SRC OUT --only mtp`` at ``--tp 1`` and ``--tp 8`` (and tp 1 with ``--workers 2``);
+- ``bench/naive_convert.py`` — load_file every shard, map in memory, save_file (tp 1);
+- ``ckpt-tool inspect`` of the full 46-shard, 69k-tensor checkpoint as headers only (sparse files);
+- RSS flatness: ``ckpt-tool convert --only model`` of sparse skeletons with 1 and 3 main layers (their
+  data are holes that read back as zeros: the real byte count flows through the writer, but their
+  throughput says nothing about disk speed).
+
+The page cache cannot be dropped here (no root on the host), so the source is read from a warm cache
+by every command (it was just written; ``cp`` runs first). Timings on a shared machine are noisy:
+compare ratios within one run, and use --repeat for medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import make_skeleton  # noqa: E402
+
+GiB = 1024**3
+MB = 1e6
+TIME = "/usr/bin/time"
+
+
+def du_bytes(path: Path) -> int:
+    """Apparent size of the safetensors files under ``path`` (what a command wrote)."""
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors") if p.is_file())
+
+
+def run_timed(cmd: list[str], label: str, log) -> dict:
+    """Run ``cmd`` under /usr/bin/time -v after an untimed sync; wall seconds, peak RSS, CPU times."""
+    subprocess.run(["sync"], check=False)
+    tfile = tempfile.NamedTemporaryFile(prefix="time-", suffix=".txt", delete=False)
+    tfile.close()
+    t0 = time.perf_counter()
+    proc = subprocess.run([TIME, "-v", "-o", tfile.name, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    text = Path(tfile.name).read_text()
+    os.unlink(tfile.name)
+    if proc.returncode != 0:
+        raise SystemExit(f"{label}: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+
+    def field(name: str) -> str:
+        m = re.search(rf"^\s*{re.escape(name)}: (.*)$", text, re.M)
+        return m.group(1).strip() if m else "0"
+
+    res = {
+        "label": label,
+        "cmd": " ".join(cmd),
+        "seconds": wall,
+        "rss_kb": int(field("Maximum resident set size (kbytes)")),
+        "user": float(field("User time (seconds)")),
+        "sys": float(field("System time (seconds)")),
+        "stdout": proc.stdout,
+    }
+    log(f"  {label:28s} {wall:7.2f} s  peak RSS {res['rss_kb'] / 1024:8.1f} MiB  user {res['user']:.1f} s sys {res['sys']:.1f} s")
+    return res
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new /tmp/bench-*; deleted at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    p.add_argument("--quick", action="store_true", help="flatness at 1 vs 2 layers, inspect once, no repeats")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds of cp / tp1 / tp8 / naive, medians reported (default 3; --quick 1)")
+    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"), help="main layers of the flatness skeletons (default 1 3; --quick 1 2)")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive baseline (it needs RAM ~1.6x the skeleton)")
+    p.add_argument("--no-flat", action="store_true", help="skip the RSS flatness runs")
+    p.add_argument("--workers", type=int, default=1, help="--workers for the ckpt-tool converts (default 1)")
+    p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+    args = p.parse_args(argv)
+    layers_a, layers_b = args.layers or ((1, 2) if args.quick else (1, 3))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    py = sys.executable
+    tool = [py, "-m", "ckpt_tool"]
+    results: dict = {"machine": {"cpus": os.cpu_count(), "mem_available_gib": round(mem_available() / GiB, 1)}, "runs": {}}
+    try:
+        need = 3 * 5.8e9
+        if free_bytes(work) < need:
+            raise SystemExit(f"{work}: {free_bytes(work) / GiB:.1f} GiB free; the bench needs ~{need / GiB:.0f} GiB")
+        log(f"scratch: {work}")
+
+        # 1. the skeleton (its generator's own RSS is reported too)
+        src = work / "src"
+        gen = run_timed([py, str(HERE / "make_skeleton.py"), str(src)], "make_skeleton (data)", log)
+        src_bytes = du_bytes(src)
+        results["skeleton"] = {"bytes": src_bytes, "seconds": gen["seconds"], "generator_rss_kb": gen["rss_kb"]}
+
+        # 2. cp / convert tp1 / convert tp8 / naive, interleaved rounds
+        variants = [
+            ("cp", lambda d: ["sh", "-c", f"cp -r '{src}' '{d}' && sync '{d}'/*"]),
+            ("dd oflag=direct", lambda d: ["sh", "-c", f"mkdir -p '{d}' && for f in '{src}'/*; do dd if=\"$f\" of='{d}'/\"${{f##*/}}\" bs=16M oflag=direct conv=fsync status=none; done"]),
+            ("ckpt-tool tp1", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "1", "--workers", str(args.workers), "--json"]),
+            ("ckpt-tool tp8", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "8", "--workers", str(args.workers), "--json"]),
+        ]
+        if args.workers == 1:  # the 2 output files of tp 1 hashed in parallel
+            variants.append(("ckpt-tool tp1 w2", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "1", "--workers", "2", "--json"]))
+        if not args.no_naive:
+            if mem_available() < 1.8 * src_bytes:
+                log(f"  (naive baseline skipped: {mem_available() / GiB:.1f} GiB available, it needs ~{1.8 * src_bytes / GiB:.1f})")
+            else:
+                variants.append(("naive", lambda d: [py, str(HERE / "naive_convert.py"), str(src), str(d)]))
+        runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+        for rnd in range(1 if args.quick else max(1, args.repeat)):
+            log(f"round {rnd + 1}")
+            for name, make_cmd in variants:
+                dst = work / "out"
+                shutil.rmtree(dst, ignore_errors=True)
+                subprocess.run(["sync"], check=False)
+                r = run_timed(make_cmd(dst), name, log)
+                r["bytes"] = du_bytes(dst)
+                r.pop("stdout", None)
+                runs[name].append(r)
+                shutil.rmtree(dst, ignore_errors=True)
+        summary: dict[str, dict] = {}
+        for name, rs in runs.items():
+            secs = median([r["seconds"] for r in rs])
+            summary[name] = {
+                "seconds": secs,
+                "all_seconds": [round(r["seconds"], 2) for r in rs],
+                "bytes": rs[0]["bytes"],
+                "mb_s": rs[0]["bytes"] / secs / MB,
+                "rss_mib": max(r["rss_kb"] for r in rs) / 1024,
+                "user": median([r["user"] for r in rs]),
+                "sys": median([r["sys"] for r in rs]),
+                "cmd": rs[0]["cmd"],
+            }
+        results["runs"] = summary
+
+        # 3. inspect of the full checkpoint, headers only
+        full = work / "full"
+        run_timed([py, str(HERE / "make_skeleton.py"), str(full), "--headers-only"], "make_skeleton (headers)", log)
+        ins = [run_timed([*tool, "inspect", str(full), "--json"], "ckpt-tool inspect", log) for _ in range(1 if args.quick else 3)]
+        doc = json.loads(ins[0]["stdout"]) if ins[0]["stdout"].strip().startswith("{") else {}
+        for r in ins:
+            r.pop("stdout", None)
+        code = (
+            "import sys,time; t=time.perf_counter(); from pathlib import Path; from ckpt_tool.source import open_checkpoint; "
+            "from ckpt_tool.inspect import inspect_tensors; c=open_checkpoint(Path(sys.argv[1]), need_config=False); "
+            "r=inspect_tensors(sys.argv[1], c.tensors, c.config, c.config_error); print(time.perf_counter()-t)"
+        )
+        inproc = [float(subprocess.run([py, "-c", code, str(full)], capture_output=True, text=True, cwd=REPO).stdout) for _ in range(len(ins))]
+        results["inspect"] = {
+            "seconds": min(r["seconds"] for r in ins),
+            "all_seconds": [round(r["seconds"], 2) for r in ins],
+            "in_process_seconds": min(inproc),
+            "rss_mib": max(r["rss_kb"] for r in ins) / 1024,
+            "tensors": doc.get("tensor_count"),
+            "files": len(doc.get("files", [])),
+        }
+        shutil.rmtree(full, ignore_errors=True)
+
+        # 4. RSS flatness: --only model of sparse skeletons with A and B main layers
+        if not args.no_flat:
+            flat = {}
+            for k in (layers_a, layers_b):
+                sk = work / f"flat{k}"
+                make_skeleton.make_skeleton(sk, layers=k, headers_only=True, log=None)
+                dst = work / "out"
+                shutil.rmtree(dst, ignore_errors=True)
+                if free_bytes(work) < 1.1 * sum(s.nbytes for s in make_skeleton.all_specs(k)):
+                    log(f"  (flatness at {k} layers skipped: not enough disk)")
+                    continue
+                r = run_timed([*tool, "convert", str(sk), str(dst), "--only", "model", "--workers", str(args.workers), "--json"], f"convert --only model, {k} layer(s)", log)
+                r["bytes"] = du_bytes(dst)
+                flat[k] = {"rss_mib": r["rss_kb"] / 1024, "seconds": r["seconds"], "bytes": r["bytes"], "mb_s": r["bytes"] / r["seconds"] / MB}
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.rmtree(sk, ignore_errors=True)
+            results["flatness"] = flat
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["bench_seconds"] = time.perf_counter() - started
+    report(results, log)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def report(res: dict, log) -> None:
+    runs = res["runs"]
+    cp, t1, t8, nv = (runs.get(k) for k in ("cp", "ckpt-tool tp1", "ckpt-tool tp8", "naive"))
+    sk = res["skeleton"]
+    log("")
+    log(f"skeleton: {sk['bytes'] / GiB:.2f} GiB in {sk['seconds']:.1f} s, generator peak RSS {sk['generator_rss_kb'] / 1024:.0f} MiB; page cache warm for every run")
+    log(f"{'command':18s} {'seconds':>8s} {'MB/s':>7s} {'peak RSS':>12s} {'time/cp':>8s} {'RSS/cp':>8s} {'time/naive':>10s} {'RSS/naive':>9s}")
+    for name, r in runs.items():
+        ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+        log(
+            f"{name:18s} {r['seconds']:8.2f} {r['mb_s']:7.0f} {r['rss_mib']:8.0f} MiB "
+            f"{ratio(r['seconds'], cp['seconds'] if cp else 0):>8s} {ratio(r['rss_mib'], cp['rss_mib'] if cp else 0):>8s} "
+            f"{ratio(r['seconds'], nv['seconds'] if nv else 0):>10s} {ratio(r['rss_mib'], nv['rss_mib'] if nv else 0):>9s}"
+        )
+    if len(next(iter(runs.values()))["all_seconds"]) > 1:
+        log("  (medians of " + ", ".join(f"{k}: {v['all_seconds']}" for k, v in runs.items()) + ")")
+    ins = res.get("inspect", {})
+    log(f"inspect: {ins.get('tensors')} tensors in {ins.get('files')} files: {ins.get('seconds', 0):.2f} s wall "
+        f"({ins.get('in_process_seconds', 0):.2f} s of it reading headers + summarising), peak RSS {ins.get('rss_mib', 0):.0f} MiB")
+    flat = res.get("flatness", {})
+    if len(flat) == 2:
+        (a, fa), (b, fb) = sorted(flat.items())
+        log(f"flatness: --only model peak RSS {fa['rss_mib']:.0f} MiB at {a} layer(s) ({fa['bytes'] / GiB:.1f} GiB out), "
+            f"{fb['rss_mib']:.0f} MiB at {b} ({fb['bytes'] / GiB:.1f} GiB out): {100 * (fb['rss_mib'] / fa['rss_mib'] - 1):+.1f} %")
+    log("targets:")
+    checks = []
+    if cp and t1:
+        checks.append(("convert tp1 throughput >= 0.9 x cp", t1["mb_s"] / cp["mb_s"], t1["mb_s"] / cp["mb_s"] >= 0.9))
+    if t1:
+        checks.append(("convert peak RSS <= 1 GiB (MiB)", max(t1["rss_mib"], t8["rss_mib"] if t8 else 0), max(t1["rss_mib"], t8["rss_mib"] if t8 else 0) <= 1024))
+    if len(flat) == 2:
+        (a, fa), (b, fb) = sorted(flat.items())
+        d = fb["rss_mib"] / fa["rss_mib"] - 1
+        checks.append((f"RSS flat 1->{b} layers (+-10 %)", d, abs(d) <= 0.10))
+    if nv:
+        checks.append(("naive RSS >= checkpoint size (ratio)", nv["rss_mib"] * 1024**2 / sk["bytes"], nv["rss_mib"] * 1024**2 >= sk["bytes"]))
+    if ins:
+        checks.append(("inspect 69k tensors < 1 s (s)", ins["seconds"], ins["seconds"] < 1.0))
+    if t1 and t8:
+        checks.append(("tp8 time <= 1.3 x tp1", t8["seconds"] / t1["seconds"], t8["seconds"] / t1["seconds"] <= 1.3))
+    dd = runs.get("dd oflag=direct")
+    if dd and t1:
+        log(f"  info  convert tp1 throughput vs dd oflag=direct: {t1['mb_s'] / dd['mb_s']:.3f}"
+            + (f" (tp1 --workers 2: {runs['ckpt-tool tp1 w2']['mb_s'] / dd['mb_s']:.3f})" if "ckpt-tool tp1 w2" in runs else ""))
+    for name, value, ok in checks:
+        log(f"  {'PASS' if ok else 'FAIL'}  {name}: {value:.3f}")
+    res["targets"] = [{"target": n, "value": v, "ok": ok} for n, v, ok in checks]
+    log(f"bench took {res['bench_seconds'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
