@@ -137,7 +137,7 @@ def convert(
     moe_parallel: Annotated[str, typer.Option("--moe-parallel", help="Routed experts: 'tp' splits each expert's intermediate dim, 'ep' gives each rank whole experts.")] = "tp",
     only: Annotated[str | None, typer.Option("--only", help="Write only 'model' (target) or 'mtp' (draft).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written in parallel (memory grows ~16 MiB each).")] = 1,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written (and hashed) in parallel; each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = 1,
     target: Annotated[str, typer.Option("--target", help="Target profile (names of the engine's parameters).")] = "vllm-seed",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT.")] = False,
