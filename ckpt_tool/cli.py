@@ -46,6 +46,15 @@ def _root(
     logging.basicConfig(level=logging.DEBUG if _state["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+def _fail_user(exc: CkptToolError, json_out: bool) -> None:
+    """A user-facing error: one JSON document too when --json owns stdout, then one line and the exit code."""
+    if json_out:
+        from .report import print_json
+
+        print_json({"ok": False, "error": str(exc)})
+    _fail(exc, exc.exit_code)
+
+
 def _fail(exc: BaseException, code: int = 1) -> None:
     from .report import error_line
 
@@ -209,10 +218,7 @@ def convert(
     except typer.Exit:
         raise
     except CkptToolError as exc:
-        if json_out:
-            print_json({"ok": False, "error": str(exc)})
-        _fail(exc, exc.exit_code)
-        return
+        _fail_user(exc, json_out)
     if json_out:
         doc = render_convert_summary(result, as_json=True)
         doc.update(partial=result.partial, finalized=result.finalized)
@@ -271,10 +277,7 @@ def verify(
         src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
         report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed)
     except CkptToolError as exc:
-        if json_out:
-            print_json({"ok": False, "error": str(exc)})
-        _fail(exc, exc.exit_code)
-        return
+        _fail_user(exc, json_out)
     if junit is not None:
         write_junit(report, junit)
     if github:
@@ -313,10 +316,7 @@ def unconvert(
     try:
         result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums)
     except CkptToolError as exc:
-        if json_out:
-            print_json({"ok": False, "error": str(exc)})
-        _fail(exc, exc.exit_code)
-        return
+        _fail_user(exc, json_out)
     if json_out:
         print_json({
             "ok": True, "dest": str(dest), "files": result.files, "identical_files": result.identical_files,

@@ -18,10 +18,10 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .convert import COMPONENTS, MANIFEST, index_doc, source_fingerprint
+from .convert import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from .errors import CkptToolError
 from .format import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
-from .plan import Options, OutTensor, Plan, plan_conversion
+from .plan import OutTensor, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
 from .writer import sha256_file
 
@@ -79,17 +79,6 @@ class VerifyReport:
         }
 
 
-def _options_from_manifest(manifest: dict) -> Options:
-    o = manifest.get("options") or {}
-    return Options(
-        tp=int(o.get("tp", 1)),
-        moe_parallel=str(o.get("moe_parallel", "tp")),
-        only=o.get("only"),
-        max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
-        profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),
-    )
-
-
 def verify(
     out: Path,
     source: Path | Checkpoint,
@@ -122,7 +111,7 @@ def verify(
     try:
         ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         config = ckpt.require_config()
-        opts = _options_from_manifest(manifest)
+        opts = options_from_manifest(manifest)
         plan = plan_conversion(config, ckpt.tensors, opts)
         ranks = manifest.get("ranks")
         if ranks is not None:  # a --ranks run: only those ranks were written

@@ -112,7 +112,7 @@ def _e8m0_to_f32(raw: memoryview, info: TensorInfo) -> bytes:
     if nan.size:
         raise CheckpointError(
             f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) at element {int(nan[0])} "
-            f"({nan.size} in this chunk); the checkpoint is corrupt"
+            f"({nan.size} in this chunk); the checkpoint is corrupt — re-download this shard"
         )
     bits = b.astype(np.uint32) << 23
     bits[b == 0] = 0x00400000  # 2^-127 is a float32 subnormal, not 0
@@ -486,7 +486,7 @@ def write_output_file(
             try:
                 os.posix_fallocate(fd, 0, expected)
             except OSError as exc:
-                if exc.errno in (28,):  # ENOSPC: fail now rather than half-way
+                if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
             pipe = _Pipeline(fd, direct, progress)
             pipe.write(header)
@@ -511,7 +511,7 @@ def write_output_file(
         os.replace(tmp, dest)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == 28:
+        if exc.errno == errno.ENOSPC:
             raise OutputError(f"{dest}: no space left on device while writing; free space and rerun to resume") from None
         raise OutputError(f"{dest}: cannot write ({exc.strerror or exc})") from None
     except BaseException:
