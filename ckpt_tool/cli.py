@@ -89,6 +89,8 @@ def inspect(
     the config and stored dtypes disagree, or a file is invalid.
 
     Examples:
+
+    \b
       ckpt-tool inspect ./DeepSeek-V4-Flash
       ckpt-tool inspect ./DeepSeek-V4-Flash/model.safetensors.index.json --json
       ckpt-tool inspect deepseek-ai/DeepSeek-V4-Flash
@@ -167,6 +169,8 @@ def convert(
     plan needs are downloaded into the HF cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
 
     Examples:
+
+    \b
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-tp8 --tp 8
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-mtp --only mtp --dry-run
       ckpt-tool convert deepseek-ai/DeepSeek-V4-Flash ./v4-mtp --only mtp
@@ -258,6 +262,8 @@ def verify(
     tolerances printed in the report. Exit 0 when every check passes, 1 when one fails, 2 on usage errors.
 
     Examples:
+
+    \b
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash --level values --json --junit verify.xml
     """
@@ -307,6 +313,8 @@ def unconvert(
     trips byte for byte; a source file whose tensors all come back is identical to the original file.
 
     Examples:
+
+    \b
       ckpt-tool unconvert ./v4-tp8 ./DeepSeek-V4-Flash-again
       ckpt-tool unconvert ./v4-mtp ./mtp-only --partial
     """

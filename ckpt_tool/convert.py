@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -362,8 +363,6 @@ def convert(
             todo.append(f)
 
         files = SourceFiles(ckpt.root)
-        import threading
-
         jlock = threading.Lock()
 
         def work(f: OutFile) -> None:
