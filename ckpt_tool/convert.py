@@ -16,7 +16,6 @@ journals' checksums and writes the index files, config copies, source layout and
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -35,7 +34,7 @@ from . import __version__
 from .errors import OutputError, PlanError, UsageError
 from .plan import Options, OutFile, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
-from .writer import ProgressFn, SourceFiles, file_size, sha256_file, write_output_file
+from .writer import ProgressFn, SourceFiles, file_size, output_error, sha256_file, write_output_file
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +167,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise OutputError(f"{path}: no space left on device; free space and rerun to resume") from None
-        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        raise output_error(exc, path) from None
 
 
 class OutputLock:

@@ -466,6 +466,13 @@ def _open_output(path: Path) -> tuple[int, bool]:
     return os.open(path, flags, 0o666), False
 
 
+def output_error(exc: OSError, path: Path) -> OutputError:
+    """The one-line error for a failed write of ``path`` (disk full gets its own advice)."""
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"{path}: no space left on device while writing; free space and rerun to resume")
+    return OutputError(f"{path}: cannot write ({exc.strerror or exc})")
+
+
 def write_output_file(
     out: OutFile,
     dest: Path,
@@ -511,9 +518,7 @@ def write_output_file(
         os.replace(tmp, dest)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise OutputError(f"{dest}: no space left on device while writing; free space and rerun to resume") from None
-        raise OutputError(f"{dest}: cannot write ({exc.strerror or exc})") from None
+        raise output_error(exc, dest) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
