@@ -158,6 +158,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def gemm_tiles(m: int, n: int) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N, grid) shared by both GEMMs: small M (few tokens per expert) gets small tiles."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64
+    return block_m, block_n, (cdiv(m, block_m), cdiv(n, block_n))
+
+
 def dot_in_bf16(backend: str) -> bool:
     """Whether the kernels feed ``tl.dot`` bf16 operands (True) or float32 ones (False).
 

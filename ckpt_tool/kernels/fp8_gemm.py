@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import quant
-from ._backend import cdiv, dot_in_bf16, get_kernel, load_sources, resolve_backend
+from ._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
 
 ACT_MODES: tuple[str, ...] = ("bf16", "fp8")
 
@@ -80,9 +80,7 @@ def fp8_block_gemm(
         x_arg = x.to(torch.bfloat16)
         xs_arg = x_arg  # unused by the kernel when ACT_FP8 is off; any pointer will do
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    block_m, block_n, grid = gemm_tiles(m, n)
     kernel = get_kernel(load_sources().fp8_block_gemm_kernel, resolved)
     kernel[grid](
         x_arg,
