@@ -8,6 +8,7 @@ the refusal is checked while a temporary file is really open and being written.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,6 +44,33 @@ def progress(n):
 
 convert(src, out, Options(tp=2, max_shard_size=2_000_000), progress=progress)
 """
+
+
+@contextlib.contextmanager
+def paused_convert(src: Path, out: Path, tmp_path: Path):
+    """A convert in another process, paused inside its first output file until the block ends.
+
+    Yields the process; on exit lets it finish (killing it if it hangs) so callers can check its result.
+    """
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert first.poll() is None, f"first convert exited early: {first.communicate()}"
+            assert time.monotonic() < deadline, "first convert never reached its first write"
+            time.sleep(0.02)
+        yield first
+    finally:
+        go.write_text("go")
+        try:
+            first.stdout_text, first.stderr_text = first.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
+            first.stdout_text = first.stderr_text = ""
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -91,16 +119,8 @@ def test_second_convert_refuses_while_the_lock_is_held(clean, tmp_path: Path, ca
 
 def test_second_convert_refuses_while_another_process_is_mid_write(clean, tmp_path: Path, capsys) -> None:
     src, want = clean
-    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert first.poll() is None, f"first convert exited early: {first.communicate()}"
-            assert time.monotonic() < deadline, "first convert never reached its first write"
-            time.sleep(0.02)
+    out = tmp_path / "out"
+    with paused_convert(src, out, tmp_path) as first:
         temps = list(out.rglob(".*.safetensors.tmp"))
         assert temps, "the first convert should be paused inside its first file"
         before = snapshot(out)
@@ -108,14 +128,7 @@ def test_second_convert_refuses_while_another_process_is_mid_write(clean, tmp_pa
             code, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
             check_refused(code, err)
             assert snapshot(out) == before, "the refused convert touched the first one's files"
-        go.write_text("go")
-        stdout, stderr = first.communicate(timeout=120)
-    finally:
-        go.write_text("go")
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert first.returncode == 0, stderr
+    assert first.returncode == 0, first.stderr_text
     assert snapshot(out) == want, "the first convert's output differs from a clean conversion"
 
 
@@ -148,24 +161,10 @@ def test_a_stale_lock_file_does_not_block(clean, tmp_path: Path, capsys) -> None
 
 def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Path, capsys) -> None:
     src, _ = clean
-    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+    out = tmp_path / "out"
+    with paused_convert(src, out, tmp_path) as first:
         before = snapshot(out)
         code, err = run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", "0", "--shard-count", "2")
         check_refused(code, err)
         assert snapshot(out) == before
-    finally:
-        go.write_text("go")
-        try:
-            first.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            first.kill()
-            first.wait()
     assert first.returncode == 0
