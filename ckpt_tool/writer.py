@@ -42,7 +42,7 @@ DIRECT_ALIGN = 4096  # O_DIRECT offset/length granularity we keep to (covers 512
 SMALL_COLUMN_SLICE = 64 * 1024  # column slices narrower than this are gathered from row blocks
 DIRECT_IO = os.environ.get("CKPT_TOOL_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
 
-ProgressFn = Callable[[int], None]
+ProgressFn = Callable[[int], None]  # bytes now in the output file; called from writer threads
 
 
 def header_bytes(out: OutFile, metadata: dict[str, str] | None = None) -> bytes:
@@ -359,8 +359,6 @@ class _Pipeline:
         self.write_q.put((i, n, off))
         self.cur, self.fill = None, 0
         self.offset = off + n
-        if self.progress:
-            self.progress(n)
 
     def finish(self) -> str:
         if self.cur is not None and self.fill:
@@ -418,7 +416,12 @@ class _Pipeline:
         self.digest.update(self.views[i][:n])
 
     def _write(self, i: int, n: int, off: int) -> None:
-        view = self.views[i][:n]
+        self._write_at(self.views[i][:n], off)
+        if self.progress:  # counted once the bytes are in the file, not when they were queued
+            self.progress(n)
+
+    def _write_at(self, view: memoryview, off: int) -> None:
+        n = len(view)
         if self.direct:
             aligned = n - n % DIRECT_ALIGN
             try:

@@ -34,7 +34,9 @@ seen = [0]
 
 def progress(n):
     seen[0] += n
-    if not ready.exists():  # first call: the header of the first file is written, its temporary is open
+    # progress runs on the writer thread once bytes are in the file: pausing here freezes the
+    # temporary's content, so the test can compare snapshots taken before and after a refusal
+    if not ready.exists():
         ready.write_text(str(seen[0]))
         deadline = time.monotonic() + 60
         while not go.exists():
