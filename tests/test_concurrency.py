@@ -7,7 +7,6 @@ the refusal is checked while a temporary file is really open and being written.
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
 import os
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 
 from ckpt_tool.cli import main
 from ckpt_tool.convert import LOCK, MANIFEST, OutputLock
+from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
@@ -75,19 +75,6 @@ def paused_convert(src: Path, out: Path, tmp_path: Path):
             first.stdout_text = first.stderr_text = ""
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): ("dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted(root.rglob("*"))
-    }
-
-
-def run_cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
 def check_refused(code: int, err: str) -> None:
     assert code == 1, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -110,11 +97,11 @@ def test_second_convert_refuses_while_the_lock_is_held(clean, tmp_path: Path, ca
     with OutputLock(out):
         before = snapshot(out)
         for extra in ([], ["--force"], ["--workers", "2"]):
-            code, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
+            code, _, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
             check_refused(code, err)
             assert snapshot(out) == before, f"a refused convert {extra} changed OUT"
     # lock released: the same command now succeeds and equals a clean conversion
-    code, err = run_cli(capsys, "convert", src, out, *OPTS)
+    code, _, err = run_cli(capsys, "convert", src, out, *OPTS)
     assert code == 0, err
     assert snapshot(out) == want
 
@@ -127,7 +114,7 @@ def test_second_convert_refuses_while_another_process_is_mid_write(clean, tmp_pa
         assert temps, "the first convert should be paused inside its first file"
         before = snapshot(out)
         for extra in ([], ["--force"]):
-            code, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
+            code, _, err = run_cli(capsys, "convert", src, out, *OPTS, *extra)
             check_refused(code, err)
             assert snapshot(out) == before, "the refused convert touched the first one's files"
     assert first.returncode == 0, first.stderr_text
@@ -156,7 +143,7 @@ def test_a_stale_lock_file_does_not_block(clean, tmp_path: Path, capsys) -> None
     out = tmp_path / "out"
     out.mkdir()
     (out / LOCK).write_text("")
-    code, err = run_cli(capsys, "convert", src, out, *OPTS)
+    code, _, err = run_cli(capsys, "convert", src, out, *OPTS)
     assert code == 0, err
     assert snapshot(out) == want
 
@@ -166,7 +153,7 @@ def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Pa
     out = tmp_path / "out"
     with paused_convert(src, out, tmp_path) as first:
         before = snapshot(out)
-        code, err = run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", "0", "--shard-count", "2")
+        code, _, err = run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", "0", "--shard-count", "2")
         check_refused(code, err)
         assert snapshot(out) == before
     assert first.returncode == 0

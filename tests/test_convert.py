@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tool.cli import main
 from ckpt_tool.convert import convert
 from ckpt_tool.plan import Options
+from cli_helpers import run_cli
 from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, write_safetensors
 
 MTP_MISSING = (
@@ -331,13 +331,6 @@ def test_expected_dtypes_follow_spec_for_each_expert_kind(fixture_dir) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # CLI behaviour
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def test_missing_mtp_layer_fails_before_writing_with_the_seed_message(fixture_dir, tmp_path, capsys) -> None:

@@ -28,16 +28,9 @@ import pytest
 
 from ckpt_tool.cli import main
 from ckpt_tool.convert import JOURNAL, MANIFEST
+from cli_helpers import snapshot
 
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    snap = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        snap[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-    return snap
 
 
 class DiskFull:

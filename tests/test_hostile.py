@@ -21,39 +21,12 @@ import pytest
 
 from ckpt_tool.cli import main
 from ckpt_tool.convert import JOURNAL, LOCK, MANIFEST
+from cli_helpers import run_cli, snapshot
 from fixtures.broken import CASE_SPECS, CASES, S1, S4, make_broken, patch_bytes, tensor_offset
 
 REPO = Path(__file__).resolve().parents[1]
 # What a failure found while streaming may leave in OUT (relative to OUT); nothing else, nothing final-named.
 STREAMING_LEFTOVERS = {"", LOCK, JOURNAL, "model", "mtp"}
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """relpath -> sha256 (files), 'dir' (folders) or 'link:<target>' for everything under ``root``."""
-    snap: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        d = Path(dirpath)
-        for name in dirnames:
-            p = d / name
-            snap[str(p.relative_to(root))] = f"link:{os.readlink(p)}" if p.is_symlink() else "dir"
-        for name in filenames:
-            p = d / name
-            if p.is_symlink():
-                snap[str(p.relative_to(root))] = f"link:{os.readlink(p)}"
-                continue
-            h = hashlib.sha256()
-            with open(p, "rb") as fh:
-                while chunk := fh.read(1 << 22):
-                    h.update(chunk)
-            snap[str(p.relative_to(root))] = h.hexdigest()
-    return snap
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def check_error_line(err: str, case, command: str) -> str:

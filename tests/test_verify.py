@@ -45,11 +45,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tool import numeric, reference
-from ckpt_tool.cli import main
 from ckpt_tool.convert import convert
 from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from ckpt_tool.verify import verify
+from cli_helpers import run_cli
 from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
 
 MANIFEST = "ckpt-tool.json"
@@ -75,13 +75,6 @@ CLI_BACKEND = ("--kernels", "torch", "--device", "cpu")
 def do_convert(src: Path, out: Path, tp: int = 1, moe: str = "tp", only: str | None = None) -> Path:
     convert(src, out, Options(tp=tp, moe_parallel=moe, only=only))
     return out
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def cli_verify(capsys, out: Path, src: Path, *extra) -> tuple[int, str, str]:
