@@ -107,7 +107,7 @@ def inspect(
         else:
             ckpt = open_checkpoint(Path(src), need_config=False)
             tensors, config, config_error = ckpt.tensors, ckpt.config, ckpt.config_error
-        report = inspect_tensors(src, tensors, config, config_error)
+        report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
     except CkptToolError as exc:
         if json_out:
             print_json({"source": src, "ok": False, "error": str(exc)})

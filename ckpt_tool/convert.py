@@ -490,5 +490,6 @@ def manifest_doc(plan: Plan, source: dict, fingerprint: str, outputs: dict) -> d
         "materialized": plan.materialized,
         "dropped": plan.dropped,
         "deviations": list(plan.deviations),
+        "notes": list(plan.notes),
         "complete": True,
     }

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from .config import V4Config
+from .completeness import check_completeness
 from .errors import MTP_MISSING_MESSAGE
 from .format import TensorInfo
 
@@ -54,6 +55,7 @@ class InspectReport:
     mtp_missing: list[int]
     mtp_tensor_counts: dict[int, int]
     config_error: str | None = None
+    missing_tensors: dict[str, list[str]] = field(default_factory=dict)  # group (layers.L, mtp.i, globals) -> names
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -77,8 +79,14 @@ def inspect_tensors(
     tensors: dict[str, TensorInfo],
     config: V4Config | None,
     config_error: str | None = None,
+    *,
+    whole: bool = True,
 ) -> InspectReport:
-    """Summarise a set of tensor headers (from local shards or the hub) against the config."""
+    """Summarise a set of tensor headers (from local shards or the hub) against the config.
+
+    ``whole=False`` (one ``.safetensors`` file of a checkpoint) skips the completeness verdict, which
+    only means something for a whole checkpoint; absent MTP layers are still reported.
+    """
     files: dict[str, list[TensorInfo]] = {}
     for t in tensors.values():
         files.setdefault(t.file, []).append(t)
@@ -108,11 +116,17 @@ def inspect_tensors(
     missing = [i for i in expected if i not in mtp_counts]
 
     problems: list[str] = []
+    missing_tensors: dict[str, list[str]] = {}
     if config_error:
         problems.append(config_error)
     if config is not None:
-        for i in missing:
-            problems.append(MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i))
+        if whole:
+            completeness = check_completeness(config, tensors)  # the verdict convert gives (both components)
+            if not completeness.complete:
+                problems.append(completeness.message(config))
+            missing_tensors = completeness.missing_groups
+        else:  # one shard of several: only say which MTP layers it lacks
+            problems += [MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i) for i in missing]
         if not quant.consistent:
             example = next(t for t in experts if t.dtype == expert_dtype)
             problems.append(
@@ -133,5 +147,6 @@ def inspect_tensors(
         mtp_missing=missing,
         mtp_tensor_counts=dict(sorted(mtp_counts.items())),
         config_error=config_error,
+        missing_tensors=missing_tensors,
         problems=problems,
     )

@@ -15,7 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .config import V4Config
-from .errors import MTP_MISSING_MESSAGE, PlanError
+from .completeness import require_complete
+from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo
 from .rules import MATERIALIZE, PROFILES, Rule, Split
 
@@ -23,6 +24,10 @@ GiB = 1024**3
 FP8_BLOCK = 128
 MX_BLOCK = 32
 _MTP_RE = re.compile(r"^mtp\.(0|[1-9][0-9]*)\.")
+NO_MTP_NOTE = (
+    "the checkpoint has no MTP layers: converted the target model only; speculative decoding needs the MTP draft "
+    "from a checkpoint that includes it (convert that one with --only mtp)"
+)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class Plan:
     materialized: dict[str, str]  # alias name -> real source tensor
     deviations: tuple[str, ...]
     unused_by_selection: tuple[str, ...] = field(default=())  # consumed by a component --only skipped
+    notes: tuple[str, ...] = field(default=())  # what the user should know that is not a deviation
 
     @property
     def total_bytes(self) -> int:
@@ -267,10 +273,8 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
     rules = PROFILES[opts.profile].rules(config.expert_dtype)
 
     _check_expert_dtype(config, tensors)
+    complete = require_complete(config, tensors, opts.only)
     mtp_present = {int(m.group(1)) for n in tensors if (m := _MTP_RE.match(n))}
-    for i in range(config.num_nextn_predict_layers):
-        if i not in mtp_present:
-            raise PlanError(MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i))
     extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
     if extra_mtp:
         raise PlanError(
@@ -280,7 +284,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 
     sources = dict(tensors)
     materialized: dict[str, str] = {}
-    for i in range(config.num_nextn_predict_layers):
+    for i in range(config.num_nextn_predict_layers) if opts.only != "model" else ():  # nothing of the draft is written with --only model
         for alias_pat, real in MATERIALIZE.items():
             alias = alias_pat.format(mtp=i)
             if alias in sources or (alias.endswith("emb.tok_emb.weight") and i > 0):
@@ -356,6 +360,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
+        notes=(NO_MTP_NOTE,) if complete.mtp_waived else (),
     )
 
 

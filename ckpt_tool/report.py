@@ -111,6 +111,7 @@ def plan_json(plan) -> dict:
         "dropped": plan.dropped,
         "materialized": plan.materialized,
         "deviations": list(plan.deviations),
+        "notes": list(plan.notes),
         "not_selected": len(plan.unused_by_selection),
     }
 
@@ -137,6 +138,8 @@ def render_plan(plan) -> None:
         out.print(f"materialize {escape(a)} from {escape(r)}", highlight=False)
     for d in plan.deviations:
         out.print(f"deviation: {escape(d)}", highlight=False)
+    for n in plan.notes:
+        out.print(f"note: {escape(n)}", highlight=False)
 
 
 class ConvertProgress:
@@ -196,6 +199,7 @@ def render_convert_summary(result, as_json: bool = False):
         "peak_rss_bytes": _peak_rss_bytes(),
         "materialized": plan.materialized,
         "deviations": list(plan.deviations),
+        "notes": list(plan.notes),
         "warnings": sorted(set(result.warnings)),
     }
     for w in doc["warnings"]:
@@ -210,6 +214,8 @@ def render_convert_summary(result, as_json: bool = False):
     )
     for d in plan.deviations:
         out.print(f"deviation: {escape(d)}", highlight=False)
+    for n in plan.notes:
+        out.print(f"note: {escape(n)}", highlight=False)
     return doc
 
 

@@ -1,0 +1,103 @@
+"""Completeness against the engine: what config.json says the engine needs, checked before any byte is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ckpt_tool.completeness import check_completeness, describe_missing, required_tensors
+from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
+from ckpt_tool.plan import NO_MTP_NOTE, Options, plan_conversion
+from ckpt_tool.source import open_checkpoint
+from fixtures.broken import S3, drop_tensors
+from fixtures.make import GOOD_VARIANTS
+
+from cli_helpers import run_cli, snapshot
+
+
+@pytest.mark.parametrize("variant", GOOD_VARIANTS)
+def test_required_tensors_are_exactly_what_every_good_fixture_holds(fixture_dir, variant: str) -> None:
+    ckpt = open_checkpoint(fixture_dir(variant))
+    required = {n for names in required_tensors(ckpt.config, {"model", "mtp"}).values() for n in names}
+    optional = {n for n in ckpt.tensors if n.endswith((".emb.tok_emb.weight", ".head.weight")) and n.startswith("mtp.")}
+    assert required == set(ckpt.tensors) - optional
+    assert check_completeness(ckpt.config, ckpt.tensors).complete
+
+
+def test_layer_kinds_follow_compress_ratio_and_hash_status(fixture_dir) -> None:
+    cfg = open_checkpoint(fixture_dir("fp4")).config
+    groups = required_tensors(cfg, {"model", "mtp"})
+    swa, csa, hca, mtp = groups["layers.0"], groups["layers.1"], groups["layers.2"], groups["mtp.0"]
+    assert "layers.0.ffn.gate.tid2eid" in swa and "layers.0.ffn.gate.bias" not in swa  # hash layer
+    assert not any(".compressor." in n or ".indexer." in n for n in swa)  # ratio 0
+    assert "layers.1.attn.indexer.wq_b.weight" in csa and "layers.1.attn.compressor.ape" in csa  # ratio 4
+    assert "layers.2.attn.compressor.ape" in hca and not any(".indexer." in n for n in hca)  # ratio 128
+    assert "mtp.0.ffn.gate.bias" in mtp and not any(".compressor." in n for n in mtp)
+    assert sum(".experts." in n for n in hca) == cfg.n_routed_experts * 6
+
+
+def test_a_deleted_main_layer_is_refused_before_writing(fixture_dir, tmp_path, capsys) -> None:
+    ckpt = open_checkpoint(fixture_dir("fp4"))
+    tensors = {n: t for n, t in ckpt.tensors.items() if not n.startswith("layers.1.")}
+    with pytest.raises(PlanError, match=r"layers\.1\.\*: all 88 tensors missing"):
+        plan_conversion(ckpt.config, tensors, Options())
+
+
+def test_missing_parts_are_grouped_per_layer_in_one_line(fixture_dir) -> None:
+    ckpt = open_checkpoint(fixture_dir("fp4"))
+    gone = {"layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale", "layers.0.ffn.experts.3.w1.weight", "layers.0.ffn.experts.5.w1.weight", "norm.weight"}
+    result = check_completeness(ckpt.config, set(ckpt.tensors) - gone)
+    line = result.message(ckpt.config)
+    assert "\n" not in line
+    assert "layers.0.ffn.experts.{3,5}.w1.weight missing" in line
+    assert "layers.2.attn.wo_b.weight, .scale missing" in line
+    assert "norm.weight missing" in line
+    assert "download" in line
+
+
+def test_long_lists_are_cut_with_a_count() -> None:
+    names = [f"layers.1.t{k}.weight" for k in range(12)]
+    assert describe_missing("layers.1", names, 77).endswith("and 4 more missing")
+
+
+def test_inspect_gives_the_same_verdict_as_convert(fixture_dir, tmp_path, capsys) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("fp4"), src)
+    drop_tensors(S3, lambda n: n.startswith("layers.2.attn.wo_b."))(tmp_path)
+    code_i, out_i, err_i = run_cli(capsys, "inspect", src, "--json")
+    code_c, _out_c, err_c = run_cli(capsys, "convert", src, src.parent / "out")
+    assert code_i == code_c == 1
+    assert "layers.2.attn.wo_b.weight, .scale missing" in err_i
+    assert "layers.2.attn.wo_b.weight, .scale missing" in err_c
+    assert json.loads(out_i)["missing_tensors"] == {"layers.2": ["layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale"]}
+    assert not (src.parent / "out").exists()
+
+
+def test_only_model_converts_a_checkpoint_without_mtp_and_says_the_draft_is_elsewhere(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("missing-mtp")
+    before = snapshot(src)
+    code, out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--only", "model", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["notes"] == [NO_MTP_NOTE]
+    assert doc["deviations"] == []  # nothing of the draft is materialized when no draft is written
+    manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
+    assert manifest["notes"] == [NO_MTP_NOTE]
+    assert not (tmp_path / "out" / "mtp").exists()
+    assert snapshot(src) == before
+
+
+def test_without_only_model_an_absent_mtp_layer_gets_the_engines_sentence(fixture_dir, tmp_path, capsys) -> None:
+    code, _out, err = run_cli(capsys, "convert", fixture_dir("missing-mtp"), tmp_path / "out")
+    assert code == 1
+    assert MTP_MISSING_MESSAGE.format(layer=3) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_model_on_a_checkpoint_with_mtp_materializes_nothing(fixture_dir, tmp_path, capsys) -> None:
+    code, out, err = run_cli(capsys, "convert", fixture_dir("fp4"), tmp_path / "out", "--only", "model", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["materialized"] == {} and doc["deviations"] == [] and doc["notes"] == []
