@@ -402,17 +402,44 @@ def _recorded_files(out: Path, fingerprint: str) -> dict[str, dict]:
     return files
 
 
+# Weight files stay behind: what vLLM loads comes from our per-rank parts.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def serving_files(root: Path) -> list[str]:
+    """The source's top-level non-weight files ``vllm serve OUT/model`` needs besides the weights.
+
+    Tokenizer files, generation_config.json, chat template, README/LICENSE, ... : every regular file
+    (a hub snapshot's symlinks followed) except weights, weight indexes, config.json (copied to both
+    components) and hidden files. Sub-folders (e.g. DeepSeek's ``inference/`` code) are not needed.
+    """
+    names = []
+    for p in sorted(root.iterdir()):
+        n = p.name
+        if n.startswith(".") or n == "config.json" or n.endswith(_WEIGHT_SUFFIXES) or n.endswith(".index.json"):
+            continue
+        if p.is_file():
+            names.append(n)
+    return names
+
+
 def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None) -> None:
-    """Index files, config copies, the source layout, then the manifest (last: it says "complete")."""
+    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete")."""
+    copied: dict[str, dict] = {}
     for comp in COMPONENTS:
         if any(f.component == comp for f in plan.files):
             (out / comp).mkdir(exist_ok=True)
             _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
             shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
+            if comp == "model":
+                for name in serving_files(ckpt.root):
+                    shutil.copyfile(ckpt.root / name, out / comp / name)
+                    copied[f"{comp}/{name}"] = {"size": (out / comp / name).stat().st_size, "sha256": sha256_file(out / comp / name)}
     layout = source_layout(ckpt)
     _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
     doc = manifest_doc(plan, source, fingerprint, outputs)
     doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
+    doc["serving_files"] = copied
     if ranks is not None:
         doc["ranks"] = sorted(set(ranks))
     doc["complete"] = doc.pop("complete")  # keep "complete" the last key

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +363,10 @@ def unconvert(
         reader.close()
 
     (dest / "config.json").write_bytes(config_raw)
+    for rel in manifest.get("serving_files") or {}:  # tokenizer, generation config, ...: copied verbatim
+        comp, _, name = str(rel).partition("/")
+        if comp == "model" and name not in ("", ".", "..") and "/" not in name and (out / comp / name).is_file():
+            shutil.copyfile(out / comp / name, dest / name)
     index_file = layout.get("index_file")
     if index_file:
         original = _index_map(layout.get("index"))

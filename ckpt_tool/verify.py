@@ -210,7 +210,24 @@ def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport,
         got = cfg_path.read_bytes() if cfg_path.is_file() else None
         msg = "" if got == want else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
         report.add(Check(f"config:{comp}", got == want, msg, file=f"{comp}/config.json"))
+    if any(f.component == "model" for f in plan.files):
+        _check_serving_files(out, src_root, report)
     return headers
+
+
+def _check_serving_files(out: Path, src_root: Path, report: VerifyReport) -> None:
+    """OUT/model carries the source's tokenizer, generation config, chat template, ... byte for byte."""
+    from .convert import serving_files
+
+    problems = []
+    for name in serving_files(src_root):
+        dest = out / "model" / name
+        if not dest.is_file():
+            problems.append(f"{dest}: missing (vllm serve OUT/model needs the source's {name})")
+        elif dest.read_bytes() != (src_root / name).read_bytes():
+            problems.append(f"{dest}: differs from the source's {name}")
+    msg = f"{problems[0]}; reconvert" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else ""
+    report.add(Check("serving-files:model", not problems, msg, file="model", details={"problems": problems} if problems else {}))
 
 
 def _out_width(t: OutTensor) -> int:

@@ -101,3 +101,32 @@ def test_only_model_on_a_checkpoint_with_mtp_materializes_nothing(fixture_dir, t
     assert code == 0, err
     doc = json.loads(out)
     assert doc["materialized"] == {} and doc["deviations"] == [] and doc["notes"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A servable OUT/model: the source's non-weight files come along
+
+
+def test_out_model_carries_tokenizer_generation_config_and_chat_template(fixture_dir, tmp_path, capsys) -> None:
+    from fixtures.make import serving_files
+
+    src = fixture_dir("fp4")
+    code, _out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--tp", "2")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
+    for name in serving_files():
+        assert (tmp_path / "out" / "model" / name).read_bytes() == (src / name).read_bytes()
+        assert f"model/{name}" in manifest["serving_files"]
+        assert not (tmp_path / "out" / "mtp" / name).exists()
+    assert not any(p.name.endswith(".index.json") or p.name.startswith("model-0") for p in (tmp_path / "out" / "model").iterdir())
+
+
+def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_path, capsys) -> None:
+    src = fixture_dir("fp4")
+    assert run_cli(capsys, "convert", src, tmp_path / "out")[0] == 0
+    (tmp_path / "out" / "model" / "tokenizer.json").unlink()
+    code, out, _err = run_cli(capsys, "verify", tmp_path / "out", "--source", src, "--level", "structure", "--json")
+    assert code == 1
+    failed = json.loads(out)["failures"]
+    assert [c["name"] for c in failed] == ["serving-files:model"]
+    assert "tokenizer.json: missing" in failed[0]["message"]

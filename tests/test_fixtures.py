@@ -25,6 +25,7 @@ from fixtures.make import (
     VARIANTS,
     VOCAB,
     make_checkpoint,
+    serving_files,
 )
 
 INDEX = "model.safetensors.index.json"
@@ -220,7 +221,7 @@ def test_generation_is_deterministic_and_seed_dependent(fixture_dir, tmp_path: P
     again = make_checkpoint(tmp_path / "again", "fp4")
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
-    assert names == sorted(["config.json", INDEX, *SHARDS])
+    assert names == sorted(["config.json", INDEX, *SHARDS, *serving_files()])
     for name in names:
         assert (first / name).read_bytes() == (again / name).read_bytes(), name
 
