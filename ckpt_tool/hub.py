@@ -30,6 +30,8 @@ from .source import INDEX_NAME, Checkpoint, open_checkpoint
 
 _REPO_RE = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
 SMALL_FILES = ("config.json", INDEX_NAME)
+# Non-weight files `vllm serve OUT/model` needs (convert.serving_files copies what the snapshot holds).
+SERVING_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.md", "LICENSE*")
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,7 @@ def open_hub_source(ref: HubRef, opts, *, download: bool = True) -> Checkpoint:
     except Exception as exc:
         raise CheckpointError(f"{ref}: cannot resolve the repo on the hub ({type(exc).__name__}: {exc})") from None
     try:
-        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=list(SMALL_FILES)))
+        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS]))
     except Exception as exc:
         raise CheckpointError(f"{ref}: cannot download config.json / {INDEX_NAME} ({type(exc).__name__}: {exc})") from None
     config, weight_map = _read_small(folder, ref)
@@ -204,7 +206,7 @@ def open_hub_source(ref: HubRef, opts, *, download: bool = True) -> Checkpoint:
         planned = {n: header_tensors[n] for n in names if n in header_tensors}
         return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned)
     try:
-        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *files])
+        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files])
     except Exception as exc:
         raise CheckpointError(f"{ref}: downloading {len(files)} shard(s) failed ({type(exc).__name__}: {exc})") from None
     missing = _missing(folder, files)

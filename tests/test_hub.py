@@ -10,6 +10,7 @@ huggingface_hub's functions replaced by fakes that serve the same cache.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import pytest
 
 from ckpt_tool.config import V4Config
 from ckpt_tool.convert import convert
-from ckpt_tool.hub import allow_patterns, needed_files, parse_hub_ref
+from ckpt_tool.hub import SERVING_PATTERNS, allow_patterns, needed_files, parse_hub_ref
 from ckpt_tool.plan import Options
 from ckpt_tool.source import INDEX_NAME
 
@@ -263,7 +264,9 @@ class _FakeHub:
     def snapshot_download(self, repo_id, revision=None, allow_patterns=None, **kw):
         assert revision == COMMIT and not kw.get("local_files_only")
         self.downloads.append(list(allow_patterns))
-        return str(make_hf_cache(self.hf_home, self.src, files=list(allow_patterns)))
+        # as huggingface_hub filters repo files: fnmatch against every pattern
+        files = [p.name for p in sorted(self.src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in allow_patterns)]
+        return str(make_hf_cache(self.hf_home, self.src, files=files))
 
 
 @pytest.fixture
@@ -284,8 +287,8 @@ def test_online_downloads_only_the_shards_the_plan_needs(fake_hub, tmp_path, cap
     src = fake_hub.src
     code = main(["convert", REPO_ID, str(tmp_path / "out"), "--only", "mtp", "--tp", "2"])
     assert code == 0, capsys.readouterr().err
-    assert fake_hub.downloads[0] == ["config.json", INDEX_NAME]  # config + index first
-    assert fake_hub.downloads[-1] == ["config.json", INDEX_NAME, *expected_mtp_files(src)]
+    assert fake_hub.downloads[0] == ["config.json", INDEX_NAME, *SERVING_PATTERNS]  # config + index + tokenizer first
+    assert fake_hub.downloads[-1] == ["config.json", INDEX_NAME, *SERVING_PATTERNS, *expected_mtp_files(src)]
     local = tmp_path / "local"
     convert(src, local, Options(tp=2, only="mtp"))
     assert tensor_files(tmp_path / "out") == tensor_files(local)
@@ -309,3 +312,13 @@ def test_online_dry_run_downloads_no_shard(fake_hub, capsys) -> None:
     assert doc["files"]
     assert all(not any(p.endswith(".safetensors") for p in d) for d in fake_hub.downloads)
     shutil.rmtree("unused", ignore_errors=True)
+
+
+def test_online_convert_fetches_the_serving_files_into_out_model(fake_hub, tmp_path, capsys) -> None:
+    from ckpt_tool.cli import main
+    from fixtures.make import serving_files
+
+    code = main(["convert", REPO_ID, str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    for name in serving_files():
+        assert (tmp_path / "out" / "model" / name).read_bytes() == (fake_hub.src / name).read_bytes()
