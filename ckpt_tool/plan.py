@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .config import V4Config
+from . import conversions
 from .completeness import require_complete
 from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo
@@ -59,7 +60,7 @@ class Segment:
     row1: int
     col0: int
     col1: int
-    convert: str = "copy"  # copy | raw_uint8 | e8m0_to_f32
+    convert: str = "copy"  # a conversions.KINDS entry
 
     @property
     def numel(self) -> int:
@@ -153,21 +154,6 @@ def _rows_cols(t: TensorInfo) -> tuple[int, int]:
     return t.shape[0], math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
 
 
-def _out_dtype(src_dtype: str, convert: str) -> str:
-    if convert == "raw_uint8":
-        return "U8"
-    if convert == "e8m0_to_f32":
-        return "F32" if src_dtype == "F8_E8M0" else src_dtype
-    return src_dtype
-
-
-def _seg_convert(src_dtype: str, convert: str) -> str:
-    # e8m0_to_f32 applies only to E8M0 scales; float32 scales are copied as they are.
-    if convert == "e8m0_to_f32" and src_dtype != "F8_E8M0":
-        return "copy"
-    return convert
-
-
 def _check_split(name: str, info: TensorInfo, dim: int, tp: int, sibling: TensorInfo | None) -> None:
     """TP split of ``dim`` must divide evenly and, for quantized weights, at block granularity."""
     size = info.shape[dim] if dim < len(info.shape) else 1
@@ -218,7 +204,7 @@ def _segments_for(
     rule, tp = group.rule, opts.tp
     infos = [group.parts[k] for k in sorted(group.parts, key=lambda k: (k[1] or 0, k[0]))]
     first = infos[0]
-    conv = _seg_convert(first.dtype, rule.convert)
+    conv = conversions.effective(first.dtype, rule.convert)
 
     def piece(info: TensorInfo, split_dim: int | None) -> Segment:
         rows, cols = _rows_cols(info)
@@ -335,7 +321,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
             unused_by_selection.extend(srcs)
             continue
         first = next(iter(g.parts.values()))
-        dtype = _out_dtype(first.dtype, rule.convert)
+        dtype = conversions.out_dtype(first.dtype, rule.convert)
         for rank in range(opts.tp):
             shape, segs = _segments_for(g, config, opts, rank, sources)
             outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, srcs))

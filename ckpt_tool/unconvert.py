@@ -27,6 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import conversions
 from .config import V4Config
 from .convert import COMPONENTS, MANIFEST, SOURCE_LAYOUT, options_from_manifest, read_manifest, source_layout
 from .errors import CheckpointError, OutputError
@@ -179,20 +180,6 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
     return regions
 
 
-def _f32_to_e8m0(raw: bytes, where: str):
-    import numpy as np
-
-    bits = np.frombuffer(raw, dtype="<u4")
-    b = (bits >> 23).astype(np.uint8)
-    sub = bits == 0x00400000  # 2^-127, written for byte 0
-    ok = sub | (((bits & 0x807FFFFF) == 0) & (b >= 1) & (b <= 254))
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
-        raise CheckpointError(f"{where}: float32 scale {np.frombuffer(raw, dtype='<f4')[i]!r} at element {i} is not 2^(b-127) of an E8M0 byte")
-    b[sub] = 0
-    return b
-
-
 class _Reader:
     def __init__(self) -> None:
         self.fds: dict[Path, int] = {}
@@ -233,10 +220,7 @@ def _rebuild(info: TensorInfo, reg: _Regions, reader: _Reader, fd: int, dest_sta
             for p in pieces:
                 n = (b - a) * width * p.out_eb
                 raw = reader.read(p.path, p.offset + (a - r0) * width * p.out_eb, n)
-                if p.convert == "e8m0_to_f32":
-                    data = _f32_to_e8m0(raw, f"{p.path.name}: {info.name}")
-                else:
-                    data = np.frombuffer(raw, dtype=np.uint8)
+                data = conversions.inverse(p.convert, raw, f"{p.path.name}: {info.name}")
                 data = data.reshape(b - a, width * eb)
                 if first is None:
                     first = data

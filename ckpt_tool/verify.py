@@ -18,6 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from . import conversions
 from .convert import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from .errors import CkptToolError
 from .format import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
@@ -306,14 +307,13 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, fd: int, plan: Plan, source_s
             if len(raw) != nbytes:
                 return f"{t.name}: output file ended early"
             actual = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            if seg.convert == "e8m0_to_f32":
-                want = expected.reshape(-1).view(torch.float8_e8m0fnu).to(torch.float32).view(torch.uint8)
-            else:
-                want = expected.reshape(-1).view(torch.uint8)
+            want = expected.reshape(-1).view(torch.uint8)
+            if seg.convert not in conversions.BYTEWISE:
+                want = torch.frombuffer(bytearray(conversions.forward(seg.convert, want.numpy().tobytes(), src)), dtype=torch.uint8)
             if not torch.equal(want, actual):
                 diff = int((want != actual).nonzero()[0, 0]) // out_eb
                 row, col = divmod(diff, width)
-                what = "value" if seg.convert == "e8m0_to_f32" else "bytes"
+                what = "bytes" if seg.convert in conversions.BYTEWISE else "value"
                 return (
                     f"tensor {t.name!r}: {what} differ from source {seg.src} "
                     f"(rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1}) first at source element "

@@ -6,7 +6,8 @@ page-aligned ``CHUNK``-sized buffers, never a whole tensor in memory:
 - contiguous source ranges (whole tensors, row splits, wide column slices row by row) are read with
   ``os.preadv`` straight into the buffer, at their place in the output;
 - narrow column slices (TP split of dim 1) are gathered with numpy from cache-sized blocks of source
-  rows; converted segments (E8M0 → float32) are converted piece by piece into the buffer.
+  rows; converted segments (E8M0 → float32, int64 → int32: :mod:`conversions`) are converted piece by
+  piece into the buffer.
 
 A full buffer goes to two threads at once: one feeds it to sha256 (the manifest's checksum is that of
 the bytes written; ``hashlib`` releases the GIL), the other writes it at its offset with ``O_DIRECT``
@@ -30,6 +31,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from . import conversions
 from .errors import CheckpointError, OutputError
 from .format import DTYPE_BITS, TensorInfo
 from .plan import OutFile, Segment
@@ -102,21 +104,6 @@ class SourceFiles:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def _e8m0_to_f32(raw: memoryview, info: TensorInfo) -> bytes:
-    import numpy as np
-
-    b = np.frombuffer(raw, dtype=np.uint8)
-    nan = np.flatnonzero(b == 0xFF)
-    if nan.size:
-        raise CheckpointError(
-            f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) at element {int(nan[0])} "
-            f"({nan.size} in this chunk); the checkpoint is corrupt — re-download this shard"
-        )
-    bits = b.astype(np.uint32) << 23
-    bits[b == 0] = 0x00400000  # 2^-127 is a float32 subnormal, not 0
-    return bits.view(np.float32).astype("<f4").tobytes()
 
 
 def _check_e8m0(raw: memoryview, info: TensorInfo) -> None:
@@ -194,7 +181,7 @@ class SegmentReader:
     def byte_ranges(self, seg: Segment) -> list[tuple[int, int]] | None:
         """(absolute offset, length) source ranges whose concatenation is ``seg``'s output bytes as they
         are, or None when the segment needs a gather of narrow slices or a dtype conversion."""
-        if seg.convert == "e8m0_to_f32":
+        if seg.convert not in conversions.BYTEWISE:
             return None
         return self._ranges(seg, self.sources[seg.src])
 
@@ -211,8 +198,8 @@ class SegmentReader:
         """Call ``emit`` with the output bytes of ``seg``, in order, in pieces of at most ``CHUNK``."""
         info = self.sources[seg.src]
         check = self.checker(info)
-        if seg.convert == "e8m0_to_f32":
-            out = lambda mv: emit(_e8m0_to_f32(mv, info))  # noqa: E731
+        if seg.convert not in conversions.BYTEWISE:
+            out = lambda mv: emit(conversions.forward(seg.convert, mv, info))  # noqa: E731
         elif check is not None:
             out = lambda mv: (check(mv), emit(mv))  # noqa: E731
         else:
