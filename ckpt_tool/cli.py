@@ -149,7 +149,7 @@ def convert(
     only: Annotated[str | None, typer.Option("--only", help="Write only 'model' (target) or 'mtp' (draft).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
     workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written (and hashed) in parallel; each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = 1,
-    target: Annotated[str, typer.Option("--target", help="Target profile (names of the engine's parameters).")] = "vllm-seed",
+    target: Annotated[str, typer.Option("--target", help="Engine profile: 'auto' (the installed vLLM's, else the newest), or a name from 'ckpt-tool profiles'.")] = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (plan or summary) on stdout.")] = False,
@@ -184,7 +184,13 @@ def convert(
         raise typer.BadParameter("must be 'tp' or 'ep'", param_hint="--moe-parallel")
     if only not in (None, "model", "mtp"):
         raise typer.BadParameter("must be 'model' or 'mtp'", param_hint="--only")
-    opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=target)
+    from .target import resolve_target
+
+    try:
+        chosen = resolve_target(target)
+    except CkptToolError as exc:
+        _fail_user(exc, json_out)
+    opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=chosen.profile)
     if shard_index >= shard_count:
         raise typer.BadParameter(f"{shard_index} is not below --shard-count {shard_count}", param_hint="--shard-index")
     if finalize and dry_run:
@@ -207,9 +213,10 @@ def convert(
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if json_out:
-                print_json(plan_json(plan))
+                print_json({**plan_json(plan), "target_note": chosen.note})
             else:
                 render_plan(plan)
+                _target_note(chosen.note)
             raise typer.Exit(0)
         with ConvertProgress(enabled=not json_out) as prog:
             try:
@@ -225,9 +232,10 @@ def convert(
         _fail_user(exc, json_out)
     if json_out:
         doc = render_convert_summary(result, as_json=True)
-        doc.update(partial=result.partial, finalized=result.finalized)
+        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note)
         print_json(doc)
-    elif finalize:
+        return
+    if finalize:
         from .report import human_bytes
 
         typer.echo(f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest complete")
@@ -238,6 +246,15 @@ def convert(
                 f"shard {shard_index} of {shard_count} done (no manifest yet): run the same command with --finalize "
                 "once every shard has finished"
             )
+    _target_note(chosen.note)
+
+
+def _target_note(note: str | None) -> None:
+    """--target auto's word on what it chose, after the result (an error stays one line)."""
+    if note:
+        from .report import note_line
+
+        note_line(note)
 
 
 @app.command()
@@ -339,12 +356,42 @@ def unconvert(
 
 
 @app.command()
-def profiles() -> None:
-    """List the target profiles (engine parameter layouts) convert can write."""
-    from .rules import PROFILES
+def profiles(
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
+) -> None:
+    """List the target profiles (engine parameter layouts) convert can write, and what --target auto picks.
 
-    for p in PROFILES.values():
-        typer.echo(f"{p.name:16s} {p.description}")
+    Each profile names the vLLM releases whose own loader it is verified against (the engine test
+    builds vLLM's model classes on CPU and runs its sharded_state loader on converted output).
+    """
+    from .report import print_json
+    from .rules import PROFILES
+    from .target import installed_vllm, resolve_target
+
+    installed = installed_vllm()
+    try:
+        auto: str | None = resolve_target("auto").profile
+        auto_error = None
+    except CkptToolError as exc:
+        auto, auto_error = None, str(exc)
+    docs = [
+        {
+            "name": p.name,
+            "description": p.description,
+            "vllm_verified": list(p.verified),
+            "vllm_covers": [f"{c}.x" for c in p.covers],
+            "verified_by": p.verified_by,
+            "notes": list(p.notes),
+        }
+        for p in PROFILES.values()
+    ]
+    if json_out:
+        print_json({"profiles": docs, "installed_vllm": installed, "auto": auto, "auto_error": auto_error})
+        return
+    for d in docs:
+        verified = f"verified against vLLM {', '.join(d['vllm_verified'])}" if d["vllm_verified"] else d["verified_by"]
+        typer.echo(f"{d['name']:12s} {verified}\n{'':12s} {d['description']}")
+    typer.echo(f"--target auto: {auto or auto_error} (installed vLLM: {installed or 'none'})")
 
 
 def main(argv: list[str] | None = None) -> int:

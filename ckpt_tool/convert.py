@@ -503,11 +503,22 @@ def _read_journal(path: Path) -> dict | None:
     return doc if isinstance(doc, dict) and "files" in doc else None
 
 
+def target_doc(profile: str) -> dict:
+    """The engine a conversion targets: its profile, the vLLM releases that profile is verified against,
+    and the vLLM installed where it ran (None: none)."""
+    from .rules import PROFILES
+    from .target import installed_vllm
+
+    p = PROFILES[profile]
+    return {"profile": p.name, "vllm_verified": list(p.verified), "vllm_covers": list(p.covers), "installed_vllm": installed_vllm()}
+
+
 def manifest_doc(plan: Plan, source: dict, fingerprint: str, outputs: dict) -> dict:
     return {
         "tool": "ckpt-tool",
         "version": __version__,
         "profile": plan.options.profile,
+        "target": target_doc(plan.options.profile),
         "options": plan.options.as_dict(),
         "fingerprint": fingerprint,
         "source": source,

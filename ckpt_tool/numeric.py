@@ -107,13 +107,15 @@ CONVERTED_TENSORS = {
         "experts": "model.layers.{S}.mtp_block.ffn.experts",
     }
 }
-# Profile vllm-norm-gate: newer vLLM (NormGateLinear) — the same table but the FFN norm and router
-# under `ffn.norm_gate.` (research/v4_format.md §3.2, NEW column).
-CONVERTED_TENSORS["vllm-norm-gate"] = {
+# Profile vllm-0.33: vLLM 0.33's sharded_state keys (the MoE module's aliases of router and shared
+# experts, RoutedExperts) — research/vllm_0_33.md.
+CONVERTED_TENSORS["vllm-0.33"] = {
     **CONVERTED_TENSORS["vllm-seed"],
-    "ffn_norm": "model.layers.{S}.mtp_block.ffn.norm_gate.norm.weight",
-    "gate.weight": "model.layers.{S}.mtp_block.ffn.norm_gate.gate.weight",
-    "gate.bias": "model.layers.{S}.mtp_block.ffn.norm_gate.e_score_correction_bias",
+    "gate.weight": "model.layers.{S}.mtp_block.ffn.experts.gate.weight",
+    "gate.bias": "model.layers.{S}.mtp_block.ffn.experts.gate.e_score_correction_bias",
+    "gate_up_proj": "model.layers.{S}.mtp_block.ffn.experts._shared_experts._layer.gate_up_proj",
+    "down_proj": "model.layers.{S}.mtp_block.ffn.experts._shared_experts._layer.down_proj",
+    "experts": "model.layers.{S}.mtp_block.ffn.experts.routed_experts",
 }
 
 

@@ -19,7 +19,7 @@ from . import conversions
 from .completeness import require_complete
 from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo
-from .rules import MATERIALIZE, PROFILES, Rule, Split
+from .rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split
 
 GiB = 1024**3
 FP8_BLOCK = 128
@@ -39,7 +39,7 @@ class Options:
     moe_parallel: str = "tp"  # tp | ep
     only: str | None = None  # None | "model" | "mtp"
     max_shard_size: int = 5 * GiB
-    profile: str = "vllm-seed"
+    profile: str = DEFAULT_PROFILE
 
     def as_dict(self) -> dict:
         return {

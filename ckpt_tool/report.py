@@ -38,6 +38,10 @@ def warning_line(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
+def note_line(message: str) -> None:
+    err.print(f"[cyan]note:[/] {escape(message)}", highlight=False)
+
+
 def _ranges(ids: list[int]) -> str:
     if not ids:
         return "-"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -84,8 +84,6 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
 
 
 def _compiled(rule: Rule) -> Rule:
-    from dataclasses import replace
-
     return replace(rule, regexes=tuple(compile_pattern(s) for s in rule.sources))
 
 
@@ -194,42 +192,84 @@ def vllm_seed_rules(expert_dtype: str) -> list[Rule]:
 
 
 @dataclass(frozen=True)
-class Profile:
-    """A target profile: a base rule table plus whole-segment renames of the targets, as data.
+class ConvertOverride:
+    """A profile's dtype for targets whose base name ends with ``.{tail}`` (only for ``expert_dtype``, if set)."""
 
-    ``target_renames`` maps a dot-separated tail of a target name to its replacement; a rule whose
-    target ends with ``.{tail}`` gets it replaced (whole segments only, first matching entry wins). A
-    new engine layout that only renames parameters is therefore one entry in ``PROFILES``.
+    tail: str
+    convert: str
+    expert_dtype: str | None = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A target profile, as data: the base rule table plus what this engine release does differently.
+
+    ``renames`` map a run of whole dot-separated segments of a target name to another (first entry
+    found in the name wins, applied once). ``converts`` change the element conversion of targets by
+    their base-name tail. ``covers`` are the vLLM ``major.minor`` series ``--target auto`` picks this
+    profile for; ``verified`` names the exact releases whose own loader the engine test runs. A new vLLM
+    release whose layout changes is one more entry in ``PROFILES`` (and one engine-test parameter).
     """
 
     name: str
     description: str
     build: Callable[[str], list[Rule]]  # the base rule table, by expert_dtype
-    target_renames: tuple[tuple[str, str], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    converts: tuple[ConvertOverride, ...] = ()
+    covers: tuple[str, ...] = ()
+    verified: tuple[str, ...] = ()
+    verified_by: str = ""
+    notes: tuple[str, ...] = ()
 
     def rules(self, expert_dtype: str) -> list[Rule]:
-        return [rename_target(r, self.target_renames) for r in self.build(expert_dtype)]
+        out = []
+        for rule in self.build(expert_dtype):
+            rule = override_convert(rule, self.converts, expert_dtype)
+            out.append(rename_target(rule, self.renames))
+        return out
+
+
+def _segment_run(name: str, run: str) -> int:
+    """Index in ``name`` where the whole-segment run ``run`` starts, or -1."""
+    return f".{name}.".find(f".{run}.")  # the leading dot shifts by one: the index is the run's start in name
 
 
 def rename_target(rule: Rule, renames: tuple[tuple[str, str], ...]) -> Rule:
-    """``rule`` with the first matching whole-segment tail of its target replaced."""
-    from dataclasses import replace
-
+    """``rule`` with the first whole-segment run of its target found in ``renames`` replaced."""
     if rule.target is None:
         return rule
-    for tail, new in renames:
-        if rule.target == tail or rule.target.endswith("." + tail):
-            return replace(rule, target=rule.target[: len(rule.target) - len(tail)] + new)
+    for run, new in renames:
+        at = _segment_run(rule.target, run)
+        if at >= 0:
+            return replace(rule, target=rule.target[:at] + new + rule.target[at + len(run) :])
     return rule
 
 
-# vLLM's newer DeepSeek V4 (NormGateLinear; research/v4_format.md §3): the FFN norm and router live
-# under `ffn.norm_gate.`, for main layers and the MTP block alike.
-NORM_GATE_RENAMES: tuple[tuple[str, str], ...] = (
-    ("ffn_norm.weight", "ffn.norm_gate.norm.weight"),
-    ("ffn.gate.weight", "ffn.norm_gate.gate.weight"),
-    ("ffn.gate.e_score_correction_bias", "ffn.norm_gate.e_score_correction_bias"),
-    ("ffn.gate.tid2eid", "ffn.norm_gate.tid2eid"),
+def override_convert(rule: Rule, converts: tuple[ConvertOverride, ...], expert_dtype: str) -> Rule:
+    if rule.target is None:
+        return rule
+    for c in converts:
+        if (c.expert_dtype in (None, expert_dtype)) and (rule.target == c.tail or rule.target.endswith("." + c.tail)):
+            return replace(rule, convert=c.convert)
+    return rule
+
+
+# vLLM 0.33.0 (vllm/models/deepseek_v4/nvidia/{model,mtp}.py; research/vllm_0_33.md). Its MoE module
+# holds the router and the shared experts a second time; the sharded loader keeps the alias that
+# sorts first (`ffn.experts.*`) of each pair of state_dict keys sharing storage.
+VLLM_0_33_RENAMES: tuple[tuple[str, str], ...] = (
+    ("attn.mla_attn.compressor", "attn.compressor"),  # DeepseekV4Attention.compressor, no mla_attn wrapper
+    ("ffn.gate", "ffn.experts.gate"),  # FusedMoE(gate=...) alias of DeepseekV4MoE.gate
+    ("ffn.shared_experts", "ffn.experts._shared_experts._layer"),  # FusedMoE shared-experts runner alias
+    ("ffn.experts", "ffn.experts.routed_experts"),  # RoutedExperts inside FusedMoE
+)
+VLLM_0_33_CONVERTS: tuple[ConvertOverride, ...] = (
+    ConvertOverride("ffn.gate.tid2eid", "int_to_i32", why="hash table parameter is int32 (int64 only with MegaMoE)"),
+    ConvertOverride(
+        "weight_scale_inv", "e8m0_to_f32", expert_dtype="fp8",
+        why="with fp8 experts every block-FP8 linear's scale parameter is float32 (E8M0 params exist only for fp4-expert checkpoints)",
+    ),
 )
 
 PROFILES: dict[str, Profile] = {
@@ -237,18 +277,32 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile(
             "vllm-seed",
-            "vLLM DeepSeek V4 + the seed's DeepSeekV4MTP.load_weights (ffn_norm / ffn.gate.* names)",
+            "the seed loader: vLLM DeepSeek V4 + DeepSeekV4MTP.load_weights of an older vLLM (ffn.gate.*, "
+            "attn.mla_attn.compressor.*, ffn.experts.w13_weight; tid2eid and scales in their stored dtypes)",
             vllm_seed_rules,
+            verified_by="the seed loader's code (shared/seeds); matches no released vLLM's sharded_state loader",
         ),
         Profile(
-            "vllm-norm-gate",
-            "newer vLLM DeepSeek V4 (NormGateLinear: ffn.norm_gate.{norm,gate}.weight, "
-            "ffn.norm_gate.e_score_correction_bias / tid2eid)",
+            "vllm-0.33",
+            "vLLM 0.33 DeepseekV4ForCausalLM / DeepSeekV4MTP (nvidia/): --load-format sharded_state keys "
+            "(ffn.experts.routed_experts.*, ffn.experts.gate.*, ffn.experts._shared_experts._layer.*, "
+            "attn.compressor.*), int32 tid2eid, float32 linear scales for fp8-expert checkpoints",
             vllm_seed_rules,
-            NORM_GATE_RENAMES,
+            VLLM_0_33_RENAMES,
+            VLLM_0_33_CONVERTS,
+            covers=("0.33",),
+            verified=("0.33.0",),
+            verified_by="vLLM's own model classes and ShardedStateLoader.load_weights, built on CPU (tests/engine)",
+            notes=(
+                "attn_sink is written with the H/tp real heads; the engine pads its parameter to the attention "
+                "backend's head count (FlashMLA 64/128, FlashInfer 8..128) with -inf and the sharded loader copies "
+                "the prefix, warning about the shape once per layer",
+            ),
         ),
     )
 }
+DEFAULT_PROFILE = "vllm-0.33"  # the newest: what --target auto picks when no vLLM is installed
+
 
 # What the MTP draft model needs that a checkpoint may lack (the released V4-Flash has no MTP
 # embedding/head): output name → (source tensor to copy, split). The seed loader would leave these

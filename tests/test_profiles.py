@@ -1,8 +1,9 @@
-"""Target profiles: ``vllm-seed`` and ``vllm-norm-gate`` convert every good fixture and verify.
+"""Target profiles: ``vllm-seed`` and ``vllm-0.33`` convert every good fixture and verify; ``--target auto``.
 
-The expected names of ``vllm-norm-gate`` are computed here from the ``vllm-seed`` output with the four
-renames of research/v4_format.md §3 (NEW vLLM: NormGateLinear), written as plain regexes rather than
-read from ``ckpt_tool.rules``, so a wrong rule table cannot agree with itself.
+The expected names and dtypes of ``vllm-0.33`` are computed here from the ``vllm-seed`` output with the
+renames and dtype changes research/vllm_0_33.md lists, written as plain regexes rather than read from
+``ckpt_tool.rules``, so a wrong rule table cannot agree with itself. (That vllm-0.33 is what vLLM 0.33
+loads is proven by vLLM's own loader in tests/engine.)
 """
 
 from __future__ import annotations
@@ -21,23 +22,32 @@ from ckpt_tool.plan import Options
 from ckpt_tool.verify import verify
 from fixtures.make import GOOD_VARIANTS
 
-PROFILE_NAMES = ("vllm-seed", "vllm-norm-gate")
+PROFILE_NAMES = ("vllm-seed", "vllm-0.33")
 
-# seed name → newer vLLM name; anchored on whole dot-separated segments
-NORM_GATE = [
-    (re.compile(r"^(model\.layers\.\d+\.(?:mtp_block\.)?)ffn_norm\.weight$"), r"\1ffn.norm_gate.norm.weight"),
-    (re.compile(r"^(model\.layers\.\d+\.(?:mtp_block\.)?)ffn\.gate\.weight$"), r"\1ffn.norm_gate.gate.weight"),
-    (re.compile(r"^(model\.layers\.\d+\.(?:mtp_block\.)?)ffn\.gate\.e_score_correction_bias$"), r"\1ffn.norm_gate.e_score_correction_bias"),
-    (re.compile(r"^(model\.layers\.\d+\.(?:mtp_block\.)?)ffn\.gate\.tid2eid$"), r"\1ffn.norm_gate.tid2eid"),
+# seed name → vLLM 0.33 sharded_state key; anchored on whole dot-separated segments
+V033 = [
+    (re.compile(r"\.attn\.mla_attn\.compressor\."), ".attn.compressor."),
+    (re.compile(r"\.ffn\.gate\."), ".ffn.experts.gate."),
+    (re.compile(r"\.ffn\.shared_experts\."), ".ffn.experts._shared_experts._layer."),
+    (re.compile(r"\.ffn\.experts\.(w13_|w2_)"), r".ffn.experts.routed_experts.\1"),
 ]
 
 
-def norm_gate_name(seed_name: str) -> str:
-    for rx, repl in NORM_GATE:
+def v033_name(seed_name: str) -> str:
+    for rx, repl in V033:
         new, n = rx.subn(repl, seed_name)
         if n:
             return new
     return seed_name
+
+
+def v033_tensor(name: str, t: torch.Tensor, expert_dtype: str) -> torch.Tensor:
+    """The seed output tensor as vLLM 0.33's parameter holds it."""
+    if name.endswith(".tid2eid"):
+        return t.to(torch.int32)
+    if expert_dtype == "fp8" and name.endswith(".weight_scale_inv") and t.dtype == torch.float8_e8m0fnu:
+        return t.to(torch.float32)
+    return t
 
 
 def tensors_of(out: Path) -> dict[tuple[str, int], dict[str, torch.Tensor]]:
@@ -84,44 +94,99 @@ def test_every_profile_converts_and_verifies(converted, fixture_dir, variant: st
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("variant", GOOD_VARIANTS)
-def test_norm_gate_names_are_the_seed_names_with_four_renames(converted, variant: str, tp: int) -> None:
+def test_v033_is_the_seed_layout_renamed_with_engine_dtypes(converted, fixture_dir, variant: str, tp: int) -> None:
+    expert_dtype = json.loads((fixture_dir(variant) / "config.json").read_text())["expert_dtype"]
     seed = tensors_of(converted(variant, "vllm-seed", tp))
-    new = tensors_of(converted(variant, "vllm-norm-gate", tp))
+    new = tensors_of(converted(variant, "vllm-0.33", tp))
     assert set(seed) == set(new)
-    renamed = 0
     for key, tensors in seed.items():
-        expected = {norm_gate_name(n): t for n, t in tensors.items()}
+        expected = {v033_name(n): v033_tensor(n, t, expert_dtype) for n, t in tensors.items()}
         assert set(new[key]) == set(expected), key
         for name, t in expected.items():
             got = new[key][name]
-            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
-        renamed += sum(norm_gate_name(n) != n for n in tensors)
-    # every block (3 main layers + each MTP block) has ffn_norm + gate.weight + (bias | tid2eid), per rank
-    assert renamed > 0
-    for key, tensors in new.items():
-        assert not any(".ffn_norm." in n or ".ffn.gate." in n for n in tensors), key
-        assert all(".norm_gate." not in n for n in seed[key])
+            assert got.dtype == t.dtype and got.shape == t.shape, name
+            assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), name
 
 
-def test_norm_gate_covers_hash_layer_tid2eid_and_mtp_block(converted) -> None:
-    new = tensors_of(converted("fp4", "vllm-norm-gate", 1))
+def test_v033_layout_of_hash_layer_compressor_and_mtp_block(converted) -> None:
+    new = tensors_of(converted("fp4", "vllm-0.33", 1))
     model, mtp = new[("model", 0)], new[("mtp", 0)]
-    assert "model.layers.0.ffn.norm_gate.tid2eid" in model  # hash layer
-    assert "model.layers.1.ffn.norm_gate.e_score_correction_bias" in model
-    assert "model.layers.2.ffn.norm_gate.norm.weight" in model
-    assert "model.layers.3.mtp_block.ffn.norm_gate.gate.weight" in mtp
-    assert "model.layers.3.mtp_block.ffn.norm_gate.e_score_correction_bias" in mtp
-    assert "model.layers.3.mtp_block.ffn.norm_gate.norm.weight" in mtp
+    assert model["model.layers.0.ffn.experts.gate.tid2eid"].dtype == torch.int32  # hash layer
+    assert "model.layers.1.ffn.experts.gate.e_score_correction_bias" in model
+    assert "model.layers.1.attn.compressor.ape" in model and "model.layers.1.attn.indexer.compressor.ape" in model
+    assert "model.layers.2.ffn.experts.routed_experts.w13_weight" in model
+    assert "model.layers.3.mtp_block.ffn.experts._shared_experts._layer.down_proj.weight" in mtp
+    assert not any(".mla_attn." in n or ".ffn.gate." in n or ".ffn.shared_experts." in n for n in model)
 
 
-def test_profiles_command_lists_both(capsys) -> None:
+def test_fp8_expert_checkpoints_get_float32_linear_scales(converted) -> None:
+    model = tensors_of(converted("fp8-e8m0", "vllm-0.33", 1))[("model", 0)]
+    scales = {n: t.dtype for n, t in model.items() if "scale" in n}
+    assert scales and set(scales.values()) == {torch.float32}
+    fp4 = tensors_of(converted("fp4", "vllm-0.33", 1))[("model", 0)]
+    assert fp4["model.layers.0.attn.wq_b.weight_scale_inv"].dtype == torch.float8_e8m0fnu  # E8M0 params with fp4 experts
+
+
+def test_profiles_command_lists_both_with_verified_versions(capsys) -> None:
     assert main(["profiles"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    listed = [line.split()[0] for line in lines if line.strip()]
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.splitlines() if line.strip() and not line.startswith((" ", "--target"))]
     assert listed == list(PROFILE_NAMES)
+    assert "verified against vLLM 0.33.0" in out
+    assert main(["profiles", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in doc["profiles"]] == list(PROFILE_NAMES)
+    assert {p["name"]: p["vllm_verified"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33": ["0.33.0"]}
 
 
-def test_unknown_target_is_rejected_naming_the_known_ones(fixture_dir, tmp_path, capsys) -> None:
+def test_unknown_target_is_a_usage_error_naming_the_known_ones(fixture_dir, tmp_path, capsys) -> None:
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--target", "vllm-nope"])
     err = capsys.readouterr().err
-    assert code == 1 and "vllm-nope" in err and "vllm-norm-gate" in err
+    assert code == 2 and "vllm-nope" in err and "vllm-0.33" in err and "vllm-seed" in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --target auto: from the installed vLLM's package metadata (vLLM is never imported)
+
+
+def test_auto_without_vllm_takes_the_newest_profile_and_says_so(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: None)
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "no vLLM installed" in notes[0] and "vllm-0.33" in notes[0]
+    manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
+    assert manifest["profile"] == "vllm-0.33"
+    assert manifest["target"] == {"profile": "vllm-0.33", "vllm_verified": ["0.33.0"], "vllm_covers": ["0.33"], "installed_vllm": None}
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1+cu130"])
+def test_auto_picks_the_profile_covering_the_installed_vllm(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--json"])
+    assert code == 0, capsys.readouterr().err
+    manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
+    assert manifest["profile"] == "vllm-0.33" and manifest["target"]["installed_vllm"] == version
+
+
+def test_auto_refuses_an_installed_vllm_no_profile_covers(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.34.0")
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "0.34.0" in err and "vllm-seed" in err and "vllm-0.33" in err and "--target" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_installed_vllm_is_read_from_package_metadata_without_importing_it(monkeypatch) -> None:
+    import sys
+    from importlib import metadata
+
+    from ckpt_tool.target import installed_vllm
+
+    monkeypatch.setattr(metadata, "version", lambda name: "0.33.0" if name == "vllm" else metadata.version(name))
+    assert installed_vllm() == "0.33.0"
+    assert "vllm" not in sys.modules

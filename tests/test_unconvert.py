@@ -68,10 +68,12 @@ def test_round_trip_is_byte_identical(fixture_dir, tmp_path, variant: str, tp: i
     assert file_hashes(back) == file_hashes(src)
 
 
-def test_round_trip_of_the_norm_gate_profile(fixture_dir, tmp_path) -> None:
+@pytest.mark.parametrize("profile", ["vllm-seed", "vllm-0.33"])
+def test_round_trip_of_each_profile_with_converted_dtypes(fixture_dir, tmp_path, profile: str) -> None:
+    # fp8-e8m0 under vllm-0.33: every E8M0 scale becomes float32 and tid2eid int32; both come back exactly
     src = fixture_dir("fp8-e8m0")
     out, back = tmp_path / "out", tmp_path / "back"
-    convert(src, out, Options(tp=2, profile="vllm-norm-gate"))
+    convert(src, out, Options(tp=2, profile=profile))
     unconvert(out, back)
     assert file_hashes(back) == file_hashes(src)
 
@@ -181,7 +183,7 @@ def test_replicas_that_disagree_are_refused(fixture_dir, tmp_path) -> None:
 def test_a_float32_scale_that_is_not_a_power_of_two_is_refused(fixture_dir, tmp_path) -> None:
     src = fixture_dir("fp8-e8m0")  # fp8 experts with E8M0 scales: written as float32 2^(b-127)
     out = tmp_path / "out"
-    convert(src, out, Options())
+    convert(src, out, Options(profile="vllm-seed"))
     name = "model.layers.3.mtp_block.ffn.experts.w2_weight_scale_inv"
     rel = _locate(out, "mtp", 0, name)
 

@@ -55,8 +55,9 @@ from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
 MANIFEST = "ckpt-tool.json"
 S = MAIN_LAYERS  # engine layer of mtp.0
 P = f"model.layers.{S}.mtp_block."
-W13 = P + "ffn.experts.w13_weight"
-W13_SCALE_FP4 = P + "ffn.experts.w13_weight_scale"
+# names of the default profile, vllm-0.33
+W13 = P + "ffn.experts.routed_experts.w13_weight"
+W13_SCALE_FP4 = P + "ffn.experts.routed_experts.w13_weight_scale"
 FUSED = P + "attn.fused_wqa_wkv.weight"
 FUSED_SCALE = P + "attn.fused_wqa_wkv.weight_scale_inv"
 SINK = P + "attn.attn_sink"
