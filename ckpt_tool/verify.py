@@ -137,6 +137,7 @@ def verify(
         report.add(Check("source-fingerprint", True))
 
     headers = check_structure(out, plan, manifest, report, ckpt.root)
+    check_engine(plan, headers, report)
     if level in ("values", "numeric") and report.ok:
         check_values(out, plan, ckpt.root, headers, report, progress)
     if level == "numeric" and report.ok and manifest.get("ranks") is not None and len(manifest["ranks"]) < opts.tp:
@@ -146,6 +147,35 @@ def verify(
 
         check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed)
     return report
+
+
+def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyReport) -> None:
+    """Each written rank against the target engine's parameter table (ckpt_tool.engine): the keys its
+    loader expects, their shapes and dtypes. A rule table gone stale against the engine fails here."""
+    from .engine import ENGINES, compare_with_engine, engine_params
+
+    opts = plan.options
+    if opts.profile not in ENGINES:
+        report.add(Check("engine", False, f"profile {opts.profile!r} has no engine table; add one to ckpt_tool/engine.py"))
+        return
+    ranks = sorted({(f.component, f.rank) for f in plan.files})
+    for comp, rank in ranks:
+        written: dict[str, tuple[tuple[int, ...], str]] = {}
+        files = [f.relpath for f in plan.files if (f.component, f.rank) == (comp, rank)]
+        if not all(rel in headers for rel in files):
+            continue  # a structure failure already names the unreadable or missing file
+        for rel in files:
+            written.update({n: (t.shape, t.dtype) for n, t in headers[rel].tensors.items()})
+        expected = engine_params(plan.config, opts.profile, comp, opts.tp, opts.moe_parallel)
+        problems = compare_with_engine(written, expected)
+        name = f"engine:{comp}/rank-{rank}"
+        where = f"{comp}/model-rank-{rank}-part-*.safetensors"
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            msg = f"{where} vs the {opts.profile} engine: {problems[0][0]}{more}"
+            report.add(Check(name, False, msg, file=where, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+        else:
+            report.add(Check(name, True, file=where, details={"parameters": len(expected)}))
 
 
 def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path) -> dict[str, ShardHeader]:
