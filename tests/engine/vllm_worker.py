@@ -1,0 +1,754 @@
+"""Build vLLM 0.33.0's own DeepSeek V4 classes on CPU and run vLLM's own loaders on them.
+
+Run it with the project venv's python; ``--site`` (default ``<repo>/.engine-site``, see install.py) is put
+first on ``sys.path``. Everything vLLM prints goes to stderr; stdout carries one JSON document.
+
+    python tests/engine/vllm_worker.py expect       --config SRC --tp 2 --rank 0 [--ep] --component model|mtp
+    python tests/engine/vllm_worker.py sharded-load --config SRC --tp 2 --rank 0 [--ep] --component model --folder OUT/model [--dump F]
+    python tests/engine/vllm_worker.py stock-load   --config SRC --tp 2 --rank 0 [--ep] --component mtp [--source SRC] [--dump F]
+    python tests/engine/vllm_worker.py batch JOBS.json|-      # {"jobs": [{"op": ..., "config": ..., ...}, ...]}
+
+Operations (each builds a fresh model for (config, tp, rank, ep, component)):
+
+* ``expect``: the keys vLLM's ShardedStateLoader wants from rank ``rank``'s files: the model's ``state_dict()``
+  passed through ``ShardedStateLoader._filter_subtensors`` (vLLM's own function), with shape and dtype.
+* ``sharded-load``: ``ShardedStateLoader.load_weights`` (the ``--load-format sharded_state`` path) on
+  ``--folder`` (``model-rank-{rank}-part-*.safetensors``); every vLLM log record and Python warning it emits and
+  any exception are reported; on success the filtered state dict is dumped.
+* ``stock-load``: ``DefaultModelLoader.load_weights`` (``--load-format auto``) on the original DeepSeek-named
+  checkpoint: vLLM reads the whole checkpoint and the model class's own ``load_weights`` (hf_to_vllm_mapper,
+  MTP name remapping) places the tensors. For ``mtp`` this is how vLLM loads the draft (same folder, the MTP
+  class picks the ``mtp.*`` tensors). Also reports which source tensor wrote which state-dict key. ``--save DIR``
+  then writes the loaded model with vLLM's own ``ShardedStateLoader.save_model`` (a reference sharded output).
+
+Dump: ``--dump F`` writes the filtered state dict to safetensors file F; the JSON always carries dtype, shape
+and sha256 of the raw bytes of every key. Weight post-processing (``process_weights_after_loading``, which
+repacks for CUDA kernels) is not run: the raw loaded parameters are compared.
+
+What is stubbed, and why (nothing else is changed):
+
+* vLLM's compiled extensions (``vllm._C*``, ``_moe_C``, ``_flashmla*``, flash-attn, ``_deepselect_C``, ...) and
+  the vendored CUDA-only ``vllm.third_party.deep_gemm``: they need CUDA libraries. Stub attributes are objects
+  that raise when called: no kernel runs. ``torch.ops._C`` etc. answer the few capability queries made at import
+  as an SM90 build would, and registering fake (meta) kernels for those absent ops is skipped.
+* ``vllm.platforms.current_platform``: a CudaPlatform answering as an SM90 (H100) GPU whose device type is
+  ``cpu`` (tensors vLLM allocates on "the device" land on CPU).
+* ``torch.cuda.Stream`` / ``torch.cuda.Event`` (constructed by the V4 layers, never used without a forward).
+* vLLM's process groups (world, TP, PP, DP, EP, PCP, DCP): fake GroupCoordinators of the sizes vLLM would make
+  for one node with ``--tensor-parallel-size T`` (EP group = TP ranks, as vLLM builds it), no communication.
+* The model registry's "inspect the model class in a subprocess" is run in-process (the subprocess would not
+  have the stubs).
+* Config: ``kernel_config.enable_jit_warmup = False`` (it only registers TileLang/Triton JIT warmups, which
+  need the CUDA-only ``tilelang``); this does not change any parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import types
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SITE = REPO / ".engine-site"
+
+# Names of what this worker stubs (reported in every result).
+STUBBED_MODULES: list[str] = []
+STUB_CALLS: list[str] = []
+
+# Compiled extensions of the vLLM wheel (need libcudart/libtorch_cuda) and CUDA-only packages.
+STUB_EXACT = (
+    "vllm._C",
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C",
+    "vllm._moe_C_stable_libtorch",
+    "vllm._qutlass_C",
+    "vllm._flashmla_C",
+    "vllm._flashmla_extension_C",
+    "vllm._flashkda_C",
+    "vllm._deepselect_C",
+    "vllm.cumem_allocator",
+    "vllm.fs_io_C",
+    "vllm.spinloop",
+    "vllm.vllm_flash_attn._vllm_fa2_C",
+    "vllm.vllm_flash_attn._vllm_fa3_C",
+)
+STUB_PACKAGES = ("vllm.third_party.deep_gemm",)  # vendored DeepGEMM: imports its CUDA extension at import time
+STUB_OP_NAMESPACES = (
+    "_C",
+    "_moe_C",
+    "_C_cache_ops",
+    "_C_custom_ar",
+    "_rocm_C",
+    "_qutlass_C",
+    "_flashmla_C",
+    "_flashmla_extension_C",
+)
+
+
+class _Stub:
+    """An attribute of a stubbed extension: attribute access gives more stubs, a call raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        STUB_CALLS.append(self._name)
+        raise RuntimeError(f"stubbed CUDA kernel/extension called on CPU: {self._name}")
+
+    def __repr__(self):
+        return f"<stub {self._name}>"
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def _match(self, name: str) -> bool:
+        return name in STUB_EXACT or any(name == p or name.startswith(p + ".") for p in STUB_PACKAGES)
+
+    def find_spec(self, name, path=None, target=None):
+        if self._match(name):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = _StubModule(spec.name)
+        mod.__path__ = []
+        STUBBED_MODULES.append(spec.name)
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+class _OpsNamespace:
+    """``torch.ops.<ns>`` of a compiled extension that is not loaded.
+
+    Capability queries made while importing/building answer as vLLM's SM90 CUDA build would; any other op is a
+    stub that raises when called.
+    """
+
+    ANSWERS = {
+        "cutlass_scaled_mm_supports_fp8": lambda cap: cap >= 89,
+        "cutlass_scaled_mm_supports_block_fp8": lambda cap: cap >= 90,
+        "cutlass_scaled_mm_supports_fp4": lambda cap: cap >= 100,
+        "cutlass_group_gemm_supported": lambda cap: cap in (90, 100),
+    }
+
+    def __init__(self, ns: str):
+        self._ns = ns
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr in self.ANSWERS:
+            fn = self.ANSWERS[attr]
+
+            def answer(*args, **kwargs):
+                STUB_CALLS.append(f"torch.ops.{self._ns}.{attr} (answered)")
+                return fn(*args, **kwargs)
+
+            return answer
+        return _Stub(f"torch.ops.{self._ns}.{attr}")
+
+
+class _CudaObject:
+    """torch.cuda.Stream / Event stand-in (the CPU build of torch cannot construct them)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"torch.cuda.{type(self).__name__}.{attr}")
+
+
+_BOOTED = False
+_REAL_STDOUT = None
+
+
+def bootstrap(site: Path) -> None:
+    """Make ``import vllm`` (0.33.0 from ``site``) work on a CPU-only machine, stubbing only what needs CUDA."""
+    global _BOOTED
+    if _BOOTED:
+        return
+    site = Path(site)
+    if not (site / "vllm" / "__init__.py").is_file():
+        raise SystemExit(f"vllm is not installed in {site} (run tests/engine/install.py)")
+    sys.path.insert(0, str(site))
+    # The loader's warnings are the result: vLLM must log at INFO, to stderr (stdout carries the JSON answer).
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
+
+    sys.meta_path.insert(0, _StubFinder())
+
+    import torch
+
+    for ns in STUB_OP_NAMESPACES:
+        setattr(torch.ops, ns, _OpsNamespace(ns))
+    real_register_fake = torch.library.register_fake
+
+    def register_fake(op, *args, **kwargs):
+        if isinstance(op, str) and op.split("::")[0] in STUB_OP_NAMESPACES:
+            return args[0] if args else (lambda fn: fn)
+        return real_register_fake(op, *args, **kwargs)
+
+    torch.library.register_fake = register_fake
+    torch.cuda.Stream = type("Stream", (_CudaObject,), {})
+    torch.cuda.Event = type("Event", (_CudaObject,), {})
+
+    import vllm
+    import vllm.platforms
+    from vllm.platforms import cuda as vllm_cuda
+    from vllm.platforms.interface import DeviceCapability
+
+    class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
+        """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
+
+        device_type = "cpu"
+
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            return DeviceCapability(major=9, minor=0)
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return "NVIDIA H100 80GB HBM3"
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return 80 << 30
+
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids) -> bool:
+            return True
+
+        @classmethod
+        def device_count(cls) -> int:
+            return 8
+
+    vllm.platforms._current_platform = FakeSM90Platform()
+
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+    _BOOTED = True
+
+
+def _fake_groups(tp: int, rank: int) -> None:
+    import torch
+    import vllm.distributed.parallel_state as ps
+
+    class FakeGroup(ps.GroupCoordinator):
+        def __init__(self, name: str, world: int, rank_in_group: int):  # no torch.distributed, no communicator
+            self.unique_name = name
+            self.world_size = world
+            self.rank_in_group = rank_in_group
+            self.ranks = list(range(world))
+            self.group_ranks = [self.ranks]
+            self.rank = rank_in_group
+            self.local_rank = rank_in_group
+            self.device_index = rank_in_group
+            self.device = torch.device("cpu")
+            self.cpu_group = None
+            self.device_group = None
+            self.use_device_communicator = False
+            self.device_communicator = None
+            self.mq_broadcaster = None
+
+    sizes = {
+        "_WORLD": (tp, rank),
+        "_INNER_DP_WORLD": (1, 0),
+        "_TP": (tp, rank),
+        "_ETP": (tp, rank),
+        "_PP": (1, 0),
+        "_DP": (1, 0),
+        "_EP": (tp, rank),  # vLLM's EP group spans DP x PCP x TP ranks, enabled or not
+        "_PCP": (1, 0),
+        "_DCP": (1, 0),
+    }
+    for attr, (world, r) in sizes.items():
+        setattr(ps, attr, FakeGroup(attr.strip("_").lower(), world, r))
+
+
+def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with open(Path(config_dir) / "config.json") as fh:
+        n_mtp = int(json.load(fh).get("num_nextn_predict_layers") or 0)
+    args = EngineArgs(
+        model=str(config_dir),
+        tokenizer=str(config_dir),
+        skip_tokenizer_init=True,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
+        load_format=load_format,
+        max_model_len=1024,
+        kernel_config={"enable_jit_warmup": False},
+        speculative_config=(
+            {"method": "mtp", "model": str(config_dir), "num_speculative_tokens": 1} if n_mtp else None
+        ),
+    )
+    return args.create_engine_config()
+
+
+class _ModelConfigAt:
+    """The model config with ``model`` pointing at another folder (what vLLM's loader reads the files from)."""
+
+    def __init__(self, base, folder: str):
+        self._base = base
+        self.model = str(folder)
+        self.model_weights = ""
+
+    def __getattr__(self, attr):
+        return getattr(self._base, attr)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[dict] = []
+
+    def emit(self, record):
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            msg = str(record.msg)
+        self.records.append({"level": record.levelname, "logger": record.name, "message": msg})
+
+
+@contextlib.contextmanager
+def _capture():
+    handler = _Capture()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    box: dict = {"log": handler.records, "warnings": []}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield box
+    finally:
+        logger.removeHandler(handler)
+        box["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def _exception(e: BaseException) -> dict:
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "traceback": traceback.format_exception(type(e), e, e.__traceback__)[-6:],
+    }
+
+
+def _build(job: dict, load_format: str):
+    """(model, vllm_config, model_config the component is loaded with, build report)."""
+    import torch
+    from vllm.model_executor.model_loader.utils import get_model_architecture, initialize_model
+    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM
+    from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    tp, rank, ep, component = int(job["tp"]), int(job["rank"]), bool(job.get("ep")), job["component"]
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is not in 0..{tp - 1}")
+    _fake_groups(tp, rank)
+    t0 = time.perf_counter()
+    with _capture() as cap:
+        cfg = _engine_config(job["config"], tp, ep, load_format)
+        if component == "model":
+            cls, model_config = DeepseekV4ForCausalLM, cfg.model_config
+        elif component == "mtp":
+            if cfg.speculative_config is None:
+                raise ValueError("config.json has no MTP layer (num_nextn_predict_layers is 0)")
+            cls, model_config = DeepSeekV4MTP, cfg.speculative_config.draft_model_config
+        else:
+            raise ValueError(f"component must be 'model' or 'mtp', got {component!r}")
+        registry_cls = get_model_architecture(model_config)[0]
+        # BaseModelLoader.load_model builds under the model dtype and the target device (here: the CPU).
+        with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(cfg, model_class=cls, model_config=model_config)
+    report = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "registry_class": f"{registry_cls.__module__}.{registry_cls.__qualname__}",
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "build_log": [r for r in cap["log"] if r["level"] != "DEBUG"],
+        "build_warnings": cap["warnings"],
+    }
+    return model, cfg, model_config, report
+
+
+def _filtered(model) -> dict:
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    return ShardedStateLoader._filter_subtensors(model.state_dict())
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _table(model) -> tuple[dict, dict]:
+    """(filtered key -> {dtype, shape}, dropped state_dict key -> key it aliases)."""
+    full = model.state_dict()
+    kept = _filtered(model)
+    table = {k: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for k, t in kept.items()}
+    by_ptr = {}
+    for k, t in kept.items():
+        by_ptr.setdefault((t.untyped_storage().data_ptr(), t.data_ptr()), k)
+    aliases = {}
+    for k, t in full.items():
+        if k not in kept:
+            aliases[k] = by_ptr.get((t.untyped_storage().data_ptr(), t.data_ptr()), None) if t.numel() else None
+    return table, aliases
+
+
+def _raw(t):
+    import torch
+
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+
+
+def _dump(model, path: str | None) -> dict:
+    kept = _filtered(model)
+    out = {}
+    tensors = {}
+    for k, t in kept.items():
+        raw = _raw(t)
+        out[k] = {
+            "dtype": _dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
+        }
+        tensors[k] = t.detach().contiguous().cpu().clone()
+    if path:
+        from safetensors.torch import save_file
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path))
+    return out
+
+
+def _file_headers(folder: str, rank: int) -> dict:
+    """What rank ``rank``'s files hold (read from the safetensors headers): key -> {dtype, shape, file}."""
+    import glob
+
+    from safetensors import safe_open
+
+    held = {}
+    for path in sorted(glob.glob(os.path.join(folder, f"model-rank-{rank}-part-*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                sl = f.get_slice(key)
+                held[key] = {"dtype": sl.get_dtype(), "shape": list(sl.get_shape()), "file": os.path.basename(path)}
+    return held
+
+
+_ST_TO_TORCH = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+}
+
+
+def _precheck(table: dict, held: dict, aliases: dict) -> dict:
+    """The harness's own diff of the files against the engine table (vLLM itself stops at the first problem).
+
+    A file key that is not in the table but is another state_dict name of a table key (an alias
+    ``_filter_subtensors`` dropped) is listed under ``alias_names`` and its dtype/shape are still compared.
+    """
+    unexpected = sorted(k for k in held if k not in table)
+    alias_names = {k: aliases[k] for k in unexpected if aliases.get(k)}
+    missing = sorted(k for k in table if k not in held)
+    missing_even_by_alias = sorted(k for k in missing if k not in alias_names.values())
+    dtype_diff, smaller, other = {}, {}, {}
+    for k in sorted(held):
+        ek = k if k in table else alias_names.get(k)
+        if ek is None:
+            continue
+        fd, ed = _ST_TO_TORCH.get(held[k]["dtype"], held[k]["dtype"]), table[ek]["dtype"]
+        if fd != ed:
+            dtype_diff[k] = {"file": fd, "engine": ed}
+        fs, es = held[k]["shape"], table[ek]["shape"]
+        if fs != es:
+            entry = {"file": fs, "engine": es}
+            if len(fs) == len(es) and all(a <= b for a, b in zip(fs, es)):
+                smaller[k] = entry
+            else:
+                other[k] = entry
+    return {
+        "unexpected_keys": unexpected,
+        "missing_keys": missing,
+        "alias_names": alias_names,
+        "missing_even_by_alias": missing_even_by_alias,
+        "dtype_mismatch": dtype_diff,
+        "smaller_shape": smaller,
+        "other_shape_mismatch": other,
+    }
+
+
+def op_expect(job: dict) -> dict:
+    model, _cfg, _mc, report = _build(job, "sharded_state")
+    table, aliases = _table(model)
+    return {**report, "keys": table, "aliases": aliases}
+
+
+def op_sharded_load(job: dict) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    model, cfg, model_config, report = _build(job, "sharded_state")
+    table, aliases = _table(model)
+    folder = job["folder"]
+    rank = int(job["rank"])
+    load_config = cfg.load_config if job["component"] == "model" else get_draft_load_config(cfg)
+    loader = get_model_loader(load_config)
+    result = {
+        **report,
+        "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
+        "keys": table,
+        "aliases": aliases,
+        "folder": str(folder),
+        "files": _file_headers(folder, rank),
+    }
+    result["precheck"] = _precheck(table, result["files"], aliases)
+    t0 = time.perf_counter()
+    with _capture() as cap:
+        try:
+            with set_current_vllm_config(cfg):  # as vLLM's GPU worker holds it while loading
+                loader.load_weights(model, _ModelConfigAt(model_config, folder))
+            result["exception"] = None
+        except Exception as e:  # noqa: BLE001 - reported, not handled
+            result["exception"] = _exception(e)
+    result["load_seconds"] = round(time.perf_counter() - t0, 3)
+    result["load_log"] = [r for r in cap["log"] if r["level"] != "DEBUG"]
+    result["load_warnings"] = cap["warnings"]
+    result["dump"] = _dump(model, job.get("dump")) if result["exception"] is None else None
+    return result
+
+
+class _WriteRecorder:
+    """Records, per source tensor being loaded, which filtered state-dict keys an in-place op wrote to."""
+
+    def __init__(self, model):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        kept = _filtered(model)
+        self.ranges = []  # (start, end, key)
+        for k, t in kept.items():
+            if t.numel():
+                start = t.data_ptr()
+                self.ranges.append((start, start + t.numel() * t.element_size(), k))
+        self.current = None
+        self.provenance: dict[str, set] = {}
+        self.source_dtypes: dict[str, str] = {}
+        self.source_shapes: dict[str, list] = {}
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                schema = getattr(func, "_schema", None)
+                if schema is not None and recorder.current is not None:
+                    for i, a in enumerate(schema.arguments):
+                        if a.alias_info is not None and a.alias_info.is_write:
+                            val = args[i] if i < len(args) else kwargs.get(a.name)
+                            if isinstance(val, torch.Tensor) and val.numel():
+                                recorder._note(val)
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def _note(self, t) -> None:
+        a = t.data_ptr()
+        b = a + t.numel() * t.element_size()  # views written by loaders are contiguous slices or narrows
+        for s, e, k in self.ranges:
+            if a < e and s < b:
+                self.provenance.setdefault(self.current, set()).add(k)
+
+    def wrap(self, weights):
+        for name, tensor in weights:
+            self.current = name
+            self.source_dtypes[name] = _dtype_name(tensor.dtype)
+            self.source_shapes[name] = list(tensor.shape)
+            yield name, tensor
+        self.current = None
+
+
+def op_stock_load(job: dict) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    source = job.get("source") or job["config"]
+    job = {**job, "config": source} if not job.get("config") else job
+    model, cfg, model_config, report = _build(job, "auto")
+    table, aliases = _table(model)
+    load_config = cfg.load_config if job["component"] == "model" else get_draft_load_config(cfg)
+    loader = get_model_loader(load_config)
+    if Path(source).resolve() != Path(model_config.model).resolve():
+        model_config = _ModelConfigAt(model_config, source)
+    rec = _WriteRecorder(model)
+    real_get_all = loader.get_all_weights
+    loader.get_all_weights = lambda mc, m: rec.wrap(real_get_all(mc, m))
+    result = {
+        **report,
+        "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
+        "keys": table,
+        "aliases": aliases,
+        "source": str(source),
+    }
+    t0 = time.perf_counter()
+    with _capture() as cap:
+        try:
+            with set_current_vllm_config(cfg), rec.mode:
+                loader.load_weights(model, model_config)
+            result["exception"] = None
+        except Exception as e:  # noqa: BLE001
+            result["exception"] = _exception(e)
+    result["load_seconds"] = round(time.perf_counter() - t0, 3)
+    result["load_log"] = [r for r in cap["log"] if r["level"] != "DEBUG"]
+    result["load_warnings"] = cap["warnings"]
+    result["provenance"] = {
+        src: {"dtype": rec.source_dtypes.get(src), "shape": rec.source_shapes.get(src), "keys": sorted(keys)}
+        for src, keys in sorted(rec.provenance.items())
+    }
+    result["sources_read"] = {
+        src: {"dtype": rec.source_dtypes[src], "shape": rec.source_shapes[src]}
+        for src in sorted(rec.source_dtypes)
+        if src not in rec.provenance
+    }  # read but written nowhere (skipped by the class, e.g. main-model tensors for the MTP)
+    touched = set().union(*rec.provenance.values()) if rec.provenance else set()
+    result["untouched_keys"] = sorted(k for k in table if k not in touched)
+    result["dump"] = _dump(model, job.get("dump")) if result["exception"] is None else None
+    if job.get("save") and result["exception"] is None:
+        # vLLM's own writer of sharded_state checkpoints (examples/.../save_sharded_state_offline.py uses it)
+        from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+        Path(job["save"]).mkdir(parents=True, exist_ok=True)
+        ShardedStateLoader.save_model(model, str(job["save"]))
+        result["saved"] = sorted(p.name for p in Path(job["save"]).glob(f"model-rank-{job['rank']}-part-*"))
+    return result
+
+
+OPS = {"expect": op_expect, "sharded-load": op_sharded_load, "stock-load": op_stock_load}
+
+
+def _meta() -> dict:
+    import torch
+    import vllm
+
+    return {
+        "vllm_version": getattr(vllm, "__version__", "?"),
+        "torch_version": torch.__version__,
+        "stubbed_modules": sorted(set(STUBBED_MODULES)),
+        "stub_calls": sorted(set(STUB_CALLS)),
+    }
+
+
+def run_job(job: dict) -> dict:
+    op = job.get("op")
+    if op not in OPS:
+        return {"op": op, "error": {"type": "ValueError", "message": f"unknown op {op!r}"}}
+    t0 = time.perf_counter()
+    try:
+        res = OPS[op](job)
+        res["error"] = None
+    except Exception as e:  # noqa: BLE001 - a failure to build is reported per job
+        res = {"error": _exception(e)}
+    res["op"] = op
+    res["job"] = {k: job[k] for k in job if k != "op"}
+    res["seconds"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _REAL_STDOUT
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--site", default=os.environ.get("ENGINE_SITE", str(DEFAULT_SITE)))
+    sub = p.add_subparsers(dest="op", required=True)
+    for name in OPS:
+        s = sub.add_parser(name)
+        s.add_argument("--config", required=True, help="folder with the DeepSeek V4 config.json (the source checkpoint)")
+        s.add_argument("--tp", type=int, required=True)
+        s.add_argument("--rank", type=int, default=0)
+        s.add_argument("--ep", action="store_true", help="--enable-expert-parallel")
+        s.add_argument("--component", choices=["model", "mtp"], default="model")
+        if name == "sharded-load":
+            s.add_argument("--folder", required=True, help="OUT/model or OUT/mtp")
+        if name == "stock-load":
+            s.add_argument("--source", help="original checkpoint folder (default: --config)")
+            s.add_argument("--save", help="then write the loaded model with vLLM's ShardedStateLoader.save_model here")
+        if name != "expect":
+            s.add_argument("--dump", help="write the loaded filtered state dict to this safetensors file")
+    b = sub.add_parser("batch")
+    b.add_argument("jobs", help="JSON file ({'jobs': [...]}) or - for stdin")
+    args = p.parse_args(argv)
+
+    # Keep stdout for the one JSON answer: everything else (vLLM's logs, prints) goes to stderr.
+    sys.stdout.flush()
+    _REAL_STDOUT = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    bootstrap(Path(args.site))
+    if args.op == "batch":
+        text = sys.stdin.read() if args.jobs == "-" else Path(args.jobs).read_text()
+        jobs = json.loads(text)["jobs"]
+        out = {"results": [run_job(j) for j in jobs]}
+    else:
+        job = {k: v for k, v in vars(args).items() if k not in ("site",)}
+        out = run_job(job)
+    out["meta"] = _meta()
+    if os.environ["VLLM_CACHE_ROOT"].startswith(tempfile.gettempdir() + "/vllm-cache-"):
+        shutil.rmtree(os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)
+    json.dump(out, _REAL_STDOUT, indent=1)
+    _REAL_STDOUT.write("\n")
+    _REAL_STDOUT.flush()
+    failed = [r for r in out.get("results", [out]) if r.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
