@@ -1,31 +1,64 @@
 """The ``ckpt-tool`` command line: a thin layer over the library. Errors become one line and an exit code.
 
-Exit codes (every command): 0 ok, 1 a check failed or the input is invalid, 2 usage error.
+Exit codes (every command): 0 ok, 1 a check failed or the input is invalid, 2 usage error, 130
+interrupted. A closed stdout (``ckpt-tool inspect SRC | head -1``) is not an error. ``--debug`` and
+``-q/--quiet`` are accepted anywhere on the command line. ``--json`` (or ``--format json``) prints one
+JSON document per command, of one shape on success and failure (``schema_version``, ``command``,
+``ok``, ``error``, then the command's fields; see report.JSON_FIELDS).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from . import __version__
-from .errors import CkptToolError
+from .errors import CkptToolError, UsageError
 
 app = typer.Typer(
     name="ckpt-tool",
     help="Convert, inspect and verify DeepSeek V4 safetensors checkpoints for vLLM (target model + MTP draft).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_state = {"debug": False}
+_state = {"debug": False, "quiet": False}
+GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
+
+
+def _plain_argument_help() -> None:
+    """typer 0.29 shows a required argument as ``{SRC}`` in usage and ``SRC <str>`` in help; plain ``SRC`` reads
+    as every other CLI does. (Options carry explicit metavars; choices show as ``<a|b>``.)"""
+    arg = getattr(typer.core, "TyperArgument", None)
+    if arg is None:  # pragma: no cover - another typer: keep its rendering
+        return
+    if hasattr(arg, "_usage_display_name"):
+        arg._usage_display_name = lambda self: self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    if hasattr(arg, "display_type_rich"):
+        arg.display_type_rich = lambda self, ctx: None
+
+
+_plain_argument_help()
+
+
+def _target_choices() -> type[Enum]:
+    from .rules import PROFILES
+
+    return Enum("Target", {name: name for name in ("auto", *PROFILES)}, type=str)  # type: ignore[return-value]
+
+
+Target = _target_choices()
+Format = Literal["table", "json"]
 
 
 def _version(value: bool) -> None:
@@ -36,22 +69,64 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logging.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logging (accepted anywhere).")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only errors and warnings: no progress, notes or summaries (accepted anywhere).")] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     """Convert, inspect and verify DeepSeek V4 safetensors checkpoints for vLLM."""
-    _state["debug"] = debug or bool(os.environ.get("CKPT_TOOL_DEBUG"))
+    _state["debug"] = _state["debug"] or debug or bool(os.environ.get("CKPT_TOOL_DEBUG"))
+    _state["quiet"] = _state["quiet"] or quiet
     logging.basicConfig(level=logging.DEBUG if _state["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if _state["quiet"]:
+        from .report import set_quiet
+
+        set_quiet(True)
 
 
-def _fail_user(exc: CkptToolError, json_out: bool) -> None:
-    """A user-facing error: one JSON document too when --json owns stdout, then one line and the exit code."""
-    if json_out:
-        from .report import print_json
+def _guarded(command: str):
+    """Wrap a command: Ctrl-C says what to do (exit 130); a closed stdout ends quietly (exit 0)."""
 
-        print_json({"ok": False, "error": str(exc)})
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except KeyboardInterrupt:
+                from .report import error_line
+
+                hint = "; rerun the same command to resume" if command == "convert" else ""
+                error_line(f"interrupted{hint}")
+                raise typer.Exit(130) from None
+            except BrokenPipeError:
+                _drop_stdout()
+                raise typer.Exit(0) from None
+
+        return run
+
+    return wrap
+
+
+def _drop_stdout() -> None:
+    """The reader went away (``| head``): send what is left of stdout to /dev/null so exit is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a descriptor (captured): nothing to redirect
+        pass
+
+
+def _wants_json(json_out: bool, fmt: str | None) -> bool:
+    return json_out or fmt == "json"
+
+
+def _fail_user(exc: CkptToolError, command: str | None, json_out: bool, body: dict | None = None) -> None:
+    """A user-facing error: the command's JSON document (ok false) when --json owns stdout, one line, the exit code."""
+    if json_out and command is not None:
+        from .report import json_document, print_json
+
+        print_json(json_document(command, body, error=str(exc)))
     _fail(exc, exc.exit_code)
 
 
@@ -78,30 +153,45 @@ def _os_error(exc: OSError, out: Path) -> CkptToolError:
     )
 
 
-@app.command()
-def inspect(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint folder, index .json, one .safetensors file, or hub repo id (org/name[@rev]).")],
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")] = False,
-) -> None:
-    """Header-only look at a checkpoint: files, tensors, dtypes, bytes, quantization, MTP layers.
+# Options several commands share
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (same as --format json).")]
+FormatOpt = Annotated[Format | None, typer.Option("--format", help="Output format: table (default) or json.")]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", metavar="REV", help="Hub source: branch, tag or commit (overrides org/name@REV).")]
+TokenOpt = Annotated[str | None, typer.Option("--token", metavar="TOKEN", help="Hub source: access token (default: HF_TOKEN or the stored login).")]
+CacheDirOpt = Annotated[str | None, typer.Option("--cache-dir", metavar="DIR", help="Hub source: cache folder (default: HF_HUB_CACHE / HF_HOME).")]
 
-    Reads only headers (no tensor bytes). Exits 1 if an MTP layer the config asks for is missing,
-    the config and stored dtypes disagree, or a file is invalid.
+
+@app.command()
+@_guarded("inspect")
+def inspect(
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint folder, index .json, one .safetensors file, or hub repo id (org/name[@rev], hf://org/name).")],
+    json_out: JsonOpt = False,
+    fmt: FormatOpt = None,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    cache_dir: CacheDirOpt = None,
+) -> None:
+    """Header-only look at a checkpoint: files, tensors, dtypes, bytes, quantization, layers, MTP.
+
+    Reads only headers (no tensor bytes). Exits 1 if the checkpoint lacks a tensor the engine needs
+    (a main layer, an expert, an MTP layer: the verdict convert gives), the config and stored dtypes
+    disagree, or a file is invalid.
 
     Examples:
 
     \b
       ckpt-tool inspect ./DeepSeek-V4-Flash
       ckpt-tool inspect ./DeepSeek-V4-Flash/model.safetensors.index.json --json
-      ckpt-tool inspect deepseek-ai/DeepSeek-V4-Flash
+      ckpt-tool inspect deepseek-ai/DeepSeek-V4-Flash --revision main
     """
     from .hub import hub_headers, parse_hub_ref
     from .inspect import inspect_tensors
-    from .report import print_json, render_inspect
+    from .report import json_document, print_json, render_inspect
     from .source import open_checkpoint
 
+    as_json = _wants_json(json_out, fmt)
     try:
-        ref = parse_hub_ref(src)
+        ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
         if ref is not None:
             tensors, config, config_error = hub_headers(ref)
         else:
@@ -109,12 +199,10 @@ def inspect(
             tensors, config, config_error = ckpt.tensors, ckpt.config, ckpt.config_error
         report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
     except CkptToolError as exc:
-        if json_out:
-            print_json({"source": src, "ok": False, "error": str(exc)})
-        _fail(exc, exc.exit_code)
+        _fail_user(exc, "inspect", as_json, {"source": src})
         return
-    if json_out:
-        print_json(report.to_json())
+    if as_json:
+        print_json(json_document("inspect", report.to_json(), error=report.problems[0] if report.problems else None))
         if not report.ok:
             from .report import error_line
 
@@ -141,29 +229,36 @@ def _parse_size(text: str) -> int:
 
 
 @app.command()
+@_guarded("convert")
 def convert(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json, .safetensors, or hub repo id (org/name[@rev]).")],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (created). Never inside SRC.")],
-    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel degree: one set of files per rank.")] = 1,
-    moe_parallel: Annotated[str, typer.Option("--moe-parallel", help="Routed experts: 'tp' splits each expert's intermediate dim, 'ep' gives each rank whole experts.")] = "tp",
-    only: Annotated[str | None, typer.Option("--only", help="Write only 'model' (target) or 'mtp' (draft).")] = None,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Output files written (and hashed) in parallel; each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = 1,
-    target: Annotated[str, typer.Option("--target", help="Engine profile: 'auto' (the installed vLLM's, else the newest), or a name from 'ckpt-tool profiles'.")] = "auto",
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json, .safetensors, or hub repo id (org/name[@rev], hf://org/name).")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder: new, empty, or an earlier OUT of ckpt-tool. Never inside SRC.")],
+    tp: Annotated[int, typer.Option("--tp", min=1, metavar="T", help="Tensor-parallel degree: one set of files per rank (serve with the same).")] = 1,
+    moe_parallel: Annotated[Literal["tp", "ep"], typer.Option("--moe-parallel", help="Routed experts: tp splits each expert's intermediate dim; ep gives each rank whole experts (serve with --enable-expert-parallel).")] = "tp",
+    only: Annotated[Literal["model", "mtp"] | None, typer.Option("--only", help="Write only the target model or only the MTP draft.")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
+    workers: Annotated[int, typer.Option("--workers", min=1, metavar="K", help="Output files written (and hashed) in parallel; each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = 1,
+    target: Annotated[Target, typer.Option("--target", help="Engine profile: auto (the installed vLLM's, else the newest) or one of 'ckpt-tool profiles'.")] = Target("auto"),  # type: ignore[valid-type]
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document (plan or summary) on stdout.")] = False,
-    ranks: Annotated[str | None, typer.Option("--ranks", help="Write only these TP ranks, e.g. 0,3-5 (the manifest records them).")] = None,
-    shard_index: Annotated[int, typer.Option("--shard-index", min=0, help="Scale-out: this machine's part K of --shard-count M.")] = 0,
-    shard_count: Annotated[int, typer.Option("--shard-count", min=1, help="Scale-out: write only planned files i with i % M == K; no manifest until --finalize.")] = 1,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")] = False,
+    json_out: JsonOpt = False,
+    fmt: FormatOpt = None,
+    ranks: Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Write only these TP ranks, e.g. 0,3-5 (the manifest records them).")] = None,
+    shard_index: Annotated[int, typer.Option("--shard-index", min=0, metavar="K", help="Scale-out: this machine's part K of --shard-count M.")] = 0,
+    shard_count: Annotated[int, typer.Option("--shard-count", min=1, metavar="M", help="Scale-out: write only planned files i with i % M == K; no manifest until --finalize.")] = 1,
     finalize: Annotated[bool, typer.Option("--finalize", help="After all shards ran (same options): check every file against its checksum, write index, config and manifest.")] = False,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    cache_dir: CacheDirOpt = None,
 ) -> None:
     """Convert an original DeepSeek V4 checkpoint into vLLM's runtime layout (target model + MTP draft).
 
-    Streams source byte ranges into per-rank files (never a whole shard or fused tensor in memory),
-    renames mtp.{i}.* to model.layers.{N+i}.*, fuses wq_a|wkv and w1|w3, stacks routed experts,
-    reinterprets E8M0/I8 as uint8 for fp4 experts, splits for --tp. Files are written atomically; a
-    rerun with the same options resumes; a finished OUT is never overwritten without --force.
+    Checks first, from headers alone, that the checkpoint has every tensor the engine needs and that
+    the plan works; then streams source byte ranges into per-rank files (never a whole shard or fused
+    tensor in memory): mtp.{i}.* to model.layers.{N+i}.*, wq_a|wkv and w1|w3 fused, routed experts
+    stacked, dtypes as the engine's parameters hold them, split for --tp. Files are written
+    atomically; a rerun with the same options resumes; a finished OUT is never overwritten without
+    --force, and a non-empty folder that is not an OUT of ckpt-tool is refused.
 
     SRC may be a hub repo id: headers are read and the plan made first, then only the shards the
     plan needs are downloaded into the HF cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
@@ -178,29 +273,24 @@ def convert(
     """
     from .convert import convert as run_convert
     from .plan import Options
-    from .report import ConvertProgress, plan_json, print_json, render_plan, render_convert_summary
-
-    if moe_parallel not in ("tp", "ep"):
-        raise typer.BadParameter("must be 'tp' or 'ep'", param_hint="--moe-parallel")
-    if only not in (None, "model", "mtp"):
-        raise typer.BadParameter("must be 'model' or 'mtp'", param_hint="--only")
+    from .report import ConvertProgress, json_document, plan_json, print_json, render_plan, render_convert_summary
     from .target import resolve_target
 
-    try:
-        chosen = resolve_target(target)
-    except CkptToolError as exc:
-        _fail_user(exc, json_out)
-    opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=chosen.profile)
+    as_json = _wants_json(json_out, fmt)
     if shard_index >= shard_count:
         raise typer.BadParameter(f"{shard_index} is not below --shard-count {shard_count}", param_hint="--shard-index")
     if finalize and dry_run:
         raise typer.BadParameter("--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize")
     try:
+        chosen = resolve_target(target.value)
+        opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=chosen.profile)
         from .convert import parse_ranks, select_files
         from .hub import open_hub_source, parse_hub_ref
 
         rank_list = parse_ranks(ranks) if ranks is not None else None
-        ref = parse_hub_ref(src)
+        if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
+            raise UsageError(f"--ranks {ranks}: rank(s) {', '.join(map(str, bad))} outside 0..{tp - 1} for --tp {tp}")
+        ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
         source = open_hub_source(ref, opts, download=not dry_run) if ref is not None else Path(src)
         if dry_run:
             from dataclasses import replace
@@ -212,13 +302,13 @@ def convert(
             plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
-            if json_out:
-                print_json({**plan_json(plan), "target_note": chosen.note})
+            if as_json:
+                print_json(json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note}))
             else:
                 render_plan(plan)
                 _target_note(chosen.note)
             raise typer.Exit(0)
-        with ConvertProgress(enabled=not json_out) as prog:
+        with ConvertProgress(enabled=not as_json and not _state["quiet"]) as prog:
             try:
                 result = run_convert(
                     source, out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start,
@@ -229,20 +319,22 @@ def convert(
     except typer.Exit:
         raise
     except CkptToolError as exc:
-        _fail_user(exc, json_out)
-    if json_out:
+        _fail_user(exc, "convert", as_json, {"out": str(out), "dry_run": dry_run})
+    if as_json:
         doc = render_convert_summary(result, as_json=True)
-        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note)
-        print_json(doc)
+        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note, dry_run=False)
+        print_json(json_document("convert", doc))
         return
     if finalize:
-        from .report import human_bytes
+        from .report import human_bytes, summary_line
 
-        typer.echo(f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest complete")
+        summary_line(f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest complete")
     else:
         render_convert_summary(result)
         if result.partial:
-            typer.echo(
+            from .report import summary_line
+
+            summary_line(
                 f"shard {shard_index} of {shard_count} done (no manifest yet): run the same command with --finalize "
                 "once every shard has finished"
             )
@@ -258,25 +350,31 @@ def _target_note(note: str | None) -> None:
 
 
 @app.command()
+@_guarded("verify")
 def verify(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
-    source: Annotated[str, typer.Option("--source", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]).")],
-    level: Annotated[str, typer.Option("--level", help="structure | values | numeric (each includes the ones before).")] = "numeric",
-    kernels: Annotated[str, typer.Option("--kernels", help="GEMM backend for the converted side: auto | triton | torch.")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
-    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens in the numeric forward.")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the numeric inputs.")] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON document on stdout.")] = False,
-    junit: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one testcase per check).")] = None,
-    github: Annotated[bool, typer.Option("--github", help="Print GitHub Actions ::error annotations for failures.")] = False,
+    source: Annotated[str, typer.Option("--source", metavar="SRC", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]).")],
+    level: Annotated[Literal["structure", "values", "numeric"], typer.Option("--level", help="How far to go; each level includes the ones before.")] = "numeric",
+    kernels: Annotated[Literal["auto", "triton", "torch"], typer.Option("--kernels", help="GEMM backend for the converted side.")] = "auto",
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="Where the numeric check runs.")] = "auto",
+    tokens: Annotated[int, typer.Option("--tokens", min=1, metavar="N", help="Tokens in the numeric forward.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", metavar="S", help="Seed of the numeric inputs.")] = 0,
+    json_out: JsonOpt = False,
+    fmt: FormatOpt = None,
+    junit: Annotated[Path | None, typer.Option("--junit", metavar="FILE", help="Also write a JUnit XML report (one testcase per check).")] = None,
+    github: Annotated[bool, typer.Option("--github", help="GitHub Actions: ::error annotations for failures, and a Markdown summary to $GITHUB_STEP_SUMMARY.")] = False,
+    revision: RevisionOpt = None,
+    token: TokenOpt = None,
+    cache_dir: CacheDirOpt = None,
 ) -> None:
-    """Prove a converted checkpoint right: structure, exact values, then a numeric forward of every MTP layer.
+    """Prove a converted checkpoint right: structure, exact values, then numbers.
 
-    structure: files, names, dtypes, shapes and rank sets exactly as the rules give; index.json;
-    manifest checksums. values: every output tensor re-derived from the source bytes and compared
-    exactly. numeric: each MTP layer run from the source (dequantized torch) and from the converted
-    ranks (fp8-block / MXFP4 kernels, ranks combined as a TP engine does), compared within the
-    tolerances printed in the report. Exit 0 when every check passes, 1 when one fails, 2 on usage errors.
+    structure: files, names, dtypes, shapes and rank sets exactly as the rules give, each rank against
+    the target engine's parameter table; index.json; manifest checksums; serving files. values:
+    every output tensor re-derived from the source bytes and compared exactly. numeric: each MTP layer
+    run from the source (dequantized torch) and from the converted ranks (fp8-block / MXFP4 kernels,
+    ranks combined as a TP engine does), compared within the tolerances printed in the report.
+    Exit 0 when every check passes, 1 when one fails, 2 on usage errors.
 
     Examples:
 
@@ -284,49 +382,53 @@ def verify(
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash --level values --json --junit verify.xml
     """
-    from .report import print_json, render_verify, write_junit, github_annotations
-    from .verify import LEVELS, verify as run_verify
+    from .report import json_document, print_json, render_verify, write_junit, github_annotations, github_summary
+    from .verify import verify as run_verify
 
-    if level not in LEVELS:
-        raise typer.BadParameter(f"must be one of {', '.join(LEVELS)}", param_hint="--level")
-    if kernels not in ("auto", "triton", "torch"):
-        raise typer.BadParameter("must be auto, triton or torch", param_hint="--kernels")
-    if device not in ("auto", "cpu", "cuda"):
-        raise typer.BadParameter("must be auto, cpu or cuda", param_hint="--device")
+    as_json = _wants_json(json_out, fmt)
     try:
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("--device cuda: no CUDA device is available here; use --device cpu (or auto)")
         from .hub import parse_hub_ref, snapshot_for_verify
 
-        ref = parse_hub_ref(source)
+        ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
         src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
         report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed)
     except CkptToolError as exc:
-        _fail_user(exc, json_out)
+        _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": level})
     if junit is not None:
         write_junit(report, junit)
     if github:
-        github_annotations(report, json_on_stdout=json_out)
-    if json_out:
-        print_json(report.to_json())
+        github_annotations(report, json_on_stdout=as_json)
+        github_summary(report)
+    if as_json:
+        doc = report.to_json()
+        print_json(json_document("verify", doc, error=None if report.ok else report.failures[0].message))
     else:
         render_verify(report)
     raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command()
+@_guarded("unconvert")
 def unconvert(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
     dest: Annotated[Path, typer.Argument(metavar="DEST", help="Folder for the rebuilt original checkpoint (created).")],
-    source: Annotated[Path | None, typer.Option("--source", help="Only for OUTs without ckpt-tool-source.json: the checkpoint OUT was converted from (its headers are read).")] = None,
+    source: Annotated[Path | None, typer.Option("--source", metavar="SRC", help="Only for OUTs without ckpt-tool-source.json: the checkpoint OUT was converted from (its headers are read).")] = None,
     partial: Annotated[bool, typer.Option("--partial", help="Write the source tensors OUT holds even if some are not in it (--only, --ranks, dropped).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty DEST.")] = False,
     no_checksums: Annotated[bool, typer.Option("--no-checksums", help="Skip re-hashing OUT's files against the manifest.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary on stdout.")] = False,
+    json_out: JsonOpt = False,
+    fmt: FormatOpt = None,
 ) -> None:
     """Rebuild the original DeepSeek V4 checkpoint from a converted OUT (DeepSeek names, TP ranks merged).
 
     Re-plans the conversion from the manifest, the recorded source headers and config.json, then runs
     it backwards: ranks concatenated along their split dims, experts unstacked, fused tensors unfused,
-    uint8 views and float32 E8M0 scales back to their stored dtypes. Every lossless conversion round
+    uint8 views and converted dtypes back to their stored ones. Every lossless conversion round
     trips byte for byte; a source file whose tensors all come back is identical to the original file.
 
     Examples:
@@ -335,20 +437,21 @@ def unconvert(
       ckpt-tool unconvert ./v4-tp8 ./DeepSeek-V4-Flash-again
       ckpt-tool unconvert ./v4-mtp ./mtp-only --partial
     """
-    from .report import human_bytes, print_json
+    from .report import human_bytes, json_document, print_json, summary_line
     from .unconvert import unconvert as run_unconvert
 
+    as_json = _wants_json(json_out, fmt)
     try:
         result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums)
     except CkptToolError as exc:
-        _fail_user(exc, json_out)
-    if json_out:
-        print_json({
-            "ok": True, "dest": str(dest), "files": result.files, "identical_files": result.identical_files,
+        _fail_user(exc, "unconvert", as_json, {"dest": str(dest)})
+    if as_json:
+        print_json(json_document("unconvert", {
+            "dest": str(dest), "files": result.files, "identical_files": result.identical_files,
             "tensors": result.tensors, "bytes": result.bytes, "missing": sorted(result.missing),
-        })
+        }))
     else:
-        typer.echo(
+        summary_line(
             f"unconverted {result.tensors} tensors ({human_bytes(result.bytes)}) into {dest}: {len(result.files)} file(s), "
             f"{len(result.identical_files)} identical to the original files"
             + (f"; {len(result.missing)} source tensor(s) not in OUT" if result.missing else "")
@@ -356,15 +459,14 @@ def unconvert(
 
 
 @app.command()
-def profiles(
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")] = False,
-) -> None:
+@_guarded("profiles")
+def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """List the target profiles (engine parameter layouts) convert can write, and what --target auto picks.
 
     Each profile names the vLLM releases whose own loader it is verified against (the engine test
     builds vLLM's model classes on CPU and runs its sharded_state loader on converted output).
     """
-    from .report import print_json
+    from .report import json_document, print_json
     from .rules import PROFILES
     from .target import installed_vllm, resolve_target
 
@@ -385,8 +487,8 @@ def profiles(
         }
         for p in PROFILES.values()
     ]
-    if json_out:
-        print_json({"profiles": docs, "installed_vllm": installed, "auto": auto, "auto_error": auto_error})
+    if _wants_json(json_out, fmt):
+        print_json(json_document("profiles", {"profiles": docs, "installed_vllm": installed, "auto": auto, "auto_error": auto_error}))
         return
     for d in docs:
         verified = f"verified against vLLM {', '.join(d['vllm_verified'])}" if d["vllm_verified"] else d["verified_by"]
@@ -394,14 +496,88 @@ def profiles(
     typer.echo(f"--target auto: {auto or auto_error} (installed vLLM: {installed or 'none'})")
 
 
+@app.command()
+@_guarded("env")
+def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
+    """What to paste into a bug report: versions of the tool and its stack, the profile --target auto
+    picks, the HF cache in use, CUDA and Triton's interpreter setting."""
+    from .report import json_document, print_json
+    from .target import installed_vllm, resolve_target
+
+    doc = environment_facts()
+    try:
+        doc["target_auto"] = resolve_target("auto").profile
+    except CkptToolError as exc:
+        doc["target_auto"] = f"error: {exc}"
+    doc["installed_vllm"] = installed_vllm()
+    if _wants_json(json_out, fmt):
+        print_json(json_document("env", doc))
+        return
+    width = max(len(k) for k in doc)
+    for k, v in doc.items():
+        typer.echo(f"{k:{width}s}  {v if v is not None else '-'}")
+
+
+def environment_facts() -> dict:
+    """Versions and settings, each read without importing more than needed (vLLM is never imported)."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    facts: dict = {
+        "ckpt_tool": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for dist in ("torch", "triton", "safetensors", "huggingface_hub", "numpy", "typer", "rich"):
+        facts[dist] = version(dist)
+    try:
+        import torch
+
+        facts["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+        facts["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:  # pragma: no cover - torch is a dependency
+        facts["cuda"], facts["cuda_devices"] = None, 0
+    facts["triton_interpret"] = os.environ.get("TRITON_INTERPRET")
+    try:
+        from huggingface_hub import constants
+
+        facts["hf_hub_cache"] = constants.HF_HUB_CACHE
+        facts["hf_hub_offline"] = bool(constants.HF_HUB_OFFLINE)
+    except ImportError:  # pragma: no cover
+        facts["hf_hub_cache"], facts["hf_hub_offline"] = None, None
+    return facts
+
+
+def _take_global_flags(args: list[str]) -> list[str]:
+    """--debug and -q/--quiet anywhere (before a ``--``): noted here and removed, so every command accepts them."""
+    kept: list[str] = []
+    for i, a in enumerate(args):
+        if a == "--":
+            kept += args[i:]
+            break
+        if a in GLOBAL_FLAGS:
+            _state[GLOBAL_FLAGS[a]] = True
+        else:
+            kept.append(a)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
+    _state.update(debug=False, quiet=False)
+    from .report import set_quiet
+
+    set_quiet(False)
+    args = _take_global_flags(list(sys.argv[1:] if argv is None else argv))
     try:
-        app(args=argv, prog_name="ckpt-tool", standalone_mode=True)
+        app(args=args, prog_name="ckpt-tool", standalone_mode=True)
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
     return 0

@@ -90,7 +90,7 @@ def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: in
     if ranks is not None:
         bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
         if bad:
-            raise PlanError(f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})")
+            raise UsageError(f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})")
         chosen = set(ranks)
         files = [f for f in plan.files if f.rank in chosen]
     else:
@@ -151,6 +151,24 @@ def check_paths(src_root: Path, out: Path) -> None:
         raise OutputError(f"{out}: the source folder {src_root} lies inside OUT; choose another OUT")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder; give OUT a folder path, or one that does not exist yet")
+    foreign = _foreign_entries(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputError(
+            f"{out}: is a non-empty folder that is not a ckpt-tool OUT (it holds {shown}); choose a new or empty folder "
+            "(--force only replaces an earlier ckpt-tool OUT, never other files)"
+        )
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """What keeps ``out`` from being ours: its entries, unless it is empty or carries our manifest, lock or journal."""
+    if not out.is_dir():
+        return []
+    names = sorted(p.name for p in out.iterdir())
+    ours = {MANIFEST, LOCK, SOURCE_LAYOUT}
+    if any(n in ours or _JOURNAL_RE.match(n) or _SHARD_LOCK_RE.match(n) for n in names):
+        return []
+    return [n for n in names if n not in COMPONENTS]
 
 
 def _write_json_atomic(path: Path, doc: dict) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import V4Config
@@ -38,19 +38,61 @@ SERVING_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.md
 class HubRef:
     repo_id: str
     revision: str | None
+    token: str | None = field(default=None, repr=False, compare=False)  # --token (else HF_TOKEN / the login)
+    cache_dir: str | None = field(default=None, compare=False)  # --cache-dir (else HF_HUB_CACHE / HF_HOME)
 
     def __str__(self) -> str:
         return f"{self.repo_id}@{self.revision}" if self.revision else self.repo_id
 
+    @property
+    def kw(self) -> dict:
+        """token / cache_dir for huggingface_hub's download functions (only those given)."""
+        return {k: v for k, v in (("token", self.token), ("cache_dir", self.cache_dir)) if v is not None}
 
-def parse_hub_ref(src: str) -> HubRef | None:
-    """A hub reference if ``src`` is one (``hf://`` always; ``org/name`` only when no such local path exists)."""
-    if not src.startswith("hf://") and Path(src).exists():
+
+def _looks_local(src: str) -> str | None:
+    """Why ``src`` (a missing path shaped ``a/b``) is more likely a mistyped local path than a repo id."""
+    if src.startswith(("./", "../", "/", "~")) or src.endswith((".json", ".safetensors")):
+        return "it is written as a path"
+    first = Path(src.split("/", 1)[0])
+    if first.exists():
+        return f"{first}/ exists here"
+    return None
+
+
+def parse_hub_ref(src: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> HubRef | None:
+    """A hub reference if ``src`` is one, else None (a local path).
+
+    ``hf://org/name`` is always the hub. An existing local path always wins. A missing ``org/name``
+    is the hub unless it looks like a local path (its first folder exists here, or it is written as
+    a path): then it is a local path that is missing, and the error says how to mean the hub.
+    ``revision`` (--revision) overrides an ``@rev`` suffix.
+    """
+    explicit = src.startswith("hf://")
+    if not explicit and Path(src).exists():
         return None
     m = _REPO_RE.match(src)
     if not m:
         return None
-    return HubRef(m.group(1), m.group(2))
+    if not explicit and (why := _looks_local(src)) is not None:
+        raise CheckpointError(
+            f"{src}: no such file or folder ({why}); if you meant the hub repo {m.group(1)}, write hf://{src}"
+        )
+    return HubRef(m.group(1), revision or m.group(2), token, cache_dir)
+
+
+def network_error(ref: HubRef, what: str, exc: Exception) -> CheckpointError:
+    """A hub failure as one line with its fix: network, auth, a wrong name, or offline use."""
+    name = type(exc).__name__
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if name in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError") or "401" in text or "404" in text:
+        fix = "check the repo id and revision, and that your token (--token, HF_TOKEN or `hf auth login`) may read it"
+    else:
+        fix = (
+            "check the network (and HF_ENDPOINT / proxy settings); to work from the HF cache set HF_HUB_OFFLINE=1, "
+            "or pass a local checkpoint folder"
+        )
+    return CheckpointError(f"{ref}: {what} ({name}: {text}); {fix}")
 
 
 def _hf():
@@ -91,11 +133,11 @@ def cached_snapshot(ref: HubRef) -> Path:
     """The snapshot folder of ``ref`` in the local HF cache, without any network access."""
     hf, constants = _hf()
     try:
-        folder = hf.snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True)
+        folder = hf.snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True, **ref.kw)
     except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
         why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
         raise CheckpointError(
-            f"{ref}: {why}the repo is not in the local HF cache ({constants.HF_HUB_CACHE}) "
+            f"{ref}: {why}the repo is not in the local HF cache ({ref.cache_dir or constants.HF_HUB_CACHE}) "
             f"({type(exc).__name__}); unset HF_HUB_OFFLINE to download it, or point at a local folder"
         ) from None
     return Path(folder)
@@ -125,9 +167,9 @@ def metadata_tensors(ref: HubRef, revision: str | None) -> dict[str, TensorInfo]
     """Every tensor's header from the hub (HTTP range reads, no download). Offsets are buffer-relative."""
     hf, _ = _hf()
     try:
-        meta = hf.HfApi().get_safetensors_metadata(ref.repo_id, revision=revision)
+        meta = hf.HfApi(token=ref.token).get_safetensors_metadata(ref.repo_id, revision=revision)
     except Exception as exc:  # network, auth, not-a-safetensors-repo
-        raise CheckpointError(f"{ref}: cannot read safetensors headers from the hub ({type(exc).__name__}: {exc})") from None
+        raise network_error(ref, "cannot read safetensors headers from the hub", exc) from None
     tensors: dict[str, TensorInfo] = {}
     for file, fmeta in meta.files_metadata.items():
         for name, t in fmeta.tensors.items():
@@ -185,15 +227,15 @@ def open_hub_source(ref: HubRef, opts, *, download: bool = True) -> Checkpoint:
             raise _offline_error(ref, folder, missing, "this conversion needs")
         return _open(folder, weight_map, files, names, config, opts)
 
-    api = hf.HfApi()
+    api = hf.HfApi(token=ref.token)
     try:
         commit = api.model_info(ref.repo_id, revision=ref.revision).sha
     except Exception as exc:
-        raise CheckpointError(f"{ref}: cannot resolve the repo on the hub ({type(exc).__name__}: {exc})") from None
+        raise network_error(ref, "cannot resolve the repo on the hub", exc) from None
     try:
-        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS]))
+        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw))
     except Exception as exc:
-        raise CheckpointError(f"{ref}: cannot download config.json / {INDEX_NAME} ({type(exc).__name__}: {exc})") from None
+        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
     config, weight_map = _read_small(folder, ref)
     header_tensors = metadata_tensors(ref, commit)
     if weight_map is None:
@@ -206,9 +248,9 @@ def open_hub_source(ref: HubRef, opts, *, download: bool = True) -> Checkpoint:
         planned = {n: header_tensors[n] for n in names if n in header_tensors}
         return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned)
     try:
-        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files])
+        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files], **ref.kw)
     except Exception as exc:
-        raise CheckpointError(f"{ref}: downloading {len(files)} shard(s) failed ({type(exc).__name__}: {exc})") from None
+        raise network_error(ref, f"downloading {len(files)} shard(s) failed (rerun to resume the download)", exc) from None
     missing = _missing(folder, files)
     if missing:
         raise CheckpointError(f"{ref}: after the download {len(missing)} needed file(s) are still missing from {folder}: {', '.join(missing)}")
@@ -265,10 +307,10 @@ def hub_headers(ref: HubRef) -> tuple[dict[str, TensorInfo], V4Config | None, st
     config: V4Config | None = None
     config_error: str | None = None
     try:
-        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=ref.revision)
+        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=ref.revision, **ref.kw)
         config = V4Config.from_dict(json.loads(Path(path).read_text()), where=f"{ref}/config.json")
     except CheckpointError as exc:
         config_error = str(exc)
     except Exception as exc:  # network and hub errors: report, inspect can still show headers
-        config_error = f"{ref}/config.json: could not be read ({type(exc).__name__}: {exc})"
+        config_error = str(network_error(ref, "config.json could not be read", exc))
     return tensors, config, config_error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -12,8 +13,63 @@ from rich.table import Table
 
 from .inspect import InspectReport
 
-out = Console(soft_wrap=True)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head``): not an error. rich's default exits 1."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(0)
+
+
+out = _Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
+_quiet = {"on": False}
+
+
+def set_quiet(on: bool) -> None:
+    """-q: summaries, notes and progress stay silent; errors, warnings and JSON are still printed."""
+    _quiet["on"] = on
+
+
+def summary_line(message: str) -> None:
+    """A human result line on stdout (silent with -q)."""
+    if not _quiet["on"]:
+        out.print(message, highlight=False, markup=False)
+
+
+# --json: one document per command, of one shape on success and failure. Every document starts with
+# these four keys; the command's fields follow, null when the command failed before producing them.
+SCHEMA_VERSION = 1
+JSON_FIELDS: dict[str, tuple[str, ...]] = {
+    "inspect": (
+        "source", "files", "tensor_count", "total_bytes", "dtypes", "dtype_bytes", "quant", "main_layers",
+        "mtp_expected", "mtp_present", "mtp_missing", "mtp_tensor_counts", "config_error", "missing_tensors", "problems",
+    ),
+    "convert": (
+        "dry_run", "out", "options", "files_written", "files_skipped", "tensors", "tensor_count", "bytes", "total_bytes",
+        "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
+        "warnings", "not_selected", "partial", "finalized", "target_note",
+    ),
+    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage"),
+    "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
+    "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),
+    "env": (),  # free-form facts (versions), see cli.environment_facts
+}
+
+
+def json_document(command: str, body: dict | None = None, *, error: str | None = None) -> dict:
+    """``{"schema_version", "command", "ok", "error", <the command's fields>}``; ``ok`` is false when ``error`` is set."""
+    body = dict(body or {})
+    body.pop("ok", None)
+    fields = JSON_FIELDS[command]
+    if fields:
+        extra = set(body) - set(fields)
+        assert not extra, f"{command} JSON has undocumented fields {sorted(extra)}"
+        body = {k: body.get(k) for k in fields}
+    if command == "inspect" and error is not None and not body.get("problems"):
+        body["problems"] = [error]  # bad input and failed checks both land in problems
+    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": error is None, "error": error, **body}
 
 
 def human_bytes(n: float) -> str:
@@ -39,7 +95,8 @@ def warning_line(message: str) -> None:
 
 
 def note_line(message: str) -> None:
-    err.print(f"[cyan]note:[/] {escape(message)}", highlight=False)
+    if not _quiet["on"]:
+        err.print(f"[cyan]note:[/] {escape(message)}", highlight=False)
 
 
 def _ranges(ids: list[int]) -> str:
@@ -57,6 +114,10 @@ def _ranges(ids: list[int]) -> str:
 
 
 def render_inspect(r: InspectReport) -> None:
+    if _quiet["on"]:
+        for p in r.problems:
+            error_line(p)
+        return
     files = Table(title=f"{escape(r.source)}: {len(r.files)} file(s)", title_justify="left")
     files.add_column("file")
     files.add_column("tensors", justify="right")
@@ -84,7 +145,8 @@ def render_inspect(r: InspectReport) -> None:
     out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
     present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
     out.print(
-        f"MTP layers: expected {_ranges(r.mtp_expected)}; present {present}; missing {_ranges(r.mtp_missing)}",
+        f"MTP layers: expected {', '.join(f'mtp.{i}' for i in r.mtp_expected) or 'none (num_nextn_predict_layers 0)'}; "
+        f"present {present}; missing {', '.join(f'mtp.{i}' for i in r.mtp_missing) or 'none'}",
         highlight=False,
     )
     if r.ok:
@@ -121,6 +183,11 @@ def plan_json(plan) -> dict:
 
 
 def render_plan(plan) -> None:
+    if _quiet["on"]:
+        return
+    if not out.is_terminal:  # piped: whole names, one tensor a line (tab-separated), nothing cut at 80 columns
+        _print_plan_plain(plan)
+        return
     t = Table(title=f"plan: tp={plan.options.tp} moe={plan.options.moe_parallel} only={plan.options.only or 'model+mtp'}", title_justify="left")
     t.add_column("file")
     t.add_column("tensors", justify="right")
@@ -144,6 +211,22 @@ def render_plan(plan) -> None:
         out.print(f"deviation: {escape(d)}", highlight=False)
     for n in plan.notes:
         out.print(f"note: {escape(n)}", highlight=False)
+
+
+def _print_plan_plain(plan) -> None:
+    o = plan.options
+    lines = [f"plan\ttp={o.tp}\tmoe={o.moe_parallel}\tonly={o.only or 'model+mtp'}\tprofile={o.profile}"]
+    lines += [f"file\t{f.relpath}\t{len(f.tensors)}\t{f.data_bytes}" for f in plan.files]
+    lines.append(f"total\t{plan.tensor_count}\t{plan.total_bytes}")
+    for f in plan.files:
+        if f.rank == 0:
+            for x in f.tensors:
+                lines.append(f"tensor\t{x.name}\t{x.dtype}\t{list(x.shape)}\t{','.join(x.sources)}")
+    lines += [f"materialize\t{a}\t{r}" for a, r in plan.materialized.items()]
+    lines += [f"deviation\t{d}" for d in plan.deviations]
+    lines += [f"note\t{n}" for n in plan.notes]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 class ConvertProgress:
@@ -210,6 +293,8 @@ def render_convert_summary(result, as_json: bool = False):
         warning_line(w)
     if as_json:
         return doc
+    if _quiet["on"]:
+        return doc
     out.print(
         f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into {escape(str(result.out))}: "
         f"{len(result.written)} file(s) written, {len(result.skipped)} resumed, {result.seconds:.2f} s, "
@@ -223,11 +308,21 @@ def render_convert_summary(result, as_json: bool = False):
     return doc
 
 
+def check_line(c) -> str:
+    """``structure:mtp/x.safetensors`` + ``mtp/x.safetensors: sha256 differs`` reads ``structure: mtp/x...: sha256 differs``."""
+    kind, _, where = c.name.partition(":")
+    if where and c.message.startswith(where):
+        return f"{kind}: {c.message}"
+    return f"{c.name}: {c.message}"
+
+
 def render_verify(report) -> None:
     for c in report.checks:
         if c.ok:
             continue
-        error_line(f"{c.name}: {c.message}")
+        error_line(check_line(c))
+    if _quiet["on"]:
+        return
     for n in report.numeric:
         out.print(
             f"numeric layer {n['layer']} (mtp.{n['mtp']}, {n['backend']} on {n['device']}, {n['tokens']} tokens): "
@@ -270,3 +365,44 @@ def github_annotations(report, json_on_stdout: bool = False) -> None:
         file = f"file={_gh_escape(c.file, True)}," if c.file else ""
         stream.write(f"::error {file}title={_gh_escape('ckpt-tool verify ' + c.name, True)}::{_gh_escape(c.message)}\n")
     stream.flush()
+
+
+def github_summary(report) -> None:
+    """verify --github: a Markdown summary appended to $GITHUB_STEP_SUMMARY (the page people read on a run)."""
+    import os
+
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return
+    doc = report.to_json()
+    passed = sum(c.ok for c in report.checks)
+    lines = [
+        f"## ckpt-tool verify: {'✅ PASS' if report.ok else '❌ FAIL'}",
+        "",
+        "| level | checks passed | failed | numeric coverage |",
+        "|---|---:|---:|---|",
+        f"| {report.level} | {passed}/{len(report.checks)} | {len(report.failures)} | {_coverage_text(doc.get('coverage'))} |",
+    ]
+    if report.numeric:
+        lines += ["", "| layer | logits max rel | logits cosine | hidden max rel | top-1 | top-5 | ok |", "|---|---:|---:|---:|---:|---:|---|"]
+        for n in report.numeric:
+            lines.append(
+                f"| {n['layer']} (mtp.{n['mtp']}) | {n['logits_max_rel']:.2e} | {n['logits_cosine']:.6f} | {n['hidden_max_rel']:.2e} "
+                f"| {n['top1_agreement']:.3f} | {n['top5_agreement']:.3f} | {'✅' if n.get('ok', True) else '❌'} |"
+            )
+    if report.failures:
+        lines += ["", "### Failures", ""]
+        lines += [f"- `{c.name}`: {c.message}" for c in report.failures[:50]]
+        if len(report.failures) > 50:
+            lines.append(f"- ... and {len(report.failures) - 50} more")
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def _coverage_text(coverage) -> str:
+    if not coverage:
+        return "-"
+    if isinstance(coverage, dict) and "checked" in coverage and "total" in coverage:
+        total = coverage["total"] or 1
+        return f"{coverage['checked']}/{coverage['total']} ({100 * coverage['checked'] / total:.1f} %)"
+    return str(coverage)

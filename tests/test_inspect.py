@@ -131,7 +131,7 @@ def test_inspect_human_output_of_good_variant(fixture_dir, capsys) -> None:
     assert code == 0 and err == ""
     assert "verdict: ok" in out
     assert "main layers: 0-2 (3)" in out
-    assert "MTP layers: expected 0; present mtp.0" in out
+    assert "MTP layers: expected mtp.0; present mtp.0" in out  # "expected 0" read as "none expected"
     for shard in SHARDS:
         assert shard in out
     assert "F8_E8M0" in out and "I8 (fp4)" in out
