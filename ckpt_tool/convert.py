@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import __version__
-from .errors import OutputError, PlanError, UsageError
+from .errors import OutputError, UsageError
 from .plan import Options, OutFile, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
 from .writer import ProgressFn, SourceFiles, file_size, output_error, sha256_file, write_output_file
