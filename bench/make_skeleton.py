@@ -54,10 +54,26 @@ NUM_LAYERS = 43
 HASH_LAYERS = 3
 MTP_LAYERS = 1
 COMPRESS_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0] * MTP_LAYERS  # len 44: 43 main layers + the MTP layer
+INDEX_TOPK_VALUE = 512
+
+# V4-Pro (research/v4_format.md §1.2, from secondary sources): 61 layers, 384 experts, wider everything.
+# Unconfirmed there and assumed here: index_n_heads 64, hc_mult 4, and the compress-ratio pattern
+# (Flash's: two SWA layers, then CSA/HCA alternating, CSA last).
+PRO = dict(
+    HIDDEN=7168, HEADS=128, Q_LORA=1536, O_GROUPS=16, O_LORA=1024, EXPERTS=384, MOE_INTER=3072, NUM_LAYERS=61,
+    COMPRESS_RATIOS=[0, 0] + [4, 128] * 29 + [4] + [0] * MTP_LAYERS, INDEX_TOPK_VALUE=1024,
+)
 
 
-def make_config(num_hidden_layers: int = NUM_LAYERS) -> dict:
-    """The released V4-Flash config.json (keys of research/v4_format.md §1.1)."""
+def use_pro() -> None:
+    """Switch this module's dimensions to V4-Pro's (the spec functions read the module constants)."""
+    globals().update(PRO)
+
+
+def make_config(num_hidden_layers: int | None = None) -> dict:
+    """The released V4-Flash config.json (keys of research/v4_format.md §1.1), or V4-Pro's after use_pro()."""
+    if num_hidden_layers is None:
+        num_hidden_layers = NUM_LAYERS
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -91,7 +107,7 @@ def make_config(num_hidden_layers: int = NUM_LAYERS) -> dict:
         "hc_eps": 1e-6,
         "index_n_heads": INDEX_HEADS,
         "index_head_dim": INDEX_HEAD_DIM,
-        "index_topk": INDEX_TOPK,
+        "index_topk": INDEX_TOPK_VALUE,
         "rope_theta": 10000,
         "compress_rope_theta": 160000,
         "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
@@ -383,14 +399,17 @@ def self_check() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, nargs="?", help="folder to write (created)")
-    p.add_argument("--layers", type=int, default=None, help="main layers with data (default 0; --headers-only: all 43)")
+    p.add_argument("--layers", type=int, default=None, help="main layers with data (default 0; --headers-only: all 43, Pro 61)")
     p.add_argument("--headers-only", action="store_true", help="headers + sparse holes; default: the full 43-layer checkpoint in 46 shards")
     p.add_argument("--sparse", action="store_true", help="like --headers-only but for the --layers/--shard-size layout")
     p.add_argument("--shard-size", type=float, default=4.0, help="GiB per shard (default 4)")
     p.add_argument("--num-shards", type=int, default=None, help="exactly N shards of about equal size (default 46 with --headers-only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-check", action="store_true", help="compare specs with fixtures.make (imports torch) and exit")
+    p.add_argument("--model", choices=("flash", "pro"), default="flash", help="V4-Flash (default) or V4-Pro dimensions")
     args = p.parse_args(argv)
+    if args.model == "pro":
+        use_pro()
     if args.self_check:
         return self_check()
     if args.out is None:

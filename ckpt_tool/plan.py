@@ -3,8 +3,16 @@
 Everything that can be checked without reading tensor bytes is checked here, before any output is
 written: every source tensor matched by exactly one rule (unknown names are an error listing them),
 fused parts that agree, complete expert sets, TP splits that divide at block granularity, and every
-MTP layer present. The result is a :class:`Plan`: per output file, per tensor, a list of
+MTP layer present. The result is a :class:`Plan`: per output file, per tensor, the
 :class:`Segment` byte gathers the writer executes.
+
+Planning is on the interactive path (``--dry-run``, every convert and verify), so it does per-tensor
+work only where it must: source names are looked up in a table of the names the config implies
+(every rule instance expanded, experts by string concatenation) instead of trying rule regexes per
+tensor (the regexes still match whatever the table does not hold: extra layers, strays, unknowns);
+checks run once per rule instance and per expert only when experts differ; and an output tensor's
+segments are computed on demand (:class:`Segments`): all experts of a stack share one period of
+row/column bounds, and a V4 plan at tp 8 would otherwise hold half a million Segment objects.
 """
 
 from __future__ import annotations
@@ -12,14 +20,17 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 
 from .config import V4Config
 from . import conversions
 from .completeness import require_complete
 from .errors import PlanError
-from .format import DTYPE_BITS, TensorInfo
-from .rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split
+from .format import DTYPE_BITS, TensorInfo, gc_paused
+from .rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split, indexable
 
 GiB = 1024**3
 FP8_BLOCK = 128
@@ -67,12 +78,62 @@ class Segment:
         return (self.row1 - self.row0) * (self.col1 - self.col0)
 
 
+Bounds = tuple[int, int, int, int]  # row0, row1, col0, col1
+
+
+class Segments(Sequence[Segment]):
+    """The segments of one output tensor, made on demand: segment ``k`` gathers ``bounds[k % len(bounds)]``
+    of source ``names[k]``.
+
+    The experts of a stack all have one shape, so their segments differ only in the source name: a
+    stacked tensor keeps its names and one period of bounds (one per fused part), and a Segment exists
+    only while a consumer holds it. Indexes, iterates, compares and hashes like the tuple of its segments.
+    """
+
+    __slots__ = ("names", "bounds", "convert")
+
+    def __init__(self, names: tuple[str, ...], bounds: tuple[Bounds, ...], convert: str) -> None:
+        assert bounds and len(names) % len(bounds) == 0, (len(names), len(bounds))
+        self.names = names
+        self.bounds = bounds
+        self.convert = convert
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return tuple(self[i] for i in range(*k.indices(len(self.names))))
+        name = self.names[k]  # IndexError / TypeError as a tuple gives them
+        r0, r1, c0, c1 = self.bounds[k % len(self.bounds)]  # k % n is the same period for negative k
+        return Segment(name, r0, r1, c0, c1, self.convert)
+
+    def __iter__(self) -> Iterator[Segment]:
+        bounds, period, conv = self.bounds, len(self.bounds), self.convert
+        for k, name in enumerate(self.names):
+            r0, r1, c0, c1 = bounds[k % period]
+            yield Segment(name, r0, r1, c0, c1, conv)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Segments) and (self.names, self.bounds, self.convert) == (other.names, other.bounds, other.convert):
+            return True
+        if isinstance(other, (Segments, tuple, list)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    segments: tuple[Segment, ...]
+    segments: Sequence[Segment]  # a Segments (computed on demand) or a tuple
     rule: str
     sources: tuple[str, ...]
 
@@ -132,6 +193,15 @@ class _Group:
     rule: Rule
     bind: dict[str, int]
     parts: dict[tuple[int, int | None], TensorInfo] = field(default_factory=dict)  # (source idx, expert) -> info
+    first: int = 0  # position of its first source in the checkpoint's order: groups are planned in that order
+    # names[idx][j] / infos[idx][j]: source idx of expert j (one name for non-stack rules), when the parts
+    # are exactly the names the config implies (built from the name table, nothing added); else None
+    names: list[list[str]] | None = None
+    infos: list[list[TensorInfo]] | None = None
+    kinds: list[set[tuple[str, tuple[int, ...]]]] | None = None  # per source idx: its (dtype, shape)s
+
+
+_DTYPE_SHAPE = attrgetter("dtype", "shape")
 
 
 def _match(rules: list[Rule], name: str) -> tuple[Rule, int, dict[str, int]] | None:
@@ -146,6 +216,121 @@ def _match(rules: list[Rule], name: str) -> tuple[Rule, int, dict[str, int]] | N
             if m:
                 return rule, idx, {k: int(v) for k, v in m.groupdict().items()}
     return None
+
+
+def _binds(rule: Rule, cfg: V4Config) -> list[dict[str, int]]:
+    """Every layer/mtp binding of ``rule`` the config implies (``{expert}`` is expanded by the caller)."""
+    text = "".join(rule.sources)
+    binds: list[dict[str, int]] = [{}]
+    if "{layer}" in text:
+        binds = [{**b, "layer": i} for b in binds for i in range(cfg.num_hidden_layers)]
+    if "{mtp}" in text:
+        mtps = range(cfg.num_nextn_predict_layers)
+        if rule.when_mtp == "first":
+            mtps = range(min(1, cfg.num_nextn_predict_layers))
+        elif rule.when_mtp == "rest":
+            mtps = range(1, cfg.num_nextn_predict_layers)
+        binds = [{**b, "mtp": i} for b in binds for i in mtps]
+    return binds
+
+
+def _expand(pattern: str, bind: dict[str, int], experts: range) -> list[str]:
+    if "{expert}" not in pattern:
+        return [pattern.format(**bind)]
+    pre, post = pattern.format(**bind, expert="\0").split("\0")
+    return [f"{pre}{j}{post}" for j in experts]
+
+
+def _group_sources(
+    rules: list[Rule], sources: dict[str, TensorInfo], cfg: V4Config
+) -> tuple[list[_Group], dict[str, str], list[str]]:
+    """Bind every source to its rule instance: (groups in order of their first source, dropped, unknown).
+
+    The result is what matching every name against the rules in table order gives: the names the
+    config implies come from the expanded table (a name matches at most one rule there, see
+    :func:`rules.indexable`), the rest from the regexes.
+    """
+    pos = {name: i for i, name in enumerate(sources)}
+    groups: dict[tuple[str, tuple], _Group] = {}
+    dropped: list[tuple[int, str, str]] = []
+    found: list[list[str]] = []
+    claimed = 0
+    if indexable(rules):
+        experts = range(cfg.n_routed_experts)
+        get = sources.get
+        expert_keys: dict[int, list[tuple[int, int]]] = {}
+        for rule in rules:
+            for bind in _binds(rule, cfg):
+                per_idx = [_expand(p, bind, experts) for p in rule.sources]
+                if rule.kind == "drop":
+                    hits = [n for n in per_idx[0] if n in pos]
+                    dropped += [(pos[n], n, rule.note) for n in hits]
+                    found.append(hits)
+                    claimed += len(hits)
+                    continue
+                parts: dict[tuple[int, int | None], TensorInfo] = {}
+                complete = True
+                have: list[str] = []
+                per_idx_infos = []
+                for idx, names in enumerate(per_idx):
+                    lacking = False
+                    try:
+                        infos = list(map(sources.__getitem__, names))
+                    except KeyError:  # (``None in infos`` would call TensorInfo.__eq__ per element)
+                        infos, lacking = list(map(get, names)), True
+                    per_idx_infos.append(infos)
+                    if len(names) == 1 and "{expert}" not in rule.sources[idx]:
+                        keys: Sequence = ((idx, None),)
+                    else:
+                        keys = expert_keys.get(idx) or expert_keys.setdefault(idx, [(idx, j) for j in experts])
+                    if lacking:
+                        complete = False
+                        hit = [(k, n, i) for k, n, i in zip(keys, names, infos) if i is not None]
+                        parts.update((k, i) for k, _n, i in hit)
+                        have += [n for _k, n, _i in hit]
+                    else:
+                        parts.update(zip(keys, infos))
+                        have += names
+                if not parts:
+                    continue
+                key = (rule.id, tuple(sorted(bind.items())))
+                if key in groups:  # two rules with one id (never in the shipped tables): merge, old-style
+                    g = groups[key]
+                    g.parts.update(parts)
+                    g.first = min(g.first, min(map(pos.__getitem__, have)))
+                    g.names = g.infos = None
+                else:
+                    first = min(map(pos.__getitem__, have))
+                    groups[key] = _Group(rule, dict(bind), parts, first, *((per_idx, per_idx_infos) if complete else (None, None)))
+                found.append(have)
+                claimed += len(have)
+    rest: Sequence[str] = sources
+    if claimed:
+        if claimed == len(sources):
+            rest = ()
+        else:
+            taken = set(chain.from_iterable(found))
+            rest = [n for n in sources if n not in taken]
+    unknown: list[str] = []
+    for name in rest:
+        hit = _match(rules, name)
+        if hit is None:
+            unknown.append(name)
+            continue
+        rule, idx, bind = hit
+        if rule.kind == "drop":
+            dropped.append((pos[name], name, rule.note))
+            continue
+        expert = bind.pop("expert", None)
+        key = (rule.id, tuple(sorted(bind.items())))
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = _Group(rule, bind, first=pos[name])
+        g.parts[(idx, expert)] = sources[name]
+        g.first = min(g.first, pos[name])
+        g.names = g.infos = None
+    dropped.sort()
+    return sorted(groups.values(), key=lambda g: g.first), {n: note for _p, n, note in dropped}, unknown
 
 
 def _rows_cols(t: TensorInfo) -> tuple[int, int]:
@@ -184,72 +369,133 @@ def _check_split(name: str, info: TensorInfo, dim: int, tp: int, sibling: Tensor
         )
 
 
-def _sibling(sources: dict[str, TensorInfo], name: str) -> TensorInfo | None:
+def _sibling_name(name: str) -> str | None:
     if name.endswith(".weight"):
-        return sources.get(name[: -len(".weight")] + ".scale")
+        return name[: -len(".weight")] + ".scale"
     if name.endswith(".scale"):
-        return sources.get(name[: -len(".scale")] + ".weight")
+        return name[: -len(".scale")] + ".weight"
     return None
 
 
-def _chunk(n: int, tp: int, r: int) -> tuple[int, int]:
-    step = n // tp
-    return r * step, (r + 1) * step
+def _sibling(sources: dict[str, TensorInfo], name: str) -> TensorInfo | None:
+    other = _sibling_name(name)
+    return None if other is None else sources.get(other)
 
 
-def _segments_for(
-    group: _Group, cfg: V4Config, opts: Options, rank: int, sources: dict[str, TensorInfo]
-) -> tuple[tuple[int, ...], list[Segment]]:
-    """Output shape and segments of one rule instance on one rank."""
-    rule, tp = group.rule, opts.tp
-    infos = [group.parts[k] for k in sorted(group.parts, key=lambda k: (k[1] or 0, k[0]))]
-    first = infos[0]
-    conv = conversions.effective(first.dtype, rule.convert)
+def _check_piece(info: TensorInfo, split_dim: int | None, tp: int, sources: dict[str, TensorInfo]) -> None:
+    """What splitting ``info`` on ``split_dim`` over ``tp`` ranks requires (the same for every rank)."""
+    if split_dim is None or tp == 1:
+        return
+    _check_split(info.name, info, split_dim, tp, _sibling(sources, info.name))
+    if split_dim == 1 and len(info.shape) != 2:
+        raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
 
-    def piece(info: TensorInfo, split_dim: int | None) -> Segment:
-        rows, cols = _rows_cols(info)
-        r0, r1, c0, c1 = 0, rows, 0, cols
-        if split_dim is not None and tp > 1:
-            _check_split(info.name, info, split_dim, tp, _sibling(sources, info.name))
-            if split_dim == 0:
-                r0, r1 = _chunk(rows, tp, rank)
-            else:
-                if len(info.shape) != 2:
-                    raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
-                c0, c1 = _chunk(cols, tp, rank)
-        return Segment(info.name, r0, r1, c0, c1, conv)
 
+def _bounds(info: TensorInfo, split_dim: int | None, tp: int, rank: int) -> Bounds:
+    rows, cols = _rows_cols(info)
+    if split_dim is None or tp == 1:
+        return 0, rows, 0, cols
+    if split_dim == 0:
+        step = rows // tp
+        return rank * step, (rank + 1) * step, 0, cols
+    step = cols // tp
+    return 0, rows, rank * step, (rank + 1) * step
+
+
+def _check_experts(
+    g: _Group, experts: int, split_dim: int | None, tp: int, sources: dict[str, TensorInfo], uniform_stacks: dict
+) -> None:
+    """Split checks of every expert's parts, in the order the parts are written.
+
+    Experts of one stack share their shape (checked before); so do their scale/weight siblings in a
+    regular checkpoint, and then expert 0 speaks for all. Otherwise every expert is checked, so the
+    first offender is the one named.
+    """
+    if split_dim is None or tp == 1:
+        return
+    nsrc = len(g.rule.sources)
+    if g.names is not None:
+        bind = tuple(sorted(g.bind.items()))
+        uniform = True
+        for pattern, names in zip(g.rule.sources, g.names):
+            sib = _sibling_name(pattern)
+            if sib is None or (sib, bind) in uniform_stacks:
+                continue
+            sibs = {None if s is None else _DTYPE_SHAPE(s) for s in map(sources.get, map(_sibling_name, names))}
+            uniform = uniform and len(sibs) == 1
+        if uniform:
+            for idx in range(nsrc):
+                _check_piece(g.parts[(idx, 0)], split_dim, tp, sources)
+            return
+    for e in range(experts):
+        for idx in range(nsrc):
+            _check_piece(g.parts[(idx, e)], split_dim, tp, sources)
+
+
+def _plan_group(
+    g: _Group, cfg: V4Config, opts: Options, sources: dict[str, TensorInfo], srcs: tuple[str, ...], uniform_stacks: dict
+) -> list[tuple[tuple[int, ...], Segments, str]]:
+    """Per rank: output shape, segments and the first source read (for ordering) of one rule instance."""
+    rule, tp = g.rule, opts.tp
     if rule.kind in ("rename", "fuse"):
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
-        segs = [piece(i, split_dim) for i in infos]
+        infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
+        first = infos[0]
+        conv = conversions.effective(first.dtype, rule.convert)
+        for info in infos:
+            _check_piece(info, split_dim, tp, sources)
+        names = tuple(i.name for i in infos)
         tail = list(first.shape[1:])
         if split_dim == 1:
             tail[0] //= tp
-        rows = sum(s.row1 - s.row0 for s in segs)
-        return (rows, *tail) if first.shape else (), segs
+        if split_dim is None or tp == 1:  # every rank reads the same: one Segments for all
+            bounds = tuple(_bounds(i, None, 1, 0) for i in infos)
+            rows = sum(b[1] for b in bounds)
+            return [((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0])] * tp
+        out = []
+        sizes = list(map(_rows_cols, infos))
+        for rank in range(tp):
+            if split_dim == 0:
+                bounds = tuple((rank * (r // tp), (rank + 1) * (r // tp), 0, c) for r, c in sizes)
+            else:
+                bounds = tuple((0, r, rank * (c // tp), (rank + 1) * (c // tp)) for r, c in sizes)
+            rows = sum(b[1] - b[0] for b in bounds)
+            out.append(((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0]))
+        return out
 
-    # StackExperts: [E_local, rows, cols]
+    # StackExperts: [E_local, rows, cols]; every expert's parts share one shape (checked), so one period
     E = cfg.n_routed_experts
+    conv = conversions.effective(g.parts[(0, 0)].dtype, rule.convert)
+    nsrc = len(rule.sources)
     if opts.moe_parallel == "ep":
         if E % tp:
             raise PlanError(f"n_routed_experts={E} does not split over tp={tp} with --moe-parallel ep; choose a tp that divides it")
-        experts = range(*_chunk(E, tp, rank))
         split_dim = None
     else:
-        experts = range(E)
         split_dim = rule.expert_split_dim
-    segs = []
-    for e in experts:
-        for idx in range(len(rule.sources)):
-            segs.append(piece(group.parts[(idx, e)], split_dim))
-    per_expert = len(rule.sources)
-    rows = sum(s.row1 - s.row0 for s in segs[:per_expert])
-    cols = segs[0].col1 - segs[0].col0
-    return (len(experts), rows, cols), segs
+        _check_experts(g, E, split_dim, tp, sources, uniform_stacks)
+    period = [g.parts[(idx, 0)] for idx in range(nsrc)]
+    out = []
+    for rank in range(tp):
+        bounds = tuple(_bounds(i, split_dim, tp, rank) for i in period)
+        if opts.moe_parallel == "ep":
+            step = E // tp
+            names = srcs[rank * step * nsrc : (rank + 1) * step * nsrc]
+            n_local = step
+        else:
+            names, n_local = srcs, E
+        rows = sum(b[1] - b[0] for b in bounds)
+        out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0]))
+    return out
 
 
 def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     """Plan converting ``tensors`` (a checkpoint's headers) under ``opts``. Raises PlanError before any write."""
+    with gc_paused():  # tens of thousands of small objects, none cyclic (see format.gc_paused)
+        return _plan_conversion(config, tensors, opts)
+
+
+def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     if opts.tp < 1:
         raise PlanError(f"--tp must be >= 1, got {opts.tp}")
     if opts.moe_parallel not in ("tp", "ep"):
@@ -260,7 +506,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 
     _check_expert_dtype(config, tensors)
     complete = require_complete(config, tensors, opts.only)
-    mtp_present = {int(m.group(1)) for n in tensors if (m := _MTP_RE.match(n))}
+    mtp_present = {int(m.group(1)) for n in tensors if n.startswith("mtp.") and (m := _MTP_RE.match(n))}
     extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
     if extra_mtp:
         raise PlanError(
@@ -281,22 +527,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
             sources[alias] = TensorInfo(alias, r.dtype, r.shape, r.file, r.start, r.end)
             materialized[alias] = real
 
-    groups: dict[tuple[str, tuple], _Group] = {}
-    dropped: dict[str, str] = {}
-    unknown: list[str] = []
-    for name, info in sources.items():
-        hit = _match(rules, name)
-        if hit is None:
-            unknown.append(name)
-            continue
-        rule, idx, bind = hit
-        if rule.kind == "drop":
-            dropped[name] = rule.note
-            continue
-        expert = bind.pop("expert", None)
-        key = (rule.id, tuple(sorted(bind.items())))
-        g = groups.setdefault(key, _Group(rule, bind))
-        g.parts[(idx, expert)] = info
+    groups, dropped, unknown = _group_sources(rules, sources, config)
     if unknown:
         unknown.sort()
         first, rest = unknown[0], unknown[1:]
@@ -309,24 +540,30 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
             "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra tensors"
         )
 
-    outputs: dict[tuple[str, int], list[OutTensor]] = defaultdict(list)
+    uniform_stacks = _uniform_stacks(groups)
+    outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]] = defaultdict(list)
     unused_by_selection: list[str] = []
-    for g in groups.values():
-        _check_group(g, config)
+    for g in groups:
+        if not _group_ok(g, config):
+            _check_group(_in_source_order(g, sources), config)  # raises, naming parts in checkpoint order
+            g.names = g.infos = None  # passed the full check after all: plan it without the shortcuts
         rule = g.rule
         names = {**g.bind, "spec": config.num_hidden_layers + g.bind.get("mtp", 0)}
         target = rule.target.format(**names)  # type: ignore[union-attr]
-        srcs = tuple(g.parts[k].name for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0])))
+        if g.names is not None:  # (expert, idx) order without sorting: names[idx][expert]
+            srcs = tuple(chain.from_iterable(zip(*g.names)))
+        else:
+            srcs = tuple(g.parts[k].name for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0])))
         if opts.only and rule.component != opts.only:
             unused_by_selection.extend(srcs)
             continue
         first = next(iter(g.parts.values()))
         dtype = conversions.out_dtype(first.dtype, rule.convert)
-        for rank in range(opts.tp):
-            shape, segs = _segments_for(g, config, opts, rank, sources)
-            outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, srcs))
+        for rank, (shape, segs, head) in enumerate(_plan_group(g, config, opts, sources, srcs, uniform_stacks)):
+            info = sources[head]
+            outputs[(rule.component, rank)].append(((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, srcs)))
 
-    files = _pack(outputs, sources, opts)
+    files = _pack(outputs, opts)
     deviations = []
     if materialized:
         deviations.append(
@@ -353,11 +590,55 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 def _check_expert_dtype(config: V4Config, tensors: dict[str, TensorInfo]) -> None:
     want = {"fp4": {"I8", "U8"}, "fp8": {"F8_E4M3"}}[config.expert_dtype]
     for name, t in tensors.items():
-        if ".ffn.experts." in name and name.endswith(".weight") and t.dtype not in want:
+        if t.dtype not in want and ".ffn.experts." in name and name.endswith(".weight"):
             raise PlanError(
                 f"{t.file}: tensor {name!r} is {t.dtype} but config.json expert_dtype is {config.expert_dtype!r} "
                 f"(expects {' or '.join(sorted(want))}); fix expert_dtype in config.json to match the stored experts"
             )
+
+
+def _group_ok(g: _Group, cfg: V4Config) -> bool:
+    """Whether :func:`_check_group` would pass, decided with set operations (no names formatted)."""
+    rule, n = g.rule, len(g.rule.sources)
+    if g.infos is None:
+        return False  # irregular or incomplete: the full check decides
+    if rule.kind == "stack":
+        kinds = g.kinds if g.kinds is not None else _kinds(g)
+        if any(len(k) != 1 for k in kinds):
+            return False  # experts of one source disagree
+        reps = [next(iter(k)) for k in kinds]
+        return len({d for d, _s in reps}) == 1 and len({s[1:] for _d, s in reps}) == 1
+    infos = g.parts.values()
+    return len(g.parts) == n and len({t.dtype for t in infos}) == 1 and len({t.shape[1:] for t in infos}) == 1
+
+
+def _kinds(g: _Group) -> list[set[tuple[str, tuple[int, ...]]]]:
+    assert g.infos is not None
+    return [set(map(_DTYPE_SHAPE, infos)) for infos in g.infos]
+
+
+def _uniform_stacks(groups: list[_Group]) -> dict[tuple[str, tuple], tuple[str, tuple[int, ...]]]:
+    """(source pattern, binding) → (dtype, shape) for every complete stack source whose experts all agree.
+
+    A stacked weight's split check looks at each expert's scale (and the other way round); when that
+    sibling source is in here, all experts' siblings look alike and expert 0 speaks for all.
+    """
+    out = {}
+    for g in groups:
+        if g.rule.kind == "stack" and g.infos is not None:
+            g.kinds = _kinds(g)
+            bind = tuple(sorted(g.bind.items()))
+            for pattern, kinds in zip(g.rule.sources, g.kinds):
+                if len(kinds) == 1:
+                    out[(pattern, bind)] = next(iter(kinds))
+    return out
+
+
+def _in_source_order(g: _Group, sources: dict[str, TensorInfo]) -> _Group:
+    """``g`` with its parts in the order matching met them (what :func:`_check_group` messages list)."""
+    pos = {name: i for i, name in enumerate(sources)}
+    parts = dict(sorted(g.parts.items(), key=lambda kv: pos[kv[1].name]))
+    return _Group(g.rule, g.bind, parts, g.first, None)
 
 
 def _check_group(g: _Group, cfg: V4Config) -> None:
@@ -398,15 +679,15 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
                 raise PlanError(f"{where}: experts disagree in shape for {rule.sources[idx]}: {sorted(s)}")
 
 
-def _pack(outputs: dict[tuple[str, int], list[OutTensor]], sources: dict[str, TensorInfo], opts: Options) -> tuple[OutFile, ...]:
+def _pack(outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]], opts: Options) -> tuple[OutFile, ...]:
     """Greedy packing into parts of at most max_shard_size (a bigger tensor gets a part of its own).
 
-    Tensors are ordered by where their first source byte lies, so the writer reads sources mostly
-    sequentially.
+    Tensors are ordered by where their first source byte lies (file, offset, then name), so the writer
+    reads sources mostly sequentially.
     """
     files: list[OutFile] = []
     for (component, rank) in sorted(outputs):
-        ts = sorted(outputs[(component, rank)], key=lambda t: (sources[t.segments[0].src].file, sources[t.segments[0].src].start, t.name))
+        ts = [t for _key, t in sorted(outputs[(component, rank)], key=lambda kt: kt[0])]
         part: list[OutTensor] = []
         size = 0
         n = 0

@@ -83,6 +83,47 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + "".join(out) + "$")
 
 
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def pattern_template(pattern: str) -> str | None:
+    """``layers.{layer}.ffn.experts.{expert}.w1.weight`` → ``layers.#.ffn.experts.#.w1.weight``.
+
+    None when a placeholder is not a whole segment or a literal segment is a number: then two
+    patterns with different templates might match one name.
+    """
+    out = []
+    for seg in pattern.split("."):
+        if seg in ("{layer}", "{mtp}", "{expert}"):
+            out.append("#")
+        elif "{" in seg or "}" in seg or _NUMBER.fullmatch(seg):
+            return None
+        else:
+            out.append(seg)
+    return ".".join(out)
+
+
+def indexable(rules: list[Rule]) -> bool:
+    """Whether every name matches at most one rule of ``rules``, so that looking names up in the table of
+    expanded patterns gives what trying the regexes in table order gives.
+
+    Two patterns can match one name only if their templates are equal (placeholders match numbers
+    only, and no literal segment is a number); rules restricted to disjoint MTP layers (``when_mtp``
+    first / rest) may share one.
+    """
+    seen: dict[str, list[str | None]] = {}
+    for rule in rules:
+        for pat in rule.sources:
+            t = pattern_template(pat)
+            if t is None or (rule.when_mtp and not pat.startswith("mtp.{mtp}.")):
+                return False
+            for other in seen.get(t, []):
+                if not (other and rule.when_mtp and other != rule.when_mtp):
+                    return False
+            seen.setdefault(t, []).append(rule.when_mtp)
+    return True
+
+
 def _compiled(rule: Rule) -> Rule:
     return replace(rule, regexes=tuple(compile_pattern(s) for s in rule.sources))
 

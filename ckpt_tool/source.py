@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import V4Config
 from .errors import CheckpointError
-from .format import ShardHeader, TensorInfo, read_index, read_shard_header
+from .format import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
     Checks: every shard the index names exists and parses; the index's tensor set equals the union of
     the shard headers; no tensor is stored twice; each tensor lives in the file the index says.
     """
+    with gc_paused():  # ~300k objects, none cyclic: the collector's passes cost more than the parse
+        return _open_checkpoint(src, need_config)
+
+
+def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
     root, index_path, explicit = resolve_layout(Path(src))
     config: V4Config | None = None
     config_error: str | None = None
