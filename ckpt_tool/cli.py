@@ -359,6 +359,7 @@ def verify(
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="Where the numeric check runs.")] = "auto",
     tokens: Annotated[int, typer.Option("--tokens", min=1, metavar="N", help="Tokens in the numeric forward.")] = 16,
     seed: Annotated[int, typer.Option("--seed", metavar="S", help="Seed of the numeric inputs.")] = 0,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, metavar="K", help="Output files the values level compares (and hashes) at once; default one per CPU, at most 4.")] = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = None,
     junit: Annotated[Path | None, typer.Option("--junit", metavar="FILE", help="Also write a JUnit XML report (one testcase per check).")] = None,
@@ -396,7 +397,11 @@ def verify(
 
         ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
         src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
-        report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed)
+        from .report import StageProgress
+
+        with StageProgress(enabled=not as_json) as prog:
+            report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed,
+                                progress=prog, workers=workers)
     except CkptToolError as exc:
         _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": level})
     if junit is not None:
@@ -442,7 +447,11 @@ def unconvert(
 
     as_json = _wants_json(json_out, fmt)
     try:
-        result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums)
+        from .report import StageProgress
+
+        with StageProgress(enabled=not as_json) as prog:
+            result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums,
+                                   progress=prog)
     except CkptToolError as exc:
         _fail_user(exc, "unconvert", as_json, {"dest": str(dest)})
     if as_json:

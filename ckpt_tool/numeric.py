@@ -1,4 +1,5 @@
-"""Numeric verification: the reference forward of every MTP layer, from the source and from the output.
+"""Numeric verification: every output tensor (linear_check.py), and the reference forward of every MTP
+layer from the source and from the output, with every routed expert sent tokens and carrying probe rows.
 
 Side A (the spec): one rank over the ORIGINAL checkpoint in DeepSeek's names, every linear
 dequantized exactly in plain torch (:mod:`ckpt_tool.quant`) and multiplied in float32.
@@ -23,6 +24,7 @@ will compute.
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +33,12 @@ import torch
 from . import quant
 from .config import V4Config
 from .errors import CheckpointError
-from .format import ShardHeader
+from .format import ShardHeader, TensorInfo, read_shard_header
 from .plan import Plan
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
+from .tensor_rows import RowReader, release_freed_memory
+from .verdict import Check, Progress, VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -119,96 +123,93 @@ CONVERTED_TENSORS["vllm-0.33"] = {
 }
 
 
-class _TensorFiles:
-    """Lazy tensor access by name over a set of safetensors files (safetensors' own reader)."""
+def _gemm_by_tiles(x: torch.Tensor, rows: int, inp: int, align: int, tile, gemm) -> torch.Tensor:
+    """``x[..., in] @ W.T`` for a weight of ``rows`` output rows read ``tile(a, b) -> (w, s)`` a tile at a time."""
+    from .kernels.fp8_gemm import tile_rows
 
-    def __init__(self, locate: dict[str, Path], device: torch.device) -> None:
-        self.locate = locate
-        self.device = device
-        self._handles: dict[Path, object] = {}
-
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
-        path = self.locate.get(name)
-        if path is None:
-            raise CheckpointError(f"tensor {name!r} is not in the checkpoint")
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name).to(self.device)  # type: ignore[attr-defined]
-
-    def get_index(self, name: str, index: int) -> torch.Tensor:
-        """``tensor[index]`` of a stacked tensor without loading the whole stack."""
-        return self._handle(name).get_slice(name)[index : index + 1][0].to(self.device)  # type: ignore[attr-defined]
-
-
-def _dequant(weight: torch.Tensor, scale: torch.Tensor, what: str) -> torch.Tensor:
-    if weight.dtype in (torch.int8, torch.uint8):
-        return quant.mxfp4_dequant(weight, scale, what=what)
-    return quant.fp8_block_dequant(weight, scale, what=what)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    step = tile_rows(rows, inp, align)
+    y = torch.cat([gemm(x2, *tile(a, min(a + step, rows))) for a in range(0, rows, step)], dim=-1)
+    return y.reshape(*lead, rows)
 
 
 class SourceShard:
-    """Side A: the original checkpoint, one rank, dequantized in plain torch."""
+    """Side A: the original checkpoint, one rank, dequantized in plain torch a tile at a time."""
 
-    def __init__(self, cfg: V4Config, ckpt: Checkpoint, mtp: int, device: torch.device, act: str = "bf16") -> None:
+    def __init__(self, cfg: V4Config, ckpt: Checkpoint, mtp: int, device: torch.device, reader: RowReader, act: str = "bf16") -> None:
         self.cfg, self.mtp, self.act = cfg, mtp, act
         self.rank, self.tp = 0, 1
         self.local_experts = list(range(cfg.n_routed_experts))
-        self.files = _TensorFiles({n: ckpt.root / t.file for n, t in ckpt.tensors.items()}, device)
+        self.ckpt, self.reader, self.device = ckpt, reader, device
         self.names = set(ckpt.tensors)
-        self._cache: dict[str, torch.Tensor] = {}
+        p = f"mtp.{mtp}."
+        # the draft model's one embedding is mtp.0's (seed loader), else the main one
+        self.embed_name = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in self.names else "embed.weight"
+        self.head_name = p + "head.weight" if p + "head.weight" in self.names else "head.weight"
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint")
+        return info
+
+    def _rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        info = self._info(name)
+        return self.reader.rows(self.ckpt.root / info.file, info, r0, r1).to(self.device)
 
     def tensor(self, role: str) -> torch.Tensor:
-        p = f"mtp.{self.mtp}."
-        if role == "embed":  # the draft model's one embedding is mtp.0's (seed loader), else the main one
-            name = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in self.names else "embed.weight"
-        elif role == "head":
-            name = p + "head.weight" if p + "head.weight" in self.names else "head.weight"
-        else:
-            name = p + SOURCE_TENSORS[role]
-        return self.files.get(name).float()
+        info = self._info(f"mtp.{self.mtp}." + SOURCE_TENSORS[role])
+        return self.reader.whole(self.ckpt.root / info.file, info).to(self.device).float()
 
-    def _weight(self, base: str) -> torch.Tensor:
-        if base not in self._cache:
-            w = _dequant(self.files.get(base + ".weight"), self.files.get(base + ".scale"), base)
-            if ".experts." in base:
-                return w  # not cached: all experts of a real layer would not fit in memory
-            self._cache[base] = w
-        return self._cache[base]
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self._rows(self.embed_name, int(i), int(i) + 1) for i in ids.tolist()]).float()
 
     def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        p = f"mtp.{self.mtp}."
+        from .kernels.fp8_gemm import prepare_activation
+
+        p, cfg = f"mtp.{self.mtp}.", self.cfg
+        if role == "head":
+            return _gemm_by_tiles(x, cfg.vocab_size, x.shape[-1], 1, lambda a, b: (self._rows(self.head_name, a, b), None),
+                                  lambda x2, w, s: x2 @ w.float().T)
+        r0 = 0
         if role.startswith("expert."):
             _, j, w = role.split(".")
             base = f"{p}ffn.experts.{j}.{w}"
-            weight = self._weight(base)
         elif role.startswith("wo_a."):
-            g, Or = int(role.split(".")[1]), self.cfg.o_lora_rank
-            weight = self._weight(p + SOURCE_LINEARS["wo_a"])[g * Or : (g + 1) * Or]
+            r0 = int(role.split(".")[1]) * cfg.o_lora_rank
+            base = p + SOURCE_LINEARS["wo_a"]
         else:
-            weight = self._weight(p + SOURCE_LINEARS[role])
+            base = p + SOURCE_LINEARS[role]
+        fp4 = role.startswith("expert.") and cfg.expert_dtype == "fp4"
+        rows = cfg.o_lora_rank if role.startswith("wo_a.") else self._info(base + ".weight").shape[0]
+        align = 1 if fp4 else 128
+
+        def tile(a: int, b: int):
+            a, b = r0 + a, r0 + b
+            s0, s1 = (a, b) if fp4 else (a // 128, -(-b // 128))
+            return self._rows(base + ".weight", a, b), self._rows(base + ".scale", s0, s1)
+
         # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 GEMM always
         # takes bf16): both sides then compute identical math up to summation order, so routing
         # decisions cannot flip on rounding noise and the tolerances can stay tight.
-        from .kernels.fp8_gemm import prepare_activation
+        def gemm(x2, w, s):
+            wd = quant.mxfp4_dequant(w, s, what=base) if fp4 else quant.fp8_block_dequant(w, s, what=base)
+            return prepare_activation(x2, "bf16" if fp4 else self.act) @ wd.T
 
-        fp4_expert = role.startswith("expert.") and self.cfg.expert_dtype == "fp4"
-        return prepare_activation(x.float(), "bf16" if fp4_expert else self.act) @ weight.T
+        return _gemm_by_tiles(x, rows, x.shape[-1], align, tile, gemm)
 
 
 class ConvertedShard:
-    """Side B: one rank of the converted checkpoint, linears through the quantized GEMM kernels."""
+    """Side B: one rank of the converted checkpoint, linears through the quantized GEMM kernels a tile at a time."""
 
     def __init__(
-        self, cfg: V4Config, plan: Plan, out: Path, rank: int, mtp: int, device: torch.device, kernels: str, act: str
+        self, cfg: V4Config, plan: Plan, out: Path, headers: dict[str, ShardHeader], rank: int, mtp: int,
+        device: torch.device, reader: RowReader, kernels: str, act: str,
     ) -> None:
         opts = plan.options
         self.cfg, self.rank, self.tp = cfg, rank, opts.tp
-        self.kernels, self.act = kernels, act
+        self.kernels, self.act, self.reader, self.device = kernels, act, reader, device
         E = cfg.n_routed_experts
         self.local_experts = (
             list(range(E)) if opts.moe_parallel == "tp" else list(range(rank * E // opts.tp, (rank + 1) * E // opts.tp))
@@ -217,68 +218,93 @@ class ConvertedShard:
         if opts.profile not in CONVERTED_TENSORS:
             raise CheckpointError(f"numeric verify has no name table for profile {opts.profile!r}")
         self.names = {k: v.format(S=S) for k, v in CONVERTED_TENSORS[opts.profile].items()}
-        locate = {t.name: out / f.relpath for f in plan.files if f.component == "mtp" and f.rank == rank for t in f.tensors}
-        self.files = _TensorFiles(locate, device)
+        self.locate: dict[str, tuple[Path, TensorInfo]] = {}
+        for f in plan.files:
+            if f.component == "mtp" and f.rank == rank and f.relpath in headers:
+                self.locate.update({n: (out / f.relpath, t) for n, t in headers[f.relpath].tensors.items()})
         self.fp4 = cfg.expert_dtype == "fp4"
 
+    def _info(self, name: str) -> tuple[Path, TensorInfo]:
+        hit = self.locate.get(name)
+        if hit is None:
+            raise CheckpointError(f"tensor {name!r} is not in rank {self.rank}'s files")
+        return hit
+
+    def _rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        path, info = self._info(name)
+        return self.reader.rows(path, info, r0, r1).to(self.device)
+
     def tensor(self, role: str) -> torch.Tensor:
-        return self.files.get(self.names[role]).float()
+        path, info = self._info(self.names[role])
+        return self.reader.whole(path, info).to(self.device).float()
 
-    def _scale_suffix(self, expert: bool) -> str:
-        return "weight_scale" if (expert and self.fp4) else "weight_scale_inv"
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        name = self.names["embed"]
+        return torch.cat([self._rows(name, int(i), int(i) + 1) for i in ids.tolist()]).float()
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, what: str) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: str, scale: str, r0: int, rows: int, *, mx: bool, slot: int | None = None,
+                what: str) -> torch.Tensor:
+        """Rows [r0, r0 + rows) of ``weight`` (of stacked expert ``slot``) through the kernel."""
         from .kernels import fp8_block_gemm, mxfp4_gemm
 
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        if w.dtype == torch.uint8 and self.fp4 and s.dtype == torch.uint8 and s.shape[0] == w.shape[0] and s.shape[-1] * 16 == w.shape[-1]:
-            y = mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
-        else:
-            y = fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
-        return y.reshape(*lead, y.shape[-1])
+        wbase = sbase = 0
+        if slot is not None:
+            wbase = slot * self._info(weight)[1].shape[1]
+            sbase = slot * self._info(scale)[1].shape[1]
+        if not mx and (r0 % 128 or (rows % 128 and r0 + rows != self._info(weight)[1].shape[-2])):
+            raise CheckpointError(f"{weight}: rows {r0}:{r0 + rows} do not fall on 128-row scale blocks")
 
-    def _rows(self, base: str, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [r0, r1) of an FP8 linear and the matching 128-row scale blocks."""
-        w = self.files.get(base + ".weight")
-        s = self.files.get(base + ".weight_scale_inv")
-        if r0 % 128 or (r1 % 128 and r1 != w.shape[0]):
-            raise CheckpointError(f"{base}: rows {r0}:{r1} do not fall on 128-row scale blocks")
-        return w[r0:r1], s[r0 // 128 : -(-r1 // 128)]
+        def tile(a: int, b: int):
+            a, b = r0 + a, r0 + b
+            s0, s1 = (a, b) if mx else (a // 128, -(-b // 128))
+            return self._rows(weight, wbase + a, wbase + b), self._rows(scale, sbase + s0, sbase + s1)
+
+        def gemm(x2, w, s):
+            if mx:
+                return mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
+            return fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
+
+        return _gemm_by_tiles(x, rows, x.shape[-1], 1 if mx else 128, tile, gemm)
+
+    def _fp8(self, x: torch.Tensor, base: str, r0: int = 0, rows: int | None = None) -> torch.Tensor:
+        if rows is None:
+            rows = self._info(base + ".weight")[1].shape[0] - r0
+        return self._linear(x, base + ".weight", base + ".weight_scale_inv", r0, rows, mx=False, what=base)
 
     def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
         n, cfg = self.names, self.cfg
+        if role == "head":
+            name = n["head"]
+            rows = self._info(name)[1].shape[0]
+            return _gemm_by_tiles(x, rows, x.shape[-1], 1, lambda a, b: (self._rows(name, a, b), None),
+                                  lambda x2, w, s: x2 @ w.float().T)
         if role in ("e_proj", "h_proj", "wq_b", "wo_b"):
-            base = n[role]
-            return self._gemm(x, self.files.get(base + ".weight"), self.files.get(base + ".weight_scale_inv"), base)
+            return self._fp8(x, n[role])
         if role in ("wq_a", "wkv"):
             Qr, Dh = cfg.q_lora_rank, cfg.head_dim
-            r0, r1 = (0, Qr) if role == "wq_a" else (Qr, Qr + Dh)
-            return self._gemm(x, *self._rows(n["fused_wqa_wkv"], r0, r1), n["fused_wqa_wkv"])
+            r0, rows = (0, Qr) if role == "wq_a" else (Qr, Dh)
+            return self._fp8(x, n["fused_wqa_wkv"], r0, rows)
         if role.startswith("wo_a."):
             g, Or = int(role.split(".")[1]), cfg.o_lora_rank
-            return self._gemm(x, *self._rows(n["wo_a"], g * Or, (g + 1) * Or), n["wo_a"])
+            return self._fp8(x, n["wo_a"], g * Or, Or)
         if role in ("shared.w1", "shared.w3"):
             half = cfg.moe_intermediate_size * cfg.n_shared_experts // self.tp
-            r0 = 0 if role == "shared.w1" else half
-            return self._gemm(x, *self._rows(n["gate_up_proj"], r0, r0 + half), n["gate_up_proj"])
+            return self._fp8(x, n["gate_up_proj"], 0 if role == "shared.w1" else half, half)
         if role == "shared.w2":
-            base = n["down_proj"]
-            return self._gemm(x, self.files.get(base + ".weight"), self.files.get(base + ".weight_scale_inv"), base)
+            return self._fp8(x, n["down_proj"])
         if role.startswith("expert."):
             _, j, which = role.split(".")
-            local = self.local_experts.index(int(j))
+            slot = self.local_experts.index(int(j))
             base = n["experts"]
-            sfx = self._scale_suffix(expert=True)
+            sfx = "weight_scale" if self.fp4 else "weight_scale_inv"
+            mx = self.fp4
+            what = f"{base} expert {j} {which}"
             if which == "w2":
-                w = self.files.get_index(f"{base}.w2_weight", local)
-                s = self.files.get_index(f"{base}.w2_{sfx}", local)
-            else:
-                w = self.files.get_index(f"{base}.w13_weight", local)
-                s = self.files.get_index(f"{base}.w13_{sfx}", local)
-                half, shalf = w.shape[0] // 2, s.shape[0] // 2
-                w, s = (w[:half], s[:shalf]) if which == "w1" else (w[half:], s[shalf:])
-            return self._gemm(x, w, s, f"{base} expert {j} {which}")
+                rows = self._info(f"{base}.w2_weight")[1].shape[1]
+                return self._linear(x, f"{base}.w2_weight", f"{base}.w2_{sfx}", 0, rows, mx=mx, slot=slot, what=what)
+            half = self._info(f"{base}.w13_weight")[1].shape[1] // 2
+            r0 = 0 if which == "w1" else half
+            return self._linear(x, f"{base}.w13_weight", f"{base}.w13_{sfx}", r0, half, mx=mx, slot=slot, what=what)
         raise KeyError(f"unknown linear role {role!r}")
 
 
@@ -315,70 +341,186 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def run_layer(
-    cfg: V4Config, plan: Plan, ckpt: Checkpoint, out: Path, mtp: int, inputs: NumericInputs, *, device: torch.device, kernels: str, act: str
-) -> tuple[MTPOutput, MTPOutput]:
-    """Side A and side B of one MTP layer; B is the worst of the T replica viewpoints (see _ReplicaView)."""
-    source = [SourceShard(cfg, ckpt, mtp, device, act)]
-    converted = [ConvertedShard(cfg, plan, out, r, mtp, device, kernels, act) for r in range(plan.options.tp)]
-    with torch.no_grad():
-        a = mtp_layer_forward(cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden)
-        worst: tuple[float, MTPOutput] | None = None
-        for viewpoint in range(len(converted)):
-            shards = [_ReplicaView(s, converted[viewpoint]) for s in converted]
-            b = mtp_layer_forward(cfg, shards, inputs.input_ids, inputs.positions, inputs.prev_hidden)
-            m = compare_outputs(a, b)
-            err = max(m["logits_max_rel"], m["hidden_max_rel"])
-            if worst is None or err > worst[0]:
-                worst = (err, b)
-    assert worst is not None
-    return a, worst[1]
+class _ProbedShard:
+    """A rank shard whose routed-expert linears also carry seeded probe rows (the per-linear check of
+    every MTP expert, riding on the forward's GEMMs so each expert is dequantized once per side)."""
 
-
-# Roles every rank holds a full copy of. The reference forward reads them from shards[0]; in an
-# engine each rank computes them from its own copy, so each rank's copy is exercised in turn.
-_SHARDED_TENSORS = {"attn_sink", "embed", "head"}
-_SHARDED_LINEAR_PREFIXES = ("wq_b", "wo_a.", "wo_b", "shared.", "expert.")
-
-
-class _ReplicaView:
-    """Rank ``shard`` whose replicated roles are served by ``replica`` (another rank's copy)."""
-
-    def __init__(self, shard: ConvertedShard, replica: ConvertedShard) -> None:
-        self.shard, self.replica = shard, replica
+    def __init__(self, shard, seed: int, sliced: bool, device: torch.device) -> None:
+        self.shard, self.seed, self.sliced, self.device = shard, seed, sliced, device
         self.rank, self.tp, self.local_experts = shard.rank, shard.tp, shard.local_experts
+        self.outputs: dict[str, torch.Tensor] = {}
 
     def tensor(self, role: str) -> torch.Tensor:
-        return (self.shard if role in _SHARDED_TENSORS else self.replica).tensor(role)
+        return self.shard.tensor(role)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.shard.embedding(ids)
+
+    def probe(self, role: str, width: int) -> torch.Tensor:
+        """This rank's columns of the role's seeded ``[PROBE_ROWS, in]`` probe (w2 under tp: its input slice)."""
+        from .linear_check import PROBE_ROWS
+
+        full = width * (self.tp if self.sliced and role.endswith(".w2") else 1)
+        g = torch.Generator().manual_seed(zlib.crc32(role.encode()) ^ (self.seed * 0x9E3779B1 & 0xFFFFFFFF))
+        x = torch.randn(PROBE_ROWS, full, generator=g).to(self.device)
+        if full != width:
+            x = x[:, self.rank * width : (self.rank + 1) * width]
+        return x
 
     def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        return (self.shard if role.startswith(_SHARDED_LINEAR_PREFIXES) else self.replica).linear(role, x)
+        if not role.startswith("expert."):
+            return self.shard.linear(role, x)
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        y = self.shard.linear(role, torch.cat([x2, self.probe(role, x2.shape[-1])]))
+        n = x2.shape[0]
+        self.outputs[role] = y[n:]
+        return y[:n].reshape(*x.shape[:-1], y.shape[-1])
 
 
-def check_numeric(out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report, *, kernels: str, device: str, tokens: int, seed: int, act: str = "bf16") -> None:
-    """Add one check per MTP layer to ``report`` (a verify.VerifyReport)."""
+def compare_expert_probes(cfg: V4Config, plan: Plan, source: _ProbedShard, converted: list[_ProbedShard], mtp: int) -> tuple[list[tuple[str, str]], bool]:
+    """Each routed expert's probe outputs: the source linear against the ranks recombined (tp: w1/w3 rows
+    concatenated, w2 partial sums added; ep: the owner's). Returns (message, tensor) failures and whether
+    every expert was reached on every rank that holds it."""
+    from .linear_check import LINEAR_MAX_REL
+
+    opts = plan.options
+    S = cfg.num_hidden_layers + mtp
+    base = CONVERTED_TENSORS[opts.profile]["experts"].format(S=S)
+    sfx = "weight_scale" if cfg.expert_dtype == "fp4" else "weight_scale_inv"
+    bad: list[tuple[str, str]] = []
+    complete = True
+    for j in range(cfg.n_routed_experts):
+        holders = [c for c in converted if j in c.local_experts]
+        for which in ("w1", "w3", "w2"):
+            role = f"expert.{j}.{which}"
+            want = source.outputs.get(role)
+            outs = [c.outputs.get(role) for c in holders]
+            if want is None or any(o is None for o in outs):
+                complete = False
+                continue
+            if which == "w2" or len(holders) == 1:  # row parallel: partial sums added; ep: the owner's
+                pairs = [("ranks summed" if len(outs) > 1 else f"rank {holders[0].rank}", want, torch.stack(outs).sum(0))]
+            else:  # column parallel: each rank's output columns are its slice of the source rows
+                n = want.shape[-1] // len(outs)
+                pairs = [(f"rank {c.rank}", want[:, i * n : (i + 1) * n], o) for i, (c, o) in enumerate(zip(holders, outs))]
+            for where, ref, got in pairs:
+                rel = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+                if rel <= LINEAR_MAX_REL:
+                    continue
+                w = f"{base}.{'w2' if which == 'w2' else 'w13'}_weight"
+                bad.append((f"tensor {w!r} (scale {w.replace('_weight', '_' + sfx)!r}) expert {j} ({where}): output of part "
+                            f"mtp.{mtp}.ffn.experts.{j}.{which} disagrees with the source linear: max_rel {rel:.3g} "
+                            f"(needs <= {LINEAR_MAX_REL:g})", w))
+                break
+    return bad, complete
+
+
+def run_layer(
+    cfg: V4Config, plan: Plan, ckpt: Checkpoint, out: Path, mtp: int, inputs: NumericInputs, *, device: torch.device,
+    kernels: str, act: str, headers: dict[str, ShardHeader] | None = None, route_all: bool = True,
+    probes: list[_ProbedShard] | None = None, seed: int = 0,
+) -> tuple[MTPOutput, MTPOutput]:
+    """Side A and side B of one MTP layer on the same inputs.
+
+    Side B reads every replicated role from rank 0; the other ranks' copies of replicated tensors are
+    proven by the per-tensor check (linear_check), which compares each rank's copy with the source.
+    ``route_all`` (the verify default) sends every routed expert tokens. With ``probes`` (a list to
+    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks.
+    """
+    if headers is None:
+        headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"}
+    with RowReader() as reader, torch.no_grad():
+        source: list = [SourceShard(cfg, ckpt, mtp, device, reader, act)]
+        converted: list = [ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act) for r in range(plan.options.tp)]
+        if probes is not None:
+            tp_split = plan.options.moe_parallel == "tp"
+            source = [_ProbedShard(source[0], seed, False, device)]
+            converted = [_ProbedShard(c, seed, tp_split, device) for c in converted]
+            probes.extend(source + converted)
+        a = mtp_layer_forward(cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all)
+        b = mtp_layer_forward(cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all)
+    return a, b
+
+
+def coverage_summary(plan: Plan, headers: dict[str, ShardHeader], checked: dict[str, set[tuple[int, str]]]) -> tuple[dict, list[str]]:
+    """Output tensors (per rank) checked numerically / all, per component; and the ones not checked."""
+    comps: dict[str, dict] = {}
+    missed: list[str] = []
+    for f in plan.files:
+        h = headers.get(f.relpath)
+        if h is None:
+            continue
+        c = comps.setdefault(f.component, {"checked": 0, "total": 0})
+        for name in h.tensors:
+            c["total"] += 1
+            if (f.rank, name) in checked.get(f.component, set()):
+                c["checked"] += 1
+            else:
+                missed.append(f"{f.relpath}: {name}")
+    for c in comps.values():
+        c["percent"] = round(100 * c["checked"] / c["total"], 2) if c["total"] else 100.0
+    total = sum(c["total"] for c in comps.values())
+    done = sum(c["checked"] for c in comps.values())
+    return {"checked": done, "total": total, "percent": round(100 * done / total, 2) if total else 100.0, "components": comps}, missed
+
+
+def check_numeric(
+    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *, kernels: str,
+    device: str, tokens: int, seed: int, act: str = "bf16", progress: Progress | None = None,
+) -> None:
+    """The numeric level: every output tensor against the source (linear_check), then the forward of
+    every MTP layer (one check each), then coverage (output tensors checked numerically / all)."""
     from .kernels import resolve_backend
-    from .verify import Check
+    from .linear_check import check_every_tensor
 
     cfg = plan.config
-    if plan.options.only == "model":
-        report.add(Check("numeric", True, "skipped: --only model has no MTP layers to run"))
-        return
     dev = resolve_device(device)
     backend = resolve_backend(kernels, dev)
-    inputs = make_inputs(cfg, tokens, seed, dev)
-    for i in range(cfg.num_nextn_predict_layers):
+    release_freed_memory()  # what the values level's workers left in the heap
+    has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
+    # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
+    # dequantized once per side; everything else by check_every_tensor.
+    checked = check_every_tensor(out, plan, ckpt, headers, report, kernels=kernels, device=dev, seed=seed, act=act,
+                                 progress=progress, skip_mtp_experts=has_mtp)
+    if not has_mtp:
+        report.add(Check("numeric:mtp-forward", True, "skipped: --only model has no MTP layers to run"))
+    inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
+    for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
         S = cfg.num_hidden_layers + i
         name = f"numeric:mtp.{i}(layer {S})"
+        probes: list[_ProbedShard] = []
+        release_freed_memory()
+        if progress is not None:
+            progress.advance(0, f"mtp.{i} forward")
         try:
-            a, b = run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels=kernels, act=act)
+            a, b = run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels=kernels, act=act, headers=headers,
+                             probes=probes, seed=seed)
         except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
             report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
             continue
+        bad, complete = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
+        if complete:
+            experts = CONVERTED_TENSORS[plan.options.profile]["experts"].format(S=S)
+            names = [n for f in plan.files if f.component == "mtp" and f.relpath in headers
+                     for n in headers[f.relpath].tensors if n.startswith(experts + ".")]
+            checked.setdefault("mtp", set()).update((r, n) for r in range(plan.options.tp) for n in names)
+        ename = f"numeric:mtp/mtp.{i} (layer {S}) routed experts"
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            report.add(Check(ename, False, f"mtp/mtp.{i} (layer {S}): {bad[0][0]}{more}", tensor=bad[0][1],
+                             details={"problems": [m for m, _ in bad]}))
+        else:
+            report.add(Check(ename, True, details={"experts": cfg.n_routed_experts, "complete": complete}))
         metrics = compare_outputs(a, b)
         bad = within_tolerance(metrics)
-        entry = {"layer": S, "mtp": i, "backend": backend, "device": str(dev), "tokens": tokens, "seed": seed, **metrics,
+        entry = {"layer": S, "mtp": i, "backend": backend, "device": str(dev), "tokens": tokens, "seed": seed,
+                 "route_all": True, **metrics,
                  "tolerances": {k: f"{op} {v}" for k, (op, v) in TOLERANCES.items()}, "ok": not bad}
         report.numeric.append(entry)
         msg = "" if not bad else f"layer {S}: converted MTP layer disagrees with the source forward: " + ", ".join(bad)
         report.add(Check(name, not bad, msg, details=entry))
+
+    coverage, missed = coverage_summary(plan, headers, checked)
+    report.coverage = coverage
+    msg = "" if not missed else f"{len(missed)} output tensor(s) not checked numerically, e.g. {missed[0]}"
+    report.add(Check("numeric:coverage", not missed, msg, details=coverage))

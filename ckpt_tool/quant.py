@@ -212,6 +212,8 @@ def fp8_block_dequant(
     w = bits.view(torch.float8_e4m3fn).to(torch.float32)
     n, k = w.shape
     bn, bk = block
+    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast the scales, no [N, K] scale copy
+        return w.view(n // bn, bn, k // bk, bk).mul_(s[:, None, :, None]).view(n, k)
     s_full = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return w * s_full
 
@@ -257,8 +259,25 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, *, what: str | None
     """
     n, k = check_mxfp4_shapes(packed, scale, what)
     s = e8m0_to_float32(scale, f"{what} scale" if what else None)
-    values = e2m1_decode(mxfp4_unpack_codes(packed))
-    return values * s.repeat_interleave(MXFP4_GROUP, dim=1)[:, :k]
+    # One lookup per byte gives both of its values (low nibble first): the same table as
+    # e2m1_decode(mxfp4_unpack_codes(packed)), without int64 codes per element.
+    values = _byte_pair_table(packed.device).index_select(0, packed.reshape(-1).view(torch.uint8).to(torch.int32))
+    if k % MXFP4_GROUP == 0:
+        return values.view(n, k // MXFP4_GROUP, MXFP4_GROUP).mul_(s.unsqueeze(-1)).view(n, k)
+    return values.view(n, k) * s.repeat_interleave(MXFP4_GROUP, dim=1)[:, :k]
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_pair_table(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32: the e2m1 values of a packed byte's low and high nibble."""
+    table = _PAIR_TABLES.get(device)
+    if table is None:
+        b = torch.arange(256)
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        table = _PAIR_TABLES[device] = torch.stack((values[b & 0xF], values[b >> 4]), dim=-1).to(device)
+    return table
 
 
 def _exp2_f64(e: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ hc_head_scale      [1]                         replicated
 attn_sink          [H]                         heads [r*H/T, (r+1)*H/T)
 gate.weight        [E, D]                      replicated
 gate.bias          [E]                         replicated
-embed, head        [V, D]                      vocab rows [r*V/T, (r+1)*V/T)
+embed              [V, D]                      vocab rows [r*V/T, (r+1)*V/T) (embedding)
+head               [V, D]                      vocab rows [r*V/T, (r+1)*V/T) (linear)
 e_proj, h_proj     [D, D]                      replicated (linear)
 wq_a               [Qr, D]                     replicated (linear)
 wkv                [Dh, D]                     replicated (linear)
@@ -67,6 +68,8 @@ class RankShard(Protocol):
     ``tensor(role)`` returns a float32 tensor (see the module docstring for roles and shapes).
     ``linear(role, x)`` returns float32 ``x @ W_local.T`` for ``x[..., in]``; an adapter may run
     it through a quantized GEMM kernel, which is why the forward never asks for linear weights.
+    ``embedding(ids)`` returns float32 rows ``ids`` (local, in range) of this rank's embedding
+    slice: the forward never asks for a whole vocab table either.
     """
 
     rank: int
@@ -76,6 +79,8 @@ class RankShard(Protocol):
     def tensor(self, role: str) -> torch.Tensor: ...
 
     def linear(self, role: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -163,13 +168,11 @@ def swiglu(shard: RankShard, prefix: str, x: torch.Tensor, limit: float) -> torc
 def embed(cfg: V4Config, shards: list[RankShard], input_ids: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel embedding: each rank fills the ids in its range, the ranks' rows are summed."""
     out = None
+    rows = cfg.vocab_size // len(shards)
     for shard in shards:
-        table = shard.tensor("embed")
-        rows = table.shape[0]
-        lo = shard.rank * rows
-        local = input_ids - lo
+        local = input_ids - shard.rank * rows
         inside = (local >= 0) & (local < rows)
-        e = table[local.clamp(0, rows - 1)] * inside.unsqueeze(-1)
+        e = shard.embedding(local.clamp(0, rows - 1)) * inside.unsqueeze(-1)
         out = e if out is None else out + e
     return out
 
@@ -224,17 +227,47 @@ def attention(cfg: V4Config, shards: list[RankShard], x: torch.Tensor, positions
     return out
 
 
-def moe(cfg: V4Config, shards: list[RankShard], x: torch.Tensor) -> torch.Tensor:
-    """Routed experts plus shared expert; ``x[T, D] -> [T, D]``, rank partials summed."""
-    weights, ids = route(cfg, shards[0], x)
+def route_every_expert(cfg: V4Config, shard: RankShard, x: torch.Tensor) -> torch.Tensor:
+    """Dense routing weights ``[T, E]``: the router's top-k, plus expert ``j`` on token ``j % T`` for every
+    expert the top-k left out, weighted like a routed choice of that token (its score over the token's
+    top-k score sum, times the scaling factor). A verification mode: on a few tokens the top-k reaches
+    few of the routed experts, and an expert no token reaches is an expert the forward never checks.
+    The extra pairs depend on positions only, so both sides of a comparison pick the same ones.
+    """
+    weights, ids = route(cfg, shard, x)
+    T, E = x.shape[0], cfg.n_routed_experts
+    dense = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+    dense.scatter_(1, ids, weights)
+    logits = x.float() @ shard.tensor("gate.weight").T
+    scores = torch.sqrt(F.softplus(logits))
+    norm = scores.gather(-1, ids).sum(-1) if cfg.norm_topk_prob else torch.ones(T, device=x.device)
+    j = torch.arange(E, device=x.device)
+    t = j % T
+    unreached = ~(dense != 0).any(0)
+    extra = scores[t, j] / norm[t] * cfg.routed_scaling_factor
+    dense[t[unreached], j[unreached]] = extra[unreached]
+    return dense
+
+
+def moe(cfg: V4Config, shards: list[RankShard], x: torch.Tensor, route_all: bool = False) -> torch.Tensor:
+    """Routed experts plus shared expert; ``x[T, D] -> [T, D]``, rank partials summed.
+
+    ``route_all``: every routed expert gets at least one token (:func:`route_every_expert`).
+    """
+    if route_all:
+        dense = route_every_expert(cfg, shards[0], x)
+    else:
+        weights, ids = route(cfg, shards[0], x)
+        dense = torch.zeros(x.shape[0], cfg.n_routed_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_(1, ids, weights)
     out = torch.zeros_like(x)
     for shard in shards:
         for j in shard.local_experts:
-            tok, slot = torch.nonzero(ids == j, as_tuple=True)
+            tok = torch.nonzero(dense[:, j], as_tuple=True)[0]
             if tok.numel() == 0:
                 continue
             y = swiglu(shard, f"expert.{j}", x[tok], cfg.swiglu_limit)
-            out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+            out.index_add_(0, tok, y * dense[tok, j].unsqueeze(-1))
         if cfg.n_shared_experts > 0:
             out = out + swiglu(shard, "shared", x, cfg.swiglu_limit)
     return out
@@ -249,7 +282,7 @@ def hc_head_logits(cfg: V4Config, shards: list[RankShard], x: torch.Tensor) -> t
     pre = torch.sigmoid(mix * s0.tensor("hc_head_scale") + s0.tensor("hc_head_base")) + cfg.hc_eps
     y = (pre.unsqueeze(-1) * x).sum(1)
     y = rms_norm(y, s0.tensor("norm"), cfg.rms_norm_eps)
-    return torch.cat([y @ shard.tensor("head").T for shard in shards], dim=-1)
+    return torch.cat([shard.linear("head", y) for shard in shards], dim=-1)
 
 
 def _check_shards(cfg: V4Config, shards: list[RankShard]) -> None:
@@ -278,13 +311,15 @@ def mtp_layer_forward(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     prev_hidden: torch.Tensor,
+    *,
+    route_all: bool = False,
 ) -> MTPOutput:
     """Run one MTP layer over ``T`` tokens of a single sequence.
 
     ``shards`` are ranks 0..tp-1 in order; replicated roles are read from ``shards[0]``.
     ``input_ids`` and ``positions`` are ``[T]`` long, ``prev_hidden`` is the main model's
     ``[T, hc*D]`` hidden state. Attention masks by position, so ``positions`` must be the
-    tokens' positions in one sequence.
+    tokens' positions in one sequence. ``route_all`` sends every routed expert tokens (see :func:`moe`).
     """
     _check_shards(cfg, shards)
     hc, D, eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
@@ -305,7 +340,7 @@ def mtp_layer_forward(
 
     r = x
     y, post, comb = hc_pre(cfg, x, s0.tensor("hc_ffn_fn"), s0.tensor("hc_ffn_scale"), s0.tensor("hc_ffn_base"))
-    y = moe(cfg, shards, rms_norm(y, s0.tensor("ffn_norm"), eps))
+    y = moe(cfg, shards, rms_norm(y, s0.tensor("ffn_norm"), eps), route_all)
     x = hc_post(y, r, post, comb)
 
     return MTPOutput(hidden=x.flatten(1), logits=hc_head_logits(cfg, shards, x))
@@ -389,7 +424,7 @@ class DenseShard:
         cfg = self.cfg
         if role in self._REPLICATED_LINEAR:
             return self.weights[role]
-        if role == "wq_b":
+        if role in ("wq_b", "head"):
             return self._part(self.weights[role], 0)
         if role.startswith("wo_a."):
             g = self.rank * (cfg.o_groups // self.tp) + int(role.split(".")[1])
@@ -411,6 +446,10 @@ class DenseShard:
     def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
         """``x @ W_local.T`` in float32."""
         return x.float() @ self._weight(role).float().T
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's vocab slice of the embedding."""
+        return self.tensor("embed")[ids]
 
 
 def make_random_layer(cfg: V4Config, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -406,3 +406,42 @@ def _coverage_text(coverage) -> str:
         total = coverage["total"] or 1
         return f"{coverage['checked']}/{coverage['total']} ({100 * coverage['checked'] / total:.1f} %)"
     return str(coverage)
+
+
+class StageProgress:
+    """verify / unconvert progress on stderr: one rich bar per stage (bytes, or tensors), the current file or
+    layer as its description. Only on a terminal (and not with -q or --json); silent otherwise.
+    Implements ckpt_tool.verdict.Progress; thread-safe (rich's Progress locks)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and err.is_terminal and not _quiet["on"]
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> StageProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False,
+            )
+            self.progress.__enter__()
+        return self
+
+    def stage(self, name: str, total: int, unit: str = "B") -> None:
+        if self.progress is not None:
+            if self.task is not None:
+                self.progress.update(self.task, completed=self.progress.tasks[-1].total)
+            self.task = self.progress.add_task("", total=total, stage=name)
+
+    def advance(self, n: int = 1, what: str | None = None) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, advance=n, description=what or "")
+
+    def __call__(self, n: int) -> None:  # the byte-count callable unconvert takes
+        self.advance(n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)

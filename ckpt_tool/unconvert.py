@@ -306,12 +306,17 @@ def unconvert(
 
     reader = _Reader()
     written_names: dict[str, str] = {}
+    if hasattr(progress, "stage"):  # a verdict.Progress: one stage, bytes, the file being written as description
+        total = sum(t.nbytes for _raw, h in headers.values() for t in h.tensors.values() if t.name in recoverable)
+        progress.stage("unconvert", total)
     try:
         for file in sorted(headers):
             raw, h = headers[file]
             keep = [t for t in h.tensors.values() if t.name in recoverable]
             if not keep:
                 continue
+            if hasattr(progress, "advance"):
+                progress.advance(0, file)
             whole = len(keep) == len(h.tensors)
             if whole:
                 header = raw

@@ -6,16 +6,22 @@
 2. values — every output tensor re-derived from the source bytes and compared exactly: byte-equal for
    renames/slices/fusions/stacks, value-equal for E8M0 → float32. The source side is read through
    safetensors' own slicing (not the writer's gather code), in bounded row blocks.
-3. numeric — a reference forward of every MTP layer from the source (dequantized torch) and from the
-   converted ranks (through the GEMM kernels), compared within stated tolerances (see numeric.py).
+3. numeric — every output tensor against the source by the engine's names (linear_check.py: each
+   linear through the GEMM kernels, the rest by value), then a forward of every MTP layer with every
+   expert routed (numeric.py); coverage (output tensors checked numerically / all) in the report.
+
+The levels stack: each runs only when the ones before passed. They share one record
+(ckpt_tool.verdict: Check, VerifyReport, Progress); numeric never imports this module.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field, replace
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 from . import conversions
@@ -24,60 +30,15 @@ from .errors import CkptToolError
 from .format import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
 from .plan import OutTensor, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
+from .verdict import Check, NoProgress, Progress, VerifyReport
 from .writer import sha256_file
+
+__all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
 
 log = logging.getLogger(__name__)
 
 LEVELS = ("structure", "values", "numeric")
-VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bound on the bytes compared at once (a few copies live at a time)
-
-
-@dataclass
-class Check:
-    """One verdict, reported as one JUnit testcase."""
-
-    name: str
-    ok: bool
-    message: str = ""
-    file: str | None = None
-    tensor: str | None = None
-    details: dict = field(default_factory=dict)
-
-
-@dataclass
-class VerifyReport:
-    out: str
-    source: str
-    level: str
-    checks: list[Check] = field(default_factory=list)
-    numeric: list[dict] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    @property
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
-
-    def add(self, check: Check) -> Check:
-        self.checks.append(check)
-        if not check.ok:
-            log.info("verify failure: %s: %s", check.name, check.message)
-        return check
-
-    def to_json(self) -> dict:
-        return {
-            "ok": self.ok,
-            "out": self.out,
-            "source": self.source,
-            "level": self.level,
-            "checks": len(self.checks),
-            "failed": len(self.failures),
-            "failures": [asdict(c) for c in self.failures],
-            "passed": [c.name for c in self.checks if c.ok],
-            "numeric": self.numeric,
-        }
+VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few copies live at a time)
 
 
 def verify(
@@ -89,9 +50,15 @@ def verify(
     device: str = "auto",
     tokens: int = 16,
     seed: int = 0,
-    progress=None,
+    progress: Progress | None = None,
+    workers: int | None = None,
 ) -> VerifyReport:
-    """Run the checks up to ``level``. Never raises for a failed check: failures are in the report."""
+    """Run the checks up to ``level``. Never raises for a failed check: failures are in the report.
+
+    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4).
+    """
+    workers = workers or min(4, os.cpu_count() or 1)
+    progress = progress or NoProgress()
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}")
     report = VerifyReport(str(out), str(source.root if isinstance(source, Checkpoint) else source), level)
@@ -111,6 +78,12 @@ def verify(
 
     try:
         ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    except CkptToolError as exc:
+        report.add(Check("source", False, str(exc)))
+        return report
+    if not _same_source(manifest, ckpt, report):
+        return report  # every later check would only restate it
+    try:
         config = ckpt.require_config()
         opts = options_from_manifest(manifest)
         plan = plan_conversion(config, ckpt.tensors, opts)
@@ -124,29 +97,44 @@ def verify(
         return report
     report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
 
-    recorded_source = manifest.get("source") or {}
-    recorded = recorded_source.get("files")
-    fingerprint = source_fingerprint(ckpt)
-    current = fingerprint["files"]
-    if recorded != current:
-        changed = sorted(f for f in set(recorded or {}) | set(current) if (recorded or {}).get(f) != current.get(f))
-        report.add(Check("source-fingerprint", False, f"source differs from the one converted (files: {', '.join(changed[:5])}); reconvert", file=changed[0] if changed else None))
-    elif recorded_source.get("config_sha256") != fingerprint["config_sha256"]:
-        report.add(Check("source-fingerprint", False, "source config.json differs from the one converted; reconvert", file="config.json"))
-    else:
-        report.add(Check("source-fingerprint", True))
-
-    headers = check_structure(out, plan, manifest, report, ckpt.root)
+    deep = level in ("values", "numeric")
+    headers = check_structure(out, plan, manifest, report, ckpt.root, hash_files=not deep, workers=workers)
     check_engine(plan, headers, report)
-    if level in ("values", "numeric") and report.ok:
-        check_values(out, plan, ckpt.root, headers, report, progress)
+    if deep and report.ok:
+        check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
     if level == "numeric" and report.ok and manifest.get("ranks") is not None and len(manifest["ranks"]) < opts.tp:
         report.add(Check("numeric", True, f"skipped: only ranks {manifest['ranks']} of tp={opts.tp} were converted; the forward needs all"))
     elif level == "numeric" and report.ok:
         from .numeric import check_numeric
 
-        check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed)
+        check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed, progress=progress)
     return report
+
+
+def _same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:
+    """Is ``--source`` the checkpoint OUT was converted from (shard sizes and header hashes, config)? One check."""
+    recorded_source = manifest.get("source") or {}
+    recorded = recorded_source.get("files") or {}
+    fingerprint = source_fingerprint(ckpt)
+    current = fingerprint["files"]
+    if recorded != current:
+        changed = sorted(f for f in set(recorded) | set(current) if recorded.get(f) != current.get(f))
+        report.add(Check(
+            "source-fingerprint", False,
+            f"{ckpt.root} is not the checkpoint OUT was converted from ({len(changed)} of {len(set(recorded) | set(current))} "
+            f"shard file(s) differ, e.g. {changed[0]}); pass the original checkpoint as --source, or reconvert",
+            file=changed[0],
+        ))
+        return False
+    if recorded_source.get("config_sha256") != fingerprint["config_sha256"]:
+        report.add(Check(
+            "source-fingerprint", False,
+            f"{ckpt.root}/config.json differs from the one OUT was converted with; pass the original checkpoint as --source, or reconvert",
+            file="config.json",
+        ))
+        return False
+    report.add(Check("source-fingerprint", True))
+    return True
 
 
 def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyReport) -> None:
@@ -178,8 +166,11 @@ def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyRepo
             report.add(Check(name, True, file=where, details={"parameters": len(expected)}))
 
 
-def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path) -> dict[str, ShardHeader]:
-    """Files, names, dtypes, shapes per rank; index.json; manifest checksums. Returns parsed headers."""
+def check_structure(
+    out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path, *, hash_files: bool = True, workers: int = 1
+) -> dict[str, ShardHeader]:
+    """Files, names, dtypes, shapes per rank; index.json; manifest checksums (``hash_files=False``: the
+    values level hashes each file while it compares it, one read instead of two). Returns parsed headers."""
     planned = {f.relpath: f for f in plan.files}
     present = {
         f"{comp}/{p.name}" for comp in COMPONENTS if (out / comp).is_dir() for p in (out / comp).glob("*.safetensors")
@@ -191,6 +182,13 @@ def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport,
 
     outputs = manifest.get("outputs") or {}
     headers: dict[str, ShardHeader] = {}
+    digests: dict[str, str] = {}
+    if hash_files:  # files hashed in parallel (hashlib and reads release the GIL)
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [rel for rel in planned if rel in present]
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            digests = dict(zip(todo, pool.map(lambda rel: sha256_file(out / rel), todo)))
     for rel, f in planned.items():
         if rel not in present:
             continue
@@ -217,7 +215,7 @@ def check_structure(out: Path, plan: Plan, manifest: dict, report: VerifyReport,
             problems.append((f"{rel}: not recorded in {MANIFEST}", None))
         elif rec.get("size") != header.file_size:
             problems.append((f"{rel}: size {header.file_size} differs from the manifest's {rec.get('size')}", None))
-        elif rec.get("sha256") != sha256_file(out / rel):
+        elif hash_files and rec.get("sha256") != digests.get(rel):
             problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
         if problems:
             msg = problems[0][0] + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
@@ -265,83 +263,146 @@ def _out_width(t: OutTensor) -> int:
     return t.segments[0].col1 - t.segments[0].col0
 
 
-def check_values(out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress=None) -> None:
-    """Re-derive every output tensor from the source and compare exactly."""
-    import torch
+class _HashingReader:
+    """Reads one output file front to back in large blocks, hashing every byte (gaps included) as it goes,
+    so the values level needs one read of each output for both the comparison and the manifest sha256."""
 
-    fds: dict[str, int] = {}
+    READAHEAD = 64 * 1024 * 1024  # asked of the kernel ahead of the reader: the disk works while we hash and compare
 
-    def source_slice(info: TensorInfo, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """Rows [r0, r1) x columns [c0, c1) of a source tensor as raw bytes [rows, cols * element size].
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size, self.pos = fd, size, 0
+        self.hash = hashlib.sha256()
+        self.advised = 0
+        self._advise()
 
-        Read with pread (not safetensors' mmap, whose touched pages would count against RSS for the
-        whole checkpoint) and cut with torch indexing: independent of the writer's gather code.
-        """
-        real = plan.sources[info.name]  # a materialized alias carries the offsets of the tensor it aliases
-        fd = fds.get(real.file)
-        if fd is None:
-            fd = fds[real.file] = os.open(src_root / real.file, os.O_RDONLY)
-        eb = DTYPE_BITS[real.dtype] // 8
-        row_bytes = (real.numel // real.shape[0] if real.shape else 1) * eb
-        raw = os.pread(fd, (r1 - r0) * row_bytes, real.start + r0 * row_bytes)
-        if len(raw) != (r1 - r0) * row_bytes:
-            raise CkptToolError(f"{real.file}: tensor {real.name!r}: source file ended early; was it modified?")
-        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(r1 - r0, row_bytes)
-        return rows[:, c0 * eb : c1 * eb]
+    def _advise(self) -> None:
+        if self.pos + self.READAHEAD // 2 >= self.advised and self.advised < self.size and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.advised, self.READAHEAD, os.POSIX_FADV_WILLNEED)
+            self.advised += self.READAHEAD
 
-    try:
-        for f in plan.files:
-            header = headers.get(f.relpath)
-            if header is None:
-                continue
-            fd = os.open(out / f.relpath, os.O_RDONLY)
-            try:
-                bad: list[str] = []
-                first_tensor: str | None = None
-                for t in f.tensors:
-                    msg = _compare_tensor(t, header.tensors[t.name], fd, plan, source_slice)
-                    if msg:
-                        bad.append(msg)
-                        first_tensor = first_tensor or t.name
-                    if progress:
-                        progress(t.nbytes)
-            finally:
-                os.close(fd)
-            if bad:
-                more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
-                report.add(Check(f"values:{f.relpath}", False, bad[0] + more, file=f.relpath, tensor=first_tensor, details={"problems": bad}))
-            else:
-                report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
-    finally:
-        for fd in fds.values():
+    def _consume(self, end: int) -> None:
+        while self.pos < end:
+            chunk = os.pread(self.fd, min(VALUE_BLOCK_BYTES, end - self.pos), self.pos)
+            if not chunk:
+                raise CkptToolError("output file ended early")
+            self.hash.update(chunk)
+            self.pos += len(chunk)
+            self._advise()
+
+    def read(self, start: int, n: int) -> bytes:
+        if start < self.pos:
+            raise AssertionError("tensors must be read in file order")
+        self._consume(start)
+        self._advise()
+        data = os.pread(self.fd, n, start)
+        self.hash.update(data)
+        self.pos += len(data)
+        return data
+
+    def hexdigest(self) -> str:
+        self._consume(self.size)
+        return self.hash.hexdigest()
+
+
+class _SourceFiles:
+    """Read-only descriptors of the source shards, shared by the value workers (pread is positional)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.fds, self.lock = root, {}, threading.Lock()
+
+    def fd(self, file: str) -> int:
+        with self.lock:
+            fd = self.fds.get(file)
+            if fd is None:
+                fd = self.fds[file] = os.open(self.root / file, os.O_RDONLY)
+            return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
 
 
-def _compare_tensor(t: OutTensor, got: TensorInfo, fd: int, plan: Plan, source_slice) -> str | None:
-    import torch
+def check_values(
+    out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress: Progress,
+    *, workers: int = 1, manifest: dict | None = None,
+) -> None:
+    """Re-derive every output tensor from the source and compare exactly.
+
+    Each output file is read once, sequentially in 8 MiB blocks, and hashed while it is compared; with
+    ``manifest`` the digest is checked against it here (check_structure then skipped hashing). The source
+    is read with ``pread`` in row blocks and cut with numpy, independently of the writer's gather code.
+    ``workers`` files are verified at once (pread, sha256 and the comparisons release the GIL).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [f for f in plan.files if f.relpath in headers]
+    progress.stage("values", sum(f.data_bytes for f in jobs))
+    outputs = (manifest or {}).get("outputs") or {}
+    src = _SourceFiles(src_root)
+
+    def one(f):
+        return _values_of_file(out, f, headers[f.relpath], plan, src, progress)
+
+    try:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            results = list(pool.map(one, jobs))
+    finally:
+        src.close()
+    for f, (bad, first_tensor, digest) in zip(jobs, results):
+        if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
+            report.add(Check(f"structure:{f.relpath}", False, f"{f.relpath}: sha256 differs from the manifest; the file changed after conversion", file=f.relpath))
+        if bad:
+            more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+            report.add(Check(f"values:{f.relpath}", False, bad[0] + more, file=f.relpath, tensor=first_tensor, details={"problems": bad}))
+        else:
+            report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
+
+
+def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: _SourceFiles, progress: Progress) -> tuple[list[str], str | None, str]:
+    fd = os.open(out / f.relpath, os.O_RDONLY)
+    try:
+        reader = _HashingReader(fd, header.file_size)
+        found: list[tuple[int, str, str]] = []
+        order = {t.name: i for i, t in enumerate(f.tensors)}
+        for t in sorted(f.tensors, key=lambda t: header.tensors[t.name].start):  # read in file order
+            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, src)
+            if msg:
+                found.append((order[t.name], msg, t.name))
+            progress.advance(t.nbytes, f.relpath)
+        found.sort()  # report in plan order (a fused weight before its scale)
+        return [m for _, m, _ in found], (found[0][2] if found else None), reader.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan: Plan, src: _SourceFiles) -> str | None:
+    import numpy as np
 
     width = _out_width(t)
     out_eb = DTYPE_BITS[t.dtype] // 8
-    out_row = 0
+    pos = got.start
     for seg in t.segments:
-        src = plan.sources[seg.src]
-        src_eb = DTYPE_BITS[src.dtype] // 8
-        src_row = (src.numel // src.shape[0] if src.shape else 1) * src_eb
+        info = plan.sources[seg.src]  # a materialized alias carries the offsets of the tensor it aliases
+        src_eb = DTYPE_BITS[info.dtype] // 8
+        src_row = (info.numel // info.shape[0] if info.shape else 1) * src_eb
         rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, src_row, width * out_eb))
+        whole_rows = seg.col0 == 0 and seg.col1 * src_eb == src_row
         r = seg.row0
         while r < seg.row1:
             n = min(rows_per_block, seg.row1 - r)
-            expected = source_slice(src, r, r + n, seg.col0, seg.col1).contiguous()
-            nbytes = n * width * out_eb
-            raw = os.pread(fd, nbytes, got.start + out_row * width * out_eb)
-            if len(raw) != nbytes:
-                return f"{t.name}: output file ended early"
-            actual = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            want = expected.reshape(-1).view(torch.uint8)
+            raw = os.pread(src.fd(info.file), n * src_row, info.start + r * src_row)
+            if len(raw) != n * src_row:
+                raise CkptToolError(f"{info.file}: tensor {info.name!r}: source file ended early; was it modified?")
+            want = raw if whole_rows else np.frombuffer(raw, np.uint8).reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb].tobytes()
             if seg.convert not in conversions.BYTEWISE:
-                want = torch.frombuffer(bytearray(conversions.forward(seg.convert, want.numpy().tobytes(), src)), dtype=torch.uint8)
-            if not torch.equal(want, actual):
-                diff = int((want != actual).nonzero()[0, 0]) // out_eb
+                want = conversions.forward(seg.convert, want, info)
+            nbytes = n * width * out_eb
+            actual = reader.read(pos, nbytes)
+            if len(actual) != nbytes:
+                return f"{t.name}: output file ended early"
+            if want != actual:
+                a, b = np.frombuffer(want, np.uint8), np.frombuffer(actual, np.uint8)
+                diff = int(np.flatnonzero(a != b)[0]) // out_eb
                 row, col = divmod(diff, width)
                 what = "bytes" if seg.convert in conversions.BYTEWISE else "value"
                 return (
@@ -349,6 +410,6 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, fd: int, plan: Plan, source_s
                     f"(rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1}) first at source element "
                     f"[{r + row}, {seg.col0 + col}]"
                 )
-            out_row += n
+            pos += nbytes
             r += n
     return None

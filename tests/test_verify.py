@@ -33,6 +33,7 @@ rows is a no-op); only the ``fp8`` fixture (float32 scales) exercises it, hence 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import xml.etree.ElementTree as ET
@@ -48,9 +49,11 @@ from ckpt_tool import numeric, reference
 from ckpt_tool.convert import convert
 from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
-from ckpt_tool.verify import verify
+from ckpt_tool.format import read_shard_header
+from ckpt_tool.rules import PROFILES, Rule
+from ckpt_tool.verify import VerifyReport, verify
 from cli_helpers import run_cli
-from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
+from fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
 
 MANIFEST = "ckpt-tool.json"
 S = MAIN_LAYERS  # engine layer of mtp.0
@@ -155,17 +158,31 @@ def source_tensor(src: Path, name: str) -> torch.Tensor:
         return fh.get_tensor(name)
 
 
-def numeric_gate(out: Path, src: Path, *, tokens: int = 16, seed: int = 0) -> list[tuple[dict, list[str]]]:
-    """The numeric level alone, bypassing structure/values: (metrics, tolerance violations) per MTP layer."""
+def _plan_of(out: Path, src: Path):
     manifest = json.loads((out / MANIFEST).read_text())
     ckpt = open_checkpoint(src)
-    cfg = ckpt.require_config()
-    plan = plan_conversion(cfg, ckpt.tensors, Options(**manifest["options"]))
+    return ckpt, plan_conversion(ckpt.require_config(), ckpt.tensors, Options(**manifest["options"]))
+
+
+def numeric_gate(out: Path, src: Path, *, tokens: int = 16, seed: int = 0) -> VerifyReport:
+    """The numeric level alone, bypassing structure/values: every output tensor against the source, then
+    the forward of every MTP layer (a report with only numeric checks)."""
+    ckpt, plan = _plan_of(out, src)
+    headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
+    report = VerifyReport(str(out), str(src), "numeric")
+    numeric.check_numeric(out, plan, ckpt, headers, report, kernels="torch", device="cpu", tokens=tokens, seed=seed)
+    return report
+
+
+def forward_only(out: Path, src: Path, *, tokens: int = 16, seed: int = 0, route_all: bool = True) -> list[tuple[dict, list[str]]]:
+    """The MTP forward alone: (metrics, tolerance violations) per MTP layer."""
+    ckpt, plan = _plan_of(out, src)
+    cfg = plan.config
     dev = torch.device("cpu")
     inputs = numeric.make_inputs(cfg, tokens, seed, dev)
     results = []
     for i in range(cfg.num_nextn_predict_layers):
-        a, b = numeric.run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16")
+        a, b = numeric.run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16", route_all=route_all)
         metrics = reference.compare_outputs(a, b)
         results.append((metrics, numeric.within_tolerance(metrics)))
     return results
@@ -335,7 +352,8 @@ def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) 
     if only == "mtp":
         assert len(report.numeric) == 2
     else:
-        assert report.numeric == [] and any(c.name == "numeric" and "skipped" in c.message for c in report.checks)
+        assert report.numeric == [] and any(c.name == "numeric:mtp-forward" and "skipped" in c.message for c in report.checks)
+    assert report.coverage["percent"] == 100.0 and set(report.coverage["components"]) == {only}
     code, stdout, err = cli_verify(capsys, out, src, "--json")
     assert code == 0, err
     assert json.loads(stdout)["ok"] is True
@@ -404,28 +422,160 @@ def test_dropped_mtp_tensor_fails_structure_naming_it(fixture_dir, tmp_path, cap
 
 @pytest.mark.parametrize("cid,variant,tp,moe,corrupt,level", NUMERIC_GATE, ids=[c[0] for c in NUMERIC_GATE])
 def test_numeric_gate_alone_catches_corruption(fixture_dir, tmp_path, cid, variant, tp, moe, corrupt, level) -> None:
-    """Bypass structure/values: the reference forward + tolerances must reject the corrupted output too."""
+    """Bypass structure/values: the numeric level alone must reject the corrupted output, naming the tensor."""
     src = fixture_dir(variant)
     out = do_convert(src, tmp_path / "out", tp, moe)
-    (clean_metrics, clean_bad), = numeric_gate(out, src)
-    assert clean_bad == [], clean_bad  # control: the same call on the clean output passes
-    corrupt(out, src)
-    (metrics, bad), = numeric_gate(out, src)
+    clean = numeric_gate(out, src)
+    assert clean.ok, [(c.name, c.message) for c in clean.failures]  # control: the same call on the clean output passes
+    assert clean.coverage["percent"] == 100.0
+    name = corrupt(out, src)
+    report = numeric_gate(out, src)
+    assert not report.ok, f"{cid}: numeric gate passed a corrupted conversion"
+    first = report.failures[0]
+    assert first.name.startswith("numeric:mtp/") and repr(name) in first.message, (first.name, first.message)
+    # the MTP forward (every expert routed) sees it too, well past the noise floor
+    (metrics, bad), = forward_only(out, src)
     print(f"{cid}: " + ", ".join(f"{k}={metrics[k]:.6g}" for k in ("logits_max_rel", "logits_cosine", "hidden_max_rel", "hidden_cosine", "top1_agreement", "top5_agreement")))
-    assert bad, f"{cid}: numeric gate passed a corrupted conversion: {metrics}"
-    # every corruption moves at least the max_rel metrics well past the noise floor
+    assert bad, f"{cid}: forward passed a corrupted conversion: {metrics}"
     assert metrics["logits_max_rel"] > 2e-2 and metrics["hidden_max_rel"] > 2e-2, metrics
     assert metrics["logits_cosine"] < 0.9999, metrics
 
 
 def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, tmp_path) -> None:
+    """A replicated tensor corrupted on rank 1 only: the forward reads rank 0's copy and passes; the
+    per-tensor check compares every rank's copy and names it."""
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", 2)
     corrupt_swap_fused(out, src, rank=1)
     assert not verify(out, src, level="values").ok  # the exact check does catch it
-    (metrics, bad), = numeric_gate(out, src)
-    # measured: logits max_rel 2.2e-7 (identical to the clean run) -> passes
+    (metrics, bad), = forward_only(out, src)
+    assert bad == [], metrics
+    report = numeric_gate(out, src)
+    first = report.failures[0]
+    assert first.tensor == FUSED and "rank 1" in first.message and "mtp.0.attn.wq_a" in first.message, first.message
+
+
+def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
+    """Routed experts the plain top-k MTP forward runs on ``tokens`` tokens (spied on the source side)."""
+    seen: set[int] = set()
+    real = numeric.SourceShard.linear
+
+    def spy(self, role, x):
+        if role.startswith("expert."):
+            seen.add(int(role.split(".")[1]))
+        return real(self, role, x)
+
+    with monkeypatch.context() as m:
+        m.setattr(numeric.SourceShard, "linear", spy)
+        forward_only(out, src, tokens=tokens, route_all=False)
+    return seen
+
+
+@pytest.mark.parametrize("variant,tp,moe", [("fp4", 2, "tp"), ("fp8-e8m0", 4, "ep")], ids=["fp4-tp2", "fp8-e8m0-tp4-ep"])
+def test_corrupted_expert_no_token_reaches_is_caught(fixture_dir, tmp_path, monkeypatch, variant, tp, moe) -> None:
+    """On 2 tokens the top-k reaches 4 of the 8 experts: corrupt one it does not reach. The plain forward
+    passes it; the per-tensor check and the forward routed to every expert both fail, naming the tensor."""
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    reached = reached_experts(out, src, 2, monkeypatch)
+    unreached = sorted(set(range(EXPERTS)) - reached)
+    assert unreached, reached
+    j = unreached[-1]
+    rank, slot = (j // (EXPERTS // tp), j % (EXPERTS // tp)) if moe == "ep" else (tp - 1, j)
+    name = corrupt_swap_w13(out, src, rank=rank, expert=slot)
+    (metrics, bad), = forward_only(out, src, tokens=2, route_all=False)
+    assert bad == [], metrics  # invisible to the top-k forward
+    (metrics, bad), = forward_only(out, src, tokens=2, route_all=True)
     assert bad, metrics
+    report = numeric_gate(out, src, tokens=2)
+    first = report.failures[0]
+    assert first.tensor == name and f"expert {j} " in first.message and f"rank {rank}" in first.message, first.message
+    assert f"mtp.0.ffn.experts.{j}.w1" in first.message
+
+
+def corrupt_main_fused(out: Path, src: Path, layer: int = 1, rank: int = 0) -> str:
+    """fused_wqa_wkv of main layer ``layer`` written as [wkv; wq_a] (weight rows and scale blocks)."""
+    name = f"model.layers.{layer}.attn.fused_wqa_wkv.weight"
+
+    def rows(n_first: int):
+        return lambda t: torch.cat([as_bytes(t)[n_first:], as_bytes(t)[:n_first]]).view(t.dtype)
+
+    rewrite_tensors(out, rank, {name: rows(Q_LORA), name + "_scale_inv": rows(Q_LORA // 128)}, comp="model")
+    return name
+
+
+def corrupt_main_expert_scale(out: Path, src: Path, layer: int = 2, rank: int = 1, expert: int = 5) -> str:
+    """one fp4 expert's E8M0 scale bytes in main layer ``layer`` written numerically (mostly 0)."""
+    name = f"model.layers.{layer}.ffn.experts.routed_experts.w2_weight_scale"
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        t[expert] = torch.exp2(t[expert].float() - 127).clamp(max=255).to(torch.uint8)
+        return t
+
+    rewrite_tensors(out, rank, {name: edit}, comp="model")
+    return name
+
+
+def corrupt_main_sink(out: Path, src: Path, layer: int = 0) -> str:
+    name = f"model.layers.{layer}.attn.attn_sink"
+    rank0 = read_tensor(out, name, 0, comp="model")
+    rewrite_tensors(out, 1, {name: lambda t: rank0.clone()}, comp="model")
+    return name
+
+
+MAIN_CORRUPTIONS = [
+    ("main-fused-wkv-first", "fp8", 2, corrupt_main_fused, "model.layers.1.attn.fused_wqa_wkv.weight"),
+    ("main-expert-e8m0-numeric", "fp4", 2, corrupt_main_expert_scale, "model.layers.2.ffn.experts.routed_experts.w2_weight"),
+    ("main-sink-rank0", "fp4", 2, corrupt_main_sink, "model.layers.0.attn.attn_sink"),
+]
+
+
+@pytest.mark.parametrize("cid,variant,tp,corrupt,tensor", MAIN_CORRUPTIONS, ids=[c[0] for c in MAIN_CORRUPTIONS])
+def test_main_layer_corruption_caught_by_numeric_alone(fixture_dir, tmp_path, cid, variant, tp, corrupt, tensor) -> None:
+    """Main-model layers have no forward here: the per-tensor check alone fails, naming the tensor and layer."""
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp)
+    name = corrupt(out, src)
+    report = numeric_gate(out, src)
+    bad = [c for c in report.failures if c.name.startswith("numeric:model/")]
+    assert bad and bad[0].tensor == tensor and repr(name) in bad[0].message, [(c.name, c.message) for c in report.failures]
+    layer = name.split(".")[2]
+    assert bad[0].name == f"numeric:model/layers.{layer}"
+    assert all(c.ok for c in report.checks if c.name.startswith("numeric:mtp"))  # the MTP layer is untouched
+
+
+def _swapped_fused_rules(monkeypatch, profile: str = "vllm-0.33", where: str = "layers.{layer}.") -> None:
+    """Break the rule table on purpose: fuse [wkv; wq_a] instead of [wq_a; wkv] (weight and scale) for the
+    layers whose source names start with ``where`` (main layers by default). Convert and verify's values level
+    both follow the broken table, so only the numeric level, which names the engine's tensors independently,
+    can see it."""
+    base = PROFILES[profile]
+
+    def swap(rule: Rule) -> Rule:
+        if rule.kind == "fuse" and rule.sources[0].startswith(where) and ".attn.wq_a." in rule.sources[0]:
+            return dataclasses.replace(rule, sources=tuple(reversed(rule.sources)))
+        return rule
+
+    broken = dataclasses.replace(base, build=lambda expert_dtype: [swap(r) for r in base.build(expert_dtype)])
+    monkeypatch.setitem(PROFILES, profile, broken)
+
+
+@pytest.mark.parametrize("variant,where,component", [
+    ("fp8", "layers.{layer}.", "model"),
+    ("fp4", "mtp.{mtp}.", "mtp"),
+], ids=["main-layers-fp8", "mtp-fp4"])
+def test_broken_rule_table_passes_values_and_fails_numeric(fixture_dir, tmp_path, monkeypatch, variant, where, component) -> None:
+    """The brief's proof: a mapping bug (swapped fused parts) that the values level, re-deriving through the
+    same plan, cannot see; the numeric level fails and names the engine tensor."""
+    _swapped_fused_rules(monkeypatch, where=where)
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", 2)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert all(c.ok for c in report.checks if not c.name.startswith("numeric")), [(c.name, c.message) for c in report.failures]
+    assert not report.ok
+    first = report.failures[0]
+    assert first.name.startswith(f"numeric:{component}/")
+    assert first.tensor.endswith("attn.fused_wqa_wkv.weight") and "attn.wq_a" in first.message, first.message
 
 
 # ---------------------------------------------------------------------------------------------

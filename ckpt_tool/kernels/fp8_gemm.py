@@ -25,11 +25,39 @@ def check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
 
 
 def prepare_activation(x: torch.Tensor, act: str) -> torch.Tensor:
-    """The activation exactly as both backends see it, as float32 (bf16-rounded, or fp8 round trip)."""
+    """The activation exactly as both backends see it, as float32 (bf16-rounded, or fp8 round trip).
+
+    ``x`` is ``[..., K]``: the fp8 groups run along the last dim per token, so leading dims (``h_proj``'s
+    ``[T, hc, D]``) are flattened for the quantizer and restored after.
+    """
     if act == "fp8":
-        xq, xs = quant.fp8_act_quant(x)
-        return quant.fp8_act_dequant(xq, xs)
+        lead = x.shape[:-1]
+        xq, xs = quant.fp8_act_quant(x.reshape(-1, x.shape[-1]))
+        return quant.fp8_act_dequant(xq, xs).reshape(*lead, x.shape[-1])
     return x.to(torch.bfloat16).to(torch.float32)
+
+
+TORCH_TILE_ELEMENTS = 1 << 21
+"""Weight elements the torch path dequantizes at once (8 MiB of float32): a GEMM never holds its whole
+weight in float32, and a tile stays in cache while it is multiplied."""
+
+
+def tile_rows(n: int, k: int, align: int) -> int:
+    """Rows per torch-path tile of an ``[n, k]`` weight: a multiple of ``align``, at least one block."""
+    rows = max(align, (TORCH_TILE_ELEMENTS // max(k, 1)) // align * align)
+    return min(rows, max(n, 1))
+
+
+def torch_gemm_tiled(x_act: torch.Tensor, n: int, k: int, align: int, dequant_rows) -> torch.Tensor:
+    """``x_act @ W.T`` with ``W`` dequantized ``tile_rows`` rows at a time by ``dequant_rows(r0, r1)``."""
+    rows = tile_rows(n, k, align)
+    if rows >= n:
+        return x_act @ dequant_rows(0, n).T
+    y = torch.empty(x_act.shape[0], n, dtype=torch.float32, device=x_act.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        torch.matmul(x_act, dequant_rows(r0, r1).T, out=y[:, r0:r1])
+    return y
 
 
 def fp8_block_gemm(
@@ -70,8 +98,12 @@ def fp8_block_gemm(
     resolved = resolve_backend(backend, bits.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:
-        w_deq = quant.fp8_block_dequant(bits, w_scale, quant.FP8_BLOCK, what=what)
-        return prepare_activation(x, act) @ w_deq.T
+        bn = _SCALE_BLOCK_N
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return quant.fp8_block_dequant(bits[r0:r1], w_scale[r0 // bn : -(-r1 // bn)], quant.FP8_BLOCK, what=what)
+
+        return torch_gemm_tiled(prepare_activation(x, act), n, k, bn, rows)
 
     if act == "fp8":
         xq, xs = quant.fp8_act_quant(x)

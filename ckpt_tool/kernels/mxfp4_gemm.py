@@ -6,7 +6,7 @@ import torch
 
 from .. import quant
 from ._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
-from .fp8_gemm import check_x
+from .fp8_gemm import check_x, torch_gemm_tiled
 
 _BLOCK_KH = 64  # packed bytes per K step = 128 inputs = 4 scale groups
 
@@ -38,8 +38,11 @@ def mxfp4_gemm(
     resolved = resolve_backend(backend, packed.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:
-        w_deq = quant.mxfp4_dequant(packed, scale_bits, what=what)
-        return x.to(torch.bfloat16).to(torch.float32) @ w_deq.T
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return quant.mxfp4_dequant(packed[r0:r1], scale_bits[r0:r1], what=what)
+
+        return torch_gemm_tiled(x.to(torch.bfloat16).to(torch.float32), n, k, 1, rows)
 
     x_arg = x.to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)

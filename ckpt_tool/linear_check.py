@@ -1,0 +1,460 @@
+"""Numeric check of every output tensor: each converted linear against the source linear(s), by the engine's names.
+
+The MTP forward (numeric.py) proves one layer computes what the source computes, but on a handful
+of tokens it reaches few routed experts and it never runs a main-model layer. This check covers the
+rest: every linear of every layer, target model and MTP alike (each routed expert, each part of a
+fused weight, each TP rank), runs through the fp8-block / MXFP4 GEMM kernels on seeded probe inputs,
+ranks recombined as the engine does (column-parallel outputs concatenated, row-parallel partial sums
+added, expert-parallel ranks each holding their own experts), and is compared with the source
+linear dequantized in torch (:mod:`ckpt_tool.quant`). Tensors no quantized kernel runs are compared
+exactly by value, tile by tile: bf16 linears (embedding, heads, router, compressor, indexer
+projections) and non-linear tensors (norms, ``hc_*``, sinks, biases, ``tid2eid``, ``ape``).
+
+Independence: the engine side is named from :mod:`ckpt_tool.engine` (the engine's parameter table,
+tested against vLLM itself) and the source side from DeepSeek's names written out below; the rule
+table is never consulted, so a rule that maps the wrong bytes (swapped fused parts, a wrong expert,
+a wrong rank slice) makes the two sides disagree.
+
+Memory: weights are read with ``pread`` a tile of rows at a time (``kernels.fp8_gemm.tile_rows``,
+8 MiB of float32) on both sides, so the peak does not grow with hidden size or expert count.
+
+Tolerance: both sides round the probe activation the same way and differ only by float32
+summation order (row-parallel partial sums, kernel tiles): ``max|a - b| / max|a| <= 1e-3`` per part
+and rank (measured <= 1e-6 on the torch path); a mapping bug moves it to O(1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import quant
+from .config import V4Config
+from .engine import ENGINES, EngineNames
+from .errors import CheckpointError, UsageError
+from .format import ShardHeader, TensorInfo
+from .plan import Plan
+from .source import Checkpoint
+from .tensor_rows import RowReader, row_count
+from .verdict import Check, NoProgress, Progress, VerifyReport
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = 4
+LINEAR_MAX_REL = 1e-3
+FP8_BLOCK = quant.FP8_BLOCK[0]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One source linear inside an engine linear: ``source`` is a DeepSeek base name (quantized:
+    ``.weight`` + ``.scale``) or a full tensor name (bf16); ``rows`` its output features."""
+
+    source: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class LinearUnit:
+    """An engine linear (or one routed expert's slot of a stacked one) and the source parts it holds.
+
+    ``layout``: ``full`` — every rank in ``ranks`` holds all parts stacked by rows (replicated, or an
+    expert-parallel expert on its owner); ``col`` — each part's rows split over the ranks, a rank
+    holding its slice of every part in order (column parallel); ``row`` — the input features split
+    over the ranks, partial outputs summed (row parallel).
+    """
+
+    group: str
+    weight: str
+    scale: str | None
+    kind: str  # fp8 | mxfp4 | bf16
+    parts: tuple[Part, ...]
+    inp: int
+    layout: str
+    ranks: tuple[int, ...]
+    expert: int | None = None  # global routed expert (the engine tensor is stacked)
+    local: tuple[int, ...] = ()  # per entry of ranks: the expert's slot in that rank's stack
+
+    @property
+    def label(self) -> str:
+        return self.weight if self.expert is None else f"{self.weight}[expert {self.expert}]"
+
+
+@dataclass(frozen=True)
+class ExactUnit:
+    """A non-linear tensor compared by value: whole on every rank, or split by rows (``col``)."""
+
+    group: str
+    name: str
+    source: str
+    layout: str
+    ranks: tuple[int, ...]
+
+
+Unit = LinearUnit | ExactUnit
+
+
+class _Builder:
+    """The unit table of one component: engine names (engine.py) against DeepSeek source names."""
+
+    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool, source_names: set[str]) -> None:
+        self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
+        self.source_names = source_names
+        self.units: list[Unit] = []
+        self.group = ""
+        self.all_ranks = tuple(range(tp))
+
+    def exact(self, name: str, source: str, layout: str = "full") -> None:
+        self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks))
+
+    def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str) -> None:
+        self.units.append(LinearUnit(
+            self.group, f"{base}.weight", f"{base}.weight_scale_inv", "fp8", tuple(Part(s, r) for s, r in parts),
+            inp, layout, self.all_ranks))
+
+    def bf16(self, name: str, parts: list[tuple[str, int]], inp: int, layout: str = "full") -> None:
+        self.units.append(LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks))
+
+    def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
+        c, n = self.cfg, self.n
+        D, H, Dh, Qr = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
+        G, Or = c.o_groups, c.o_lora_rank
+        self.exact(f"{p}.attn_norm.weight", f"{sp}.attn_norm.weight")
+        self.exact(f"{p}.ffn_norm.weight", f"{sp}.ffn_norm.weight")
+        for part in ("attn", "ffn"):
+            for t in ("fn", "base", "scale"):
+                self.exact(f"{p}.hc_{part}_{t}", f"{sp}.hc_{part}_{t}")
+        a, sa = f"{p}.attn", f"{sp}.attn"
+        self.exact(f"{a}.attn_sink", f"{sa}.attn_sink", "col")
+        self.fp8(f"{a}.fused_wqa_wkv", [(f"{sa}.wq_a", Qr), (f"{sa}.wkv", Dh)], D, "full")
+        self.exact(f"{a}.q_norm.weight", f"{sa}.q_norm.weight")
+        self.exact(f"{a}.kv_norm.weight", f"{sa}.kv_norm.weight")
+        self.fp8(f"{a}.wq_b", [(f"{sa}.wq_b", H * Dh)], Qr, "col")
+        self.fp8(f"{a}.wo_a", [(f"{sa}.wo_a", G * Or)], H * Dh // G, "col")
+        self.fp8(f"{a}.wo_b", [(f"{sa}.wo_b", D)], G * Or, "row")
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            cm, sc = f"{p}.{n.compressor}", f"{sa}.compressor"
+            self.exact(f"{cm}.ape", f"{sc}.ape")
+            self.bf16(f"{cm}.fused_wkv_wgate.weight", [(f"{sc}.wkv.weight", coff * Dh), (f"{sc}.wgate.weight", coff * Dh)], D)
+            self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
+        if ratio == 4:
+            ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
+            self.fp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
+            self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
+            self.exact(f"{ix}.compressor.ape", f"{si}.compressor.ape")
+            self.bf16(f"{ix}.compressor.fused_wkv_wgate.weight",
+                      [(f"{si}.compressor.wkv.weight", 2 * ihd), (f"{si}.compressor.wgate.weight", 2 * ihd)], D)
+            self.exact(f"{ix}.compressor.norm.weight", f"{si}.compressor.norm.weight")
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        g, sf = f"{p}.{n.gate}", f"{sp}.ffn"
+        self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", E)], D)
+        if hash_layer:
+            self.exact(f"{g}.tid2eid", f"{sf}.gate.tid2eid")
+        else:
+            self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
+        if c.n_shared_experts:
+            sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
+            self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col")
+            self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
+        r = f"{p}.{n.routed}"
+        kind = "mxfp4" if c.expert_dtype == "fp4" else "fp8"
+        sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
+        per = E // self.tp
+        for j in range(E):
+            if self.ep:
+                ranks, local, lay13, lay2 = (j // per,), (j % per,), "full", "full"
+            else:
+                ranks, local, lay13, lay2 = self.all_ranks, (j,) * self.tp, "col", "row"
+            se = f"{sf}.experts.{j}"
+            self.units.append(LinearUnit(self.group, f"{r}.w13_weight", f"{r}.w13_{sfx}", kind,
+                                         (Part(f"{se}.w1", I), Part(f"{se}.w3", I)), D, lay13, ranks, j, local))
+            self.units.append(LinearUnit(self.group, f"{r}.w2_weight", f"{r}.w2_{sfx}", kind,
+                                         (Part(f"{se}.w2", D),), I, lay2, ranks, j, local))
+
+
+def tensor_units(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str, source_names: set[str]) -> list[Unit]:
+    """Every engine tensor of one rank set of ``component`` as check units (see the module docstring)."""
+    if profile not in ENGINES:
+        raise UsageError(f"profile {profile!r} has no engine table; add one to ckpt_tool/engine.py")
+    b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
+    D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    b.group = "embed/head"
+    if component == "model":
+        b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
+        b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
+        b.exact("model.norm.weight", "norm.weight")
+        for t in ("fn", "base", "scale"):
+            b.exact(f"model.hc_head_{t}", f"hc_head_{t}")
+        for layer in range(cfg.num_hidden_layers):
+            b.group = f"layers.{layer}"
+            b.block(f"model.layers.{layer}", f"layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
+        return b.units
+    # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
+    emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
+    b.bf16("model.embed_tokens.weight", [(emb, V)], D, "col")
+    for i, S in enumerate(cfg.mtp_layer_ids):
+        p, sp = f"model.layers.{S}", f"mtp.{i}"
+        b.group = f"mtp.{i} (layer {S})"
+        b.exact(f"{p}.enorm.weight", f"{sp}.enorm.weight")
+        b.exact(f"{p}.hnorm.weight", f"{sp}.hnorm.weight")
+        b.fp8(f"{p}.e_proj", [(f"{sp}.e_proj", D)], D, "full")
+        b.fp8(f"{p}.h_proj", [(f"{sp}.h_proj", D)], D, "full")
+        for t in ("fn", "base", "scale"):
+            b.exact(f"{p}.hc_head_{t}", f"{sp}.hc_head_{t}")
+        b.exact(f"{p}.shared_head.norm.weight", f"{sp}.norm.weight")
+        head = f"{sp}.head.weight" if f"{sp}.head.weight" in source_names else "head.weight"
+        b.bf16(f"{p}.shared_head.head.weight", [(head, V)], D, "col")
+        b.block(f"{p}.mtp_block", sp, ratio=0, hash_layer=False)
+    return b.units
+
+
+def unit_tensors(u: Unit) -> list[str]:
+    """Engine tensor names a unit checks."""
+    if isinstance(u, ExactUnit):
+        return [u.name]
+    return [u.weight] + ([u.scale] if u.scale else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# running the units
+
+
+def probe(unit: LinearUnit, seed: int, device: torch.device) -> torch.Tensor:
+    """Seeded ``[PROBE_ROWS, in]`` inputs, distinct per unit (and expert)."""
+    key = zlib.crc32(f"{unit.label}".encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+    g = torch.Generator().manual_seed(key)
+    return torch.randn(PROBE_ROWS, unit.inp, generator=g).to(device)
+
+
+class _Sides:
+    """Row reads of source tensors (DeepSeek names) and of each output rank's tensors (engine names)."""
+
+    def __init__(self, ckpt: Checkpoint, out: Path, plan: Plan, headers: dict[str, ShardHeader], component: str,
+                 reader: RowReader, device: torch.device) -> None:
+        self.ckpt, self.reader, self.device = ckpt, reader, device
+        self.locate: dict[int, dict[str, tuple[Path, TensorInfo]]] = {}
+        for f in plan.files:
+            if f.component != component or f.relpath not in headers:
+                continue
+            where = self.locate.setdefault(f.rank, {})
+            for name, info in headers[f.relpath].tensors.items():
+                where[name] = (out / f.relpath, info)
+
+    def source_info(self, name: str) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"source tensor {name!r} is not in the checkpoint")
+        return info
+
+    def source_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        info = self.source_info(name)
+        return self.reader.rows(self.ckpt.root / info.file, info, r0, r1).to(self.device)
+
+    def engine_info(self, rank: int, name: str) -> tuple[Path, TensorInfo]:
+        hit = self.locate.get(rank, {}).get(name)
+        if hit is None:
+            raise CheckpointError(f"tensor {name!r} is not in rank {rank}'s files")
+        return hit
+
+    def engine_rows(self, rank: int, name: str, r0: int, r1: int) -> torch.Tensor:
+        path, info = self.engine_info(rank, name)
+        return self.reader.rows(path, info, r0, r1).to(self.device)
+
+
+def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
+    return (r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)) if kind == "fp8" else (r0, r1)
+
+
+class LinearRunner:
+    """Runs units; keeps the worst disagreement per unit for the report."""
+
+    def __init__(self, sides: _Sides, *, kernels: str, act: str, seed: int) -> None:
+        self.sides, self.kernels, self.act, self.seed = sides, kernels, act, seed
+
+    # the two GEMMs: source = torch reference, engine = the kernels
+    def _reference(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+        from .kernels.fp8_gemm import prepare_activation
+
+        if kind == "bf16":
+            return x @ w.float().T
+        if kind == "mxfp4":
+            return prepare_activation(x, "bf16") @ quant.mxfp4_dequant(w, s, what=what).T
+        return prepare_activation(x, self.act) @ quant.fp8_block_dequant(w, s, what=what).T
+
+    def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+        from .kernels import fp8_block_gemm, mxfp4_gemm
+
+        if kind == "bf16":
+            return x @ w.float().T
+        if kind == "mxfp4":
+            return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
+        return fp8_block_gemm(x, w, s, act=self.act, backend=self.kernels, what=what)
+
+    def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if u.kind == "bf16":
+            return self.sides.source_rows(part.source, a, b), None
+        s0, s1 = _scale_rows(u.kind, a, b)
+        return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(f"{part.source}.scale", s0, s1)
+
+    def _engine_tile(self, u: LinearUnit, rank: int, slot: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [a, b) of the rank's matrix (of stacked expert ``slot``)."""
+        _, info = self.sides.engine_info(rank, u.weight)
+        base = slot * info.shape[1] if u.expert is not None else 0
+        w = self.sides.engine_rows(rank, u.weight, base + a, base + b)
+        if u.scale is None:
+            return w, None
+        s0, s1 = _scale_rows(u.kind, a, b)
+        sbase = 0
+        if u.expert is not None:
+            sbase = slot * self.sides.engine_info(rank, u.scale)[1].shape[1]
+        return w, self.sides.engine_rows(rank, u.scale, sbase + s0, sbase + s1)
+
+    def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
+        """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
+        from .kernels.fp8_gemm import tile_rows
+
+        # the source tile [step, in] is the largest piece either side holds
+        step = tile_rows(part_rows, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        if u.layout == "col":
+            T = len(u.ranks)
+            n_r = part_rows // T
+            for i, r in enumerate(u.ranks):
+                for a in range(i * n_r, (i + 1) * n_r, step):
+                    yield a, min(a + step, (i + 1) * n_r), r
+        else:
+            for a in range(0, part_rows, step):
+                yield a, min(a + step, part_rows), None
+
+    def run(self, u: LinearUnit) -> str | None:
+        """None when every part on every rank agrees; else one line naming the engine tensor, rank and part."""
+        x = probe(u, self.seed, self.sides.device)
+        T = len(u.ranks)
+        slots = dict(zip(u.ranks, u.local)) if u.expert is not None else {r: 0 for r in u.ranks}
+        off = 0
+        for part in u.parts:
+            worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
+
+            def note(holder, ref: torch.Tensor, got: torch.Tensor) -> None:
+                w = worst.setdefault(holder, [0.0, 0.0])
+                d = (ref - got).abs().max().item() if ref.numel() else 0.0
+                w[0] = max(w[0], d) if not math.isnan(d) else math.inf
+                w[1] = max(w[1], ref.abs().max().item() if ref.numel() else 0.0)
+
+            for a, b, owner in self._tiles(u, part.rows):
+                w_src, s_src = self._source_tile(u, part, a, b)
+                if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
+                    i = u.ranks.index(owner) if owner is not None else 0
+                    holders = [(owner, off // T + a - i * (part.rows // T))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
+                    for r, local in holders:
+                        got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
+                        if not torch.equal(got, w_src):
+                            return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
+                    continue
+                ref = self._reference(u.kind, x, w_src, s_src, f"source {part.source}")
+                del w_src, s_src
+                if u.layout == "row":
+                    got = None
+                    kr = u.inp // T
+                    for i, r in enumerate(u.ranks):
+                        w, s = self._engine_tile(u, r, slots[r], a, b)
+                        y = self._kernel(u.kind, x[:, i * kr : (i + 1) * kr].contiguous(), w, s, f"{u.label} rank {r}")
+                        got = y if got is None else got + y
+                    note("sum", ref, got)
+                elif u.layout == "col":
+                    i = u.ranks.index(owner)
+                    n_r = part.rows // T
+                    local = off // T + a - i * n_r
+                    w, s = self._engine_tile(u, owner, slots[owner], local, local + (b - a))
+                    note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}"))
+                else:
+                    for r in u.ranks:
+                        w, s = self._engine_tile(u, r, slots[r], off + a, off + b)
+                        note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}"))
+            for holder, (d, amax) in worst.items():
+                rel = d / max(amax, 1e-30)
+                if not rel <= LINEAR_MAX_REL:
+                    where = "ranks summed" if holder == "sum" else f"rank {holder}"
+                    scale = f" (scale {u.scale!r})" if u.scale else ""
+                    expert = "" if u.expert is None else f" expert {u.expert}"
+                    return (f"tensor {u.weight!r}{scale}{expert} ({where}): output of part {part.source} disagrees with "
+                            f"the source linear: max_rel {rel:.3g} (needs <= {LINEAR_MAX_REL:g})")
+            off += part.rows
+        return None
+
+    def run_exact(self, u: ExactUnit) -> str | None:
+        info = self.sides.source_info(u.source)
+        src = self.sides.reader.whole(self.ckpt_path(info), info)
+        T = len(u.ranks)
+        for i, r in enumerate(u.ranks):
+            path, einfo = self.sides.engine_info(r, u.name)
+            got = self.sides.reader.whole(path, einfo)
+            want = src
+            if u.layout == "col":
+                n = src.shape[0] // T
+                want = src[i * n : (i + 1) * n]
+            if tuple(got.shape) != tuple(want.shape) or not _same_values(want, got):
+                return f"tensor {u.name!r} (rank {r}): values differ from source {u.source}"
+        return None
+
+    def ckpt_path(self, info: TensorInfo) -> Path:
+        return self.sides.ckpt.root / info.file
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point or b.dtype.is_floating_point:
+        return torch.equal(a.to(torch.float64), b.to(torch.float64))
+    return torch.equal(a.to(torch.int64), b.to(torch.int64))
+
+
+def check_every_tensor(
+    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *,
+    kernels: str, device: torch.device, seed: int, act: str = "bf16", progress: Progress | None = None,
+    skip_mtp_experts: bool = False,
+) -> dict[str, set[tuple[int, str]]]:
+    """Add one check per layer (and one for embed/head) per component; return the (rank, tensor) pairs checked.
+
+    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py)."""
+    progress = progress or NoProgress()
+    opts, cfg = plan.options, plan.config
+    components = sorted({f.component for f in plan.files})
+    checked: dict[str, set[tuple[int, str]]] = {}
+    plans = {comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors)) for comp in components}
+    if skip_mtp_experts and "mtp" in plans:
+        plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
+    progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
+    with RowReader() as reader:
+        for comp in components:
+            sides = _Sides(ckpt, out, plan, headers, comp, reader, device)
+            runner = LinearRunner(sides, kernels=kernels, act=act, seed=seed)
+            done = checked.setdefault(comp, set())
+            groups: dict[str, list[Unit]] = {}
+            for u in plans[comp]:
+                groups.setdefault(u.group, []).append(u)
+            for group, units in groups.items():
+                bad: list[tuple[str, str]] = []
+                with torch.no_grad():
+                    for u in units:
+                        try:
+                            msg = runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
+                        except (CheckpointError, ValueError, RuntimeError) as exc:
+                            msg = f"tensor {unit_tensors(u)[0]!r}: {exc}"
+                        if msg:
+                            bad.append((msg, unit_tensors(u)[0]))
+                        for r in u.ranks:
+                            done.update((r, name) for name in unit_tensors(u))
+                        progress.advance(1, f"{comp} {group}")
+                name = f"numeric:{comp}/{group}"
+                if bad:
+                    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                    report.add(Check(name, False, f"{comp}/{group}: {bad[0][0]}{more}", tensor=bad[0][1],
+                                     details={"problems": [m for m, _ in bad]}))
+                else:
+                    report.add(Check(name, True, details={"units": len(units)}))
+    return checked
