@@ -303,7 +303,7 @@ def convert(
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if as_json:
-                print_json(json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note}))
+                print_json(json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note}), compact=True)
             else:
                 render_plan(plan)
                 _target_note(chosen.note)

@@ -568,11 +568,11 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
     if materialized:
         deviations.append(
             "materialized " + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
-            + " (the seed loader would leave them uninitialised)"
+            + " (vLLM's stock loaders leave them uninitialised; its sharded loader needs the keys)"
         )
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
-            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed views them as uint8 and stores b; vLLM PR #51946)"
+            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store the raw byte b as a number: vLLM #51946, #43416)"
         )
     return Plan(
         options=opts,

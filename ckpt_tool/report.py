@@ -80,9 +80,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
-def print_json(doc: Any) -> None:
-    """One JSON document on stdout (nothing else goes to stdout in --json mode)."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+def print_json(doc: Any, *, compact: bool = False) -> None:
+    """One JSON document on stdout (nothing else goes to stdout in --json mode).
+
+    ``compact``: no indentation. indent=2 makes CPython use its pure-Python encoder, and a V4 plan
+    (--dry-run --json: ~30 MB) then takes seconds to print; compact output goes through the C encoder.
+    """
+    sys.stdout.write((json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str)) + "\n")
     sys.stdout.flush()
 
 
