@@ -41,7 +41,7 @@ from .errors import CheckpointError, UsageError
 from .format import ShardHeader, TensorInfo
 from .plan import Plan
 from .source import Checkpoint
-from .tensor_rows import RowReader, row_count
+from .tensor_rows import RowReader, row_count, source_info
 from .verdict import Check, NoProgress, Progress, VerifyReport
 
 log = logging.getLogger(__name__)
@@ -248,14 +248,10 @@ class _Sides:
                 where[name] = (out / f.relpath, info)
 
     def source_info(self, name: str) -> TensorInfo:
-        info = self.ckpt.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"source tensor {name!r} is not in the checkpoint")
-        return info
+        return source_info(self.ckpt, name)
 
     def source_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        info = self.source_info(name)
-        return self.reader.rows(self.ckpt.root / info.file, info, r0, r1).to(self.device)
+        return self.reader.source_rows(self.ckpt, name, r0, r1).to(self.device)
 
     def engine_info(self, rank: int, name: str) -> tuple[Path, TensorInfo]:
         hit = self.locate.get(rank, {}).get(name)

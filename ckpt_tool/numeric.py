@@ -37,7 +37,7 @@ from .format import ShardHeader, TensorInfo, read_shard_header
 from .plan import Plan
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
-from .tensor_rows import RowReader, release_freed_memory
+from .tensor_rows import RowReader, release_freed_memory, source_info
 from .verdict import Check, Progress, VerifyReport
 
 log = logging.getLogger(__name__)
@@ -149,14 +149,10 @@ class SourceShard:
         self.head_name = p + "head.weight" if p + "head.weight" in self.names else "head.weight"
 
     def _info(self, name: str) -> TensorInfo:
-        info = self.ckpt.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"tensor {name!r} is not in the checkpoint")
-        return info
+        return source_info(self.ckpt, name)
 
     def _rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        info = self._info(name)
-        return self.reader.rows(self.ckpt.root / info.file, info, r0, r1).to(self.device)
+        return self.reader.source_rows(self.ckpt, name, r0, r1).to(self.device)
 
     def tensor(self, role: str) -> torch.Tensor:
         info = self._info(f"mtp.{self.mtp}." + SOURCE_TENSORS[role])

@@ -16,6 +16,7 @@ import torch
 
 from .errors import CheckpointError
 from .format import TensorInfo
+from .source import Checkpoint
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.uint8,
@@ -28,6 +29,14 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64,
     "I32": torch.int32,
 }
+
+
+def source_info(ckpt: Checkpoint, name: str) -> TensorInfo:
+    """The header of source tensor ``name`` (DeepSeek's name); CheckpointError if the checkpoint lacks it."""
+    info = ckpt.tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"source tensor {name!r} is not in the checkpoint")
+    return info
 
 
 def row_count(info: TensorInfo) -> int:
@@ -96,6 +105,11 @@ class RowReader:
             self._since_trim = 0
             self._trim(0)
         return buf.view(dtype).view(r1 - r0, cols)
+
+    def source_rows(self, ckpt: Checkpoint, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of source tensor ``name`` of ``ckpt``."""
+        info = source_info(ckpt, name)
+        return self.rows(ckpt.root / info.file, info, r0, r1)
 
     def whole(self, path: Path, info: TensorInfo) -> torch.Tensor:
         """The whole tensor in its own shape (for the small ones: norms, hc_*, sinks, biases, tables)."""
