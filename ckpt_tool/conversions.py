@@ -40,18 +40,26 @@ def out_dtype(src_dtype: str, kind: str) -> str:
     return _CONVERTS[kind][1] if kind in _CONVERTS else src_dtype
 
 
+def reject_e8m0_nan(raw: memoryview | bytes, info: TensorInfo):
+    """E8M0 bytes ``raw`` of ``info`` as numpy uint8; CheckpointError naming the first 0xFF (NaN) byte."""
+    import numpy as np
+
+    b = np.frombuffer(raw, dtype=np.uint8)
+    nan = np.flatnonzero(b == 0xFF)
+    if nan.size:
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) at element {int(nan[0])} "
+            f"({nan.size} in this chunk); the checkpoint is corrupt — re-download this shard"
+        )
+    return b
+
+
 def forward(kind: str, raw: memoryview | bytes, info: TensorInfo) -> bytes:
     """Output bytes of a whole number of source elements ``raw`` of tensor ``info`` (a non-bytewise kind)."""
     import numpy as np
 
     if kind == "e8m0_to_f32":
-        b = np.frombuffer(raw, dtype=np.uint8)
-        nan = np.flatnonzero(b == 0xFF)
-        if nan.size:
-            raise CheckpointError(
-                f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) at element {int(nan[0])} "
-                f"({nan.size} in this chunk); the checkpoint is corrupt — re-download this shard"
-            )
+        b = reject_e8m0_nan(raw, info)
         bits = b.astype(np.uint32) << 23
         bits[b == 0] = 0x00400000  # 2^-127 is a float32 subnormal, not 0
         return bits.view(np.float32).astype("<f4").tobytes()

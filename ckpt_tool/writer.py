@@ -106,17 +106,6 @@ class SourceFiles:
             self._fds.clear()
 
 
-def _check_e8m0(raw: memoryview, info: TensorInfo) -> None:
-    import numpy as np
-
-    nan = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) == 0xFF)
-    if nan.size:
-        raise CheckpointError(
-            f"{info.file}: tensor {info.name!r}: E8M0 scale byte 0xFF (NaN) in {nan.size} element(s) of a chunk; "
-            "the checkpoint is corrupt — re-download this shard"
-        )
-
-
 def _nonfinite(raw: memoryview, dtype: str) -> int:
     import numpy as np
 
@@ -164,7 +153,7 @@ class SegmentReader:
     def checker(self, info: TensorInfo) -> Callable[[memoryview], None] | None:
         """The scan ``info``'s bytes must pass on their way out (None: none)."""
         if info.dtype == "F8_E8M0":
-            return lambda mv: _check_e8m0(mv, info)
+            return lambda mv: conversions.reject_e8m0_nan(mv, info)
         if info.name.endswith("norm.weight") and info.dtype in ("BF16", "F32"):
 
             def check(mv: memoryview) -> None:
