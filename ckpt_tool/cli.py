@@ -308,7 +308,7 @@ def convert(
                 render_plan(plan)
                 _target_note(chosen.note)
             raise typer.Exit(0)
-        with ConvertProgress(enabled=not as_json and not _state["quiet"]) as prog:
+        with ConvertProgress(enabled=not as_json) as prog:
             try:
                 result = run_convert(
                     source, out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start,
@@ -477,14 +477,10 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """
     from .report import json_document, print_json
     from .rules import PROFILES
-    from .target import installed_vllm, resolve_target
+    from .target import installed_vllm
 
     installed = installed_vllm()
-    try:
-        auto: str | None = resolve_target("auto").profile
-        auto_error = None
-    except CkptToolError as exc:
-        auto, auto_error = None, str(exc)
+    auto, auto_error = _auto_profile()
     docs = [
         {
             "name": p.name,
@@ -511,13 +507,11 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """What to paste into a bug report: versions of the tool and its stack, the profile --target auto
     picks, the HF cache in use, CUDA and Triton's interpreter setting."""
     from .report import json_document, print_json
-    from .target import installed_vllm, resolve_target
+    from .target import installed_vllm
 
     doc = environment_facts()
-    try:
-        doc["target_auto"] = resolve_target("auto").profile
-    except CkptToolError as exc:
-        doc["target_auto"] = f"error: {exc}"
+    auto, auto_error = _auto_profile()
+    doc["target_auto"] = auto or f"error: {auto_error}"
     doc["installed_vllm"] = installed_vllm()
     if _wants_json(json_out, fmt):
         print_json(json_document("env", doc))
@@ -525,6 +519,16 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     width = max(len(k) for k in doc)
     for k, v in doc.items():
         typer.echo(f"{k:{width}s}  {v if v is not None else '-'}")
+
+
+def _auto_profile() -> tuple[str | None, str | None]:
+    """(the profile --target auto picks here, or None; the reason it picks none)."""
+    from .target import resolve_target
+
+    try:
+        return resolve_target("auto").profile, None
+    except CkptToolError as exc:
+        return None, str(exc)
 
 
 def environment_facts() -> dict:

@@ -234,10 +234,10 @@ def _print_plan_plain(plan) -> None:
 
 
 class ConvertProgress:
-    """A rich progress bar on stderr (bytes, rate, ETA); silent when stderr is not a terminal."""
+    """A rich progress bar on stderr (bytes, rate, ETA); silent when stderr is not a terminal, or with -q."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled and err.is_terminal
+        self.enabled = enabled and err.is_terminal and not _quiet["on"]
         self.progress = None
         self.task = None
 
