@@ -99,36 +99,15 @@ def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
                 f"{file}: named by {where} but missing from {root}; the download is incomplete — fetch this file"
             )
         header = read_shard_header(path, file)
+        before = len(tensors)
+        tensors.update(header.tensors)
+        if len(tensors) != before + len(header.tensors):
+            _stored_twice(header, shards)
         shards[file] = header
-        for name, info in header.tensors.items():
-            if name in tensors:
-                raise CheckpointError(
-                    f"{file}: tensor {name!r} is also stored in {tensors[name].file}; a tensor must be stored once — "
-                    "remove the stray copy or download the checkpoint again"
-                )
-            tensors[name] = info
 
-    if weight_map is not None:
+    if weight_map is not None and weight_map != {name: info.file for name, info in tensors.items()}:
         assert index_path is not None
-        for name, file in weight_map.items():
-            info = tensors.get(name)
-            if info is None:
-                raise CheckpointError(
-                    f"{index_path.name}: tensor {name!r} is mapped to {file} but that shard does not contain it; "
-                    "the index and the shards disagree — download the checkpoint again"
-                )
-            if info.file != file:
-                raise CheckpointError(
-                    f"{index_path.name}: tensor {name!r} is mapped to {file} but is stored in {info.file}; "
-                    "the index and the shards disagree — download the checkpoint again"
-                )
-        extra = sorted(set(tensors) - set(weight_map))
-        if extra:
-            shown = ", ".join(repr(n) for n in extra[:5])
-            raise CheckpointError(
-                f"{index_path.name}: {len(extra)} tensor(s) stored in shards but absent from the index "
-                f"(e.g. {shown} in {tensors[extra[0]].file}); the index and the shards disagree — download the checkpoint again"
-            )
+        _index_disagrees(index_path, weight_map, tensors)
     return Checkpoint(
         root=root,
         config=config,
@@ -136,4 +115,38 @@ def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
         index_file=index_path.name if index_path else None,
         shards=shards,
         tensors=tensors,
+    )
+
+
+def _stored_twice(header: ShardHeader, earlier: dict[str, ShardHeader]) -> None:
+    """Raise for the first tensor of ``header`` that an earlier shard also stores."""
+    for file, other in earlier.items():
+        for name in header.tensors:
+            if name in other.tensors:
+                raise CheckpointError(
+                    f"{header.file}: tensor {name!r} is also stored in {file}; a tensor must be stored once — "
+                    "remove the stray copy or download the checkpoint again"
+                )
+    raise AssertionError("a tensor count mismatch without a repeated name")  # pragma: no cover
+
+
+def _index_disagrees(index_path: Path, weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+    """Raise naming the first way the index's weight map and the shards' headers differ."""
+    for name, file in weight_map.items():
+        info = tensors.get(name)
+        if info is None:
+            raise CheckpointError(
+                f"{index_path.name}: tensor {name!r} is mapped to {file} but that shard does not contain it; "
+                "the index and the shards disagree — download the checkpoint again"
+            )
+        if info.file != file:
+            raise CheckpointError(
+                f"{index_path.name}: tensor {name!r} is mapped to {file} but is stored in {info.file}; "
+                "the index and the shards disagree — download the checkpoint again"
+            )
+    extra = sorted(set(tensors) - set(weight_map))
+    shown = ", ".join(repr(n) for n in extra[:5])
+    raise CheckpointError(
+        f"{index_path.name}: {len(extra)} tensor(s) stored in shards but absent from the index "
+        f"(e.g. {shown} in {tensors[extra[0]].file}); the index and the shards disagree — download the checkpoint again"
     )

@@ -117,6 +117,26 @@ def test_header_padding_spaces_and_fixture_writer_output_parse(tmp_path: Path) -
     assert h.tensors["y"].end == h.file_size
 
 
+def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> None:
+    """The quick parse is what makes inspect interactive: a header from the safetensors library (and from
+    our fixture writer) must not fall through to the careful path."""
+    from safetensors.torch import save_file
+    import torch
+
+    from ckpt_tool.format import _quick_tensors
+
+    lib = tmp_path / "lib.safetensors"
+    save_file({"b": torch.zeros(3, 2, dtype=torch.bfloat16), "a": torch.zeros(5, dtype=torch.float8_e4m3fn)}, str(lib), metadata={"format": "pt"})
+    ours = tmp_path / "ours.safetensors"
+    write_safetensors(ours, [("x", "BF16", (2, 2), bytes(8)), ("y", "I64", (1,), bytes(8))])
+    for path in (lib, ours):
+        data = path.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        quick = _quick_tensors(data[8 : 8 + n], path.name, 8 + n, len(data) - 8 - n)
+        assert quick is not None, path.name
+        assert quick[1] == read_shard_header(path).tensors
+
+
 def test_parse_header_directly_with_explicit_header_len() -> None:
     raw = b'{"t":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}}    '
     h = parse_header(raw, "mem.safetensors", file_size=8 + len(raw) + 4)
