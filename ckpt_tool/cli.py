@@ -10,7 +10,6 @@ JSON document per command, of one shape on success and failure (``schema_version
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from enum import Enum
@@ -20,6 +19,7 @@ from typing import Annotated, Literal
 import typer
 
 from . import __version__
+from .entry import FORMATS, apply_global_flags, interrupted, main, report_error, run_inspect  # noqa: F401 - main: the entry point
 from .errors import CkptToolError, UsageError
 
 app = typer.Typer(
@@ -32,8 +32,6 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_state = {"debug": False, "quiet": False}
-GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
 
 
 def _plain_argument_help() -> None:
@@ -58,7 +56,7 @@ def _target_choices() -> type[Enum]:
 
 
 Target = _target_choices()
-Format = Literal["table", "json"]
+Format = Literal[FORMATS]  # type: ignore[valid-type]
 
 
 def _version(value: bool) -> None:
@@ -76,13 +74,7 @@ def _root(
     ] = False,
 ) -> None:
     """Convert, inspect and verify DeepSeek V4 safetensors checkpoints for vLLM."""
-    _state["debug"] = _state["debug"] or debug or bool(os.environ.get("CKPT_TOOL_DEBUG"))
-    _state["quiet"] = _state["quiet"] or quiet
-    logging.basicConfig(level=logging.DEBUG if _state["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if _state["quiet"]:
-        from .report import set_quiet
-
-        set_quiet(True)
+    apply_global_flags(debug, quiet)
 
 
 def _guarded(command: str):
@@ -93,28 +85,12 @@ def _guarded(command: str):
         def run(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
-            except KeyboardInterrupt:
-                from .report import error_line
-
-                hint = "; rerun the same command to resume" if command == "convert" else ""
-                error_line(f"interrupted{hint}")
-                raise typer.Exit(130) from None
-            except BrokenPipeError:
-                _drop_stdout()
-                raise typer.Exit(0) from None
+            except (KeyboardInterrupt, BrokenPipeError) as exc:
+                raise typer.Exit(interrupted(command, exc)) from None
 
         return run
 
     return wrap
-
-
-def _drop_stdout() -> None:
-    """The reader went away (``| head``): send what is left of stdout to /dev/null so exit is silent."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout without a descriptor (captured): nothing to redirect
-        pass
 
 
 def _wants_json(json_out: bool, fmt: str | None) -> bool:
@@ -131,13 +107,7 @@ def _fail_user(exc: CkptToolError, command: str | None, json_out: bool, body: di
 
 
 def _fail(exc: BaseException, code: int = 1) -> None:
-    from .report import error_line
-
-    if _state["debug"]:
-        import traceback
-
-        traceback.print_exception(exc)
-    error_line(str(exc))
+    report_error(exc)
     raise typer.Exit(code)
 
 
@@ -184,33 +154,7 @@ def inspect(
       ckpt-tool inspect ./DeepSeek-V4-Flash/model.safetensors.index.json --json
       ckpt-tool inspect deepseek-ai/DeepSeek-V4-Flash --revision main
     """
-    from .hub import hub_headers, parse_hub_ref
-    from .inspect import inspect_tensors
-    from .report import json_document, print_json, render_inspect
-    from .source import open_checkpoint
-
-    as_json = _wants_json(json_out, fmt)
-    try:
-        ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
-        if ref is not None:
-            tensors, config, config_error = hub_headers(ref)
-        else:
-            ckpt = open_checkpoint(Path(src), need_config=False)
-            tensors, config, config_error = ckpt.tensors, ckpt.config, ckpt.config_error
-        report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
-    except CkptToolError as exc:
-        _fail_user(exc, "inspect", as_json, {"source": src})
-        return
-    if as_json:
-        print_json(json_document("inspect", report.to_json(), error=report.problems[0] if report.problems else None))
-        if not report.ok:
-            from .report import error_line
-
-            for p in report.problems:
-                error_line(p)
-    else:
-        render_inspect(report)
-    raise typer.Exit(0 if report.ok else 1)
+    raise typer.Exit(run_inspect(src, as_json=_wants_json(json_out, fmt), revision=revision, token=token, cache_dir=cache_dir))
 
 
 def _parse_size(text: str) -> int:
@@ -565,32 +509,3 @@ def environment_facts() -> dict:
     except ImportError:  # pragma: no cover
         facts["hf_hub_cache"], facts["hf_hub_offline"] = None, None
     return facts
-
-
-def _take_global_flags(args: list[str]) -> list[str]:
-    """--debug and -q/--quiet anywhere (before a ``--``): noted here and removed, so every command accepts them."""
-    kept: list[str] = []
-    for i, a in enumerate(args):
-        if a == "--":
-            kept += args[i:]
-            break
-        if a in GLOBAL_FLAGS:
-            _state[GLOBAL_FLAGS[a]] = True
-        else:
-            kept.append(a)
-    return kept
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point; returns the exit code."""
-    _state.update(debug=False, quiet=False)
-    from .report import set_quiet
-
-    set_quiet(False)
-    args = _take_global_flags(list(sys.argv[1:] if argv is None else argv))
-    try:
-        app(args=args, prog_name="ckpt-tool", standalone_mode=True)
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0

@@ -18,7 +18,8 @@ import os
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import repeat
+from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -210,15 +211,18 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
     )
 
 
-_ENTRY_FIELDS = itemgetter("dtype", "shape", "data_offsets")
+_DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
     """(metadata, tensors) of a well-formed header in offset order, or None for anything else.
 
-    The C JSON parser keeps the last of repeated keys silently. No key repeats, no string holds a
-    ``:`` and no entry nests an object exactly when the text's colons number the members parsed; a
-    header for which that count differs goes to the careful path (which rejects repeats by name).
+    Every step is a C-level pass over all entries (``map``, list equality, a Counter-free dict): a
+    per-entry Python loop cost as much as the JSON parse itself. The C JSON parser keeps the last of
+    repeated keys silently; no key repeats, no string holds a ``:`` and no entry nests an object exactly
+    when the text's colons number the members parsed. Each distinct (dtype, shape) gets the full
+    per-tensor checks once; offsets must tile the buffer in the order listed.
     """
     try:
         text = raw.decode("utf-8")
@@ -233,28 +237,28 @@ def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> t
             if type(metadata) is not dict or not all(type(k) is str and type(v) is str for k, v in metadata.items()):
                 return None
             members += 1 + len(metadata)
-        entries = doc.values()
-        fields = list(map(_ENTRY_FIELDS, entries))  # KeyError: a field missing; TypeError: not an object
-        if sum(map(len, entries)) != 3 * len(doc) or text.count(":") != members + 3 * len(doc):
+        names, entries = list(doc), list(doc.values())
+        if set(map(len, entries)) - {3} or text.count(":") != members + 3 * len(entries):
+            return None  # (len() of a non-object entry: a TypeError, or a count that is not 3)
+        dtypes = list(map(_DTYPE, entries))  # KeyError: a field missing; TypeError: not an object
+        keys = list(zip(dtypes, map(tuple, map(_SHAPE, entries))))
+        offsets = list(map(_OFFSETS, entries))
+        if set(map(len, offsets)) - {2}:
             return None
-        sizes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> validated (shape, nbytes)
-        tensors: dict[str, TensorInfo] = {}
-        cursor = 0
-        for name, (dtype, shape, (begin, end)) in zip(doc, fields):
-            key = (dtype, *shape)
-            known = sizes.get(key)
-            if known is None:
-                info = _tensor_entry(file, name, doc[name], data_start)  # full checks, once per distinct kind
-                known = sizes[key] = (info.shape, info.nbytes)
-            if begin != cursor or end - begin != known[1]:
-                return None  # out of offset order, a gap, an overlap or a wrong size: worded by the careful path
-            cursor = end
-            tensors[name] = TensorInfo(name, dtype, known[0], file, data_start + begin, data_start + end)
+        begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
+        kinds = dict(zip(keys, names))  # (dtype, shape) -> a tensor of that kind, checked in full once
+        known = {key: _tensor_entry(file, name, doc[name], data_start) for key, name in kinds.items()}
+        if (begins[:1] or [0]) != [0] or begins[1:] != ends[:-1] or (ends[-1:] or [0]) != [buffer_len]:
+            return None  # out of offset order, a gap, an overlap, truncated or trailing bytes: worded by the careful path
+        nbytes = {key: info.nbytes for key, info in known.items()}
+        if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, keys)):
+            return None
+        shapes = map({key: info.shape for key, info in known.items()}.__getitem__, keys)  # one tuple per kind
+        starts, stops = map(add, begins, repeat(data_start)), map(add, ends, repeat(data_start))
+        infos = map(tuple.__new__, repeat(TensorInfo), zip(names, dtypes, shapes, repeat(file), starts, stops))
+        return dict(metadata or {}), dict(zip(names, infos))
     except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
         return None
-    if cursor != buffer_len:
-        return None  # truncated or trailing bytes
-    return dict(metadata or {}), tensors
 
 
 def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> ShardHeader:

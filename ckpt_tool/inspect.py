@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from operator import itemgetter, sub
 
 from .config import V4Config
-from .completeness import check_completeness
+from .completeness import check_completeness, count_by_index
 from .errors import MTP_MISSING_MESSAGE
 from .format import TensorInfo, gc_paused
 
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
-_MTP_RE = re.compile(r"^mtp\.(\d+)\.")
-_EXPERT_WEIGHT_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-_EXPERT_SCALE_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.scale$")
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,22 @@ class InspectReport:
         return doc
 
 
-def _first_dtype(tensors: list[TensorInfo]) -> str | None:
-    counts = Counter(t.dtype for t in tensors)
+def _dtype_counts(tensors: dict[str, TensorInfo], names: list[str]) -> Counter[str]:
+    return Counter(map(_DTYPE, map(tensors.__getitem__, names)))
+
+
+def _most_common(counts: Counter[str]) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
+
+
+_FILE, _DTYPE, _START, _END = itemgetter(3), itemgetter(1), itemgetter(4), itemgetter(5)
+
+
+def _tally(tensors: dict[str, TensorInfo]) -> Counter[tuple[str, str, int]]:
+    """(file, dtype, bytes per tensor) -> tensor count, built at C speed (one Counter over mapped fields):
+    a V4 checkpoint's 69k tensors fall into ~1.4k such kinds, from which files and dtypes are summed."""
+    values = tensors.values()
+    return Counter(zip(map(_FILE, values), map(_DTYPE, values), map(sub, map(_END, values), map(_START, values))))
 
 
 def inspect_tensors(
@@ -91,48 +100,37 @@ def inspect_tensors(
         return _inspect(source, tensors, config, config_error, whole)
 
 
-def _prefixes(tensors: dict[str, TensorInfo], head: str, pattern: re.Pattern[str]) -> Counter[int]:
-    """Tensor count per ``N`` of names starting ``{head}N.`` (as ``pattern`` reads N), counted by prefix first."""
-    n0 = len(head)
-    per_prefix = Counter(n[: n.find(".", n0) + 1] for n in tensors if n.startswith(head))
-    out: Counter[int] = Counter()
-    for prefix, count in per_prefix.items():
-        if m := pattern.match(prefix):
-            out[int(m.group(1))] += count
-    return out
-
-
 def _inspect(source: str, tensors: dict[str, TensorInfo], config: V4Config | None, config_error: str | None, whole: bool) -> InspectReport:
-    files: dict[str, list[TensorInfo]] = {}
-    for t in tensors.values():
-        files.setdefault(t.file, []).append(t)
+    file_count: Counter[str] = Counter()
+    file_bytes: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()
     dtype_bytes: Counter[str] = Counter()
-    for t in tensors.values():
-        dtypes[t.dtype] += 1
-        dtype_bytes[t.dtype] += t.end - t.start
+    for (file, dtype, nbytes), count in _tally(tensors).items():
+        file_count[file] += count
+        file_bytes[file] += count * nbytes
+        dtypes[dtype] += count
+        dtype_bytes[dtype] += count * nbytes
 
-    # routed experts are 96 % of a V4 checkpoint's names: a substring test first, the regex only on those
-    expert_names = {n for n in tensors if ".ffn.experts." in n}
-    experts = [t for n, t in tensors.items() if n in expert_names and _EXPERT_WEIGHT_RE.search(n)]
-    expert_scales = [t for n, t in tensors.items() if n in expert_names and _EXPERT_SCALE_RE.search(n)]
-    expert_weight_names = {t.name for t in experts}
-    expert_scale_names = {t.name for t in expert_scales}
-    linears = [t for n, t in tensors.items() if t.dtype == "F8_E4M3" and n.endswith(".weight") and n not in expert_weight_names]
-    linear_scales = [t for n, t in tensors.items() if n.endswith(".scale") and n not in expert_scale_names]
-    expert_dtype = _first_dtype(experts)
+    # Routed experts are 96 % of a V4 checkpoint's names: every step below is one cheap test per name
+    # (a suffix, a substring) and the dtypes are counted at C speed; a regex per name cost 3x the parse.
+    weights = [n for n in tensors if n.endswith(".weight")]
+    scales = [n for n in tensors if n.endswith(".scale")]
+    expert_weights = [n for n in weights if ".ffn.experts." in n]
+    expert_dtypes = _dtype_counts(tensors, expert_weights)
+    expert_dtype = _most_common(expert_dtypes)
     expert_format = {"I8": "fp4", "U8": "fp4", "F8_E4M3": "fp8"}.get(expert_dtype or "", None)
+    linear_weights = _dtype_counts(tensors, [n for n in weights if ".ffn.experts." not in n])
     quant = QuantScheme(
-        linear_weight_dtype=_first_dtype(linears),
-        linear_scale_dtype=_first_dtype(linear_scales),
+        linear_weight_dtype="F8_E4M3" if linear_weights["F8_E4M3"] else None,
+        linear_scale_dtype=_most_common(_dtype_counts(tensors, [n for n in scales if ".ffn.experts." not in n])),
         expert_weight_dtype=expert_dtype,
-        expert_scale_dtype=_first_dtype(expert_scales),
+        expert_scale_dtype=_most_common(_dtype_counts(tensors, [n for n in scales if ".ffn.experts." in n])),
         expert_format=expert_format,
         config_expert_dtype=config.expert_dtype if config else None,
     )
 
-    main_layers = sorted(_prefixes(tensors, "layers.", _LAYER_RE))
-    mtp_counts = _prefixes(tensors, "mtp.", _MTP_RE)
+    main_layers = sorted(count_by_index(tensors, "layers."))
+    mtp_counts = count_by_index(tensors, "mtp.")
     expected = list(range(config.num_nextn_predict_layers)) if config else []
     missing = [i for i in expected if i not in mtp_counts]
 
@@ -149,14 +147,14 @@ def _inspect(source: str, tensors: dict[str, TensorInfo], config: V4Config | Non
         else:  # one shard of several: only say which MTP layers it lacks
             problems += [MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i) for i in missing]
         if not quant.consistent:
-            example = next(t for t in experts if t.dtype == expert_dtype)
+            example = next(t for n in expert_weights if (t := tensors[n]).dtype == expert_dtype)
             problems.append(
                 f"{example.file}: tensor {example.name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
                 f"experts are stored as {expert_dtype} ({expert_format}); fix config.json or use the matching checkpoint"
             )
     return InspectReport(
         source=source,
-        files=[FileSummary(f, len(ts), sum(t.nbytes for t in ts)) for f, ts in sorted(files.items())],
+        files=[FileSummary(f, file_count[f], file_bytes[f]) for f in sorted(file_count)],
         tensor_count=len(tensors),
         total_bytes=sum(dtype_bytes.values()),
         dtypes=dict(sorted(dtypes.items())),

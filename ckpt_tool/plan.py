@@ -27,7 +27,7 @@ from operator import attrgetter
 
 from .config import V4Config
 from . import conversions
-from .completeness import require_complete
+from .completeness import count_by_index, require_complete
 from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo, gc_paused
 from .rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split, indexable
@@ -506,7 +506,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
 
     _check_expert_dtype(config, tensors)
     complete = require_complete(config, tensors, opts.only)
-    mtp_present = {int(m.group(1)) for n in tensors if n.startswith("mtp.") and (m := _MTP_RE.match(n))}
+    mtp_present = set(count_by_index(tensors, "mtp."))
     extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
     if extra_mtp:
         raise PlanError(

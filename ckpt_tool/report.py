@@ -1,17 +1,16 @@
-"""Rendering for people (rich, on stderr/stdout) and machines (JSON on stdout). Only the CLI imports this."""
+"""Rendering for people (rich, on stderr/stdout); the JSON documents are in jsondoc. Only the CLI imports this."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from .inspect import InspectReport
+from .jsondoc import JSON_FIELDS, SCHEMA_VERSION, json_document, print_json  # noqa: F401 - callers import them from here
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
@@ -38,56 +37,12 @@ def summary_line(message: str) -> None:
         out.print(message, highlight=False, markup=False)
 
 
-# --json: one document per command, of one shape on success and failure. Every document starts with
-# these four keys; the command's fields follow, null when the command failed before producing them.
-SCHEMA_VERSION = 1
-JSON_FIELDS: dict[str, tuple[str, ...]] = {
-    "inspect": (
-        "source", "files", "tensor_count", "total_bytes", "dtypes", "dtype_bytes", "quant", "main_layers",
-        "mtp_expected", "mtp_present", "mtp_missing", "mtp_tensor_counts", "config_error", "missing_tensors", "problems",
-    ),
-    "convert": (
-        "dry_run", "out", "options", "files_written", "files_skipped", "tensors", "tensor_count", "bytes", "total_bytes",
-        "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
-        "warnings", "not_selected", "partial", "finalized", "target_note",
-    ),
-    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage"),
-    "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
-    "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),
-    "env": (),  # free-form facts (versions), see cli.environment_facts
-}
-
-
-def json_document(command: str, body: dict | None = None, *, error: str | None = None) -> dict:
-    """``{"schema_version", "command", "ok", "error", <the command's fields>}``; ``ok`` is false when ``error`` is set."""
-    body = dict(body or {})
-    body.pop("ok", None)
-    fields = JSON_FIELDS[command]
-    if fields:
-        extra = set(body) - set(fields)
-        assert not extra, f"{command} JSON has undocumented fields {sorted(extra)}"
-        body = {k: body.get(k) for k in fields}
-    if command == "inspect" and error is not None and not body.get("problems"):
-        body["problems"] = [error]  # bad input and failed checks both land in problems
-    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": error is None, "error": error, **body}
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
-
-
-def print_json(doc: Any, *, compact: bool = False) -> None:
-    """One JSON document on stdout (nothing else goes to stdout in --json mode).
-
-    ``compact``: no indentation. indent=2 makes CPython use its pure-Python encoder, and a V4 plan
-    (--dry-run --json: ~30 MB) then takes seconds to print; compact output goes through the C encoder.
-    """
-    sys.stdout.write((json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str)) + "\n")
-    sys.stdout.flush()
 
 
 def error_line(message: str) -> None:

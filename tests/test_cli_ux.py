@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool import cli
+from ckpt_tool import cli, entry
 from ckpt_tool.hub import HubRef, parse_hub_ref
 from ckpt_tool.report import JSON_FIELDS
 from cli_helpers import run_cli, snapshot
@@ -308,7 +308,7 @@ def test_fixture_list_needs_no_out() -> None:
 
 def test_main_resets_global_flags_between_calls(capsys) -> None:
     run_cli(capsys, "profiles", "-q")
-    assert cli._state["quiet"] is True
+    assert entry.STATE["quiet"] is True
     code, out, _ = run_cli(capsys, "profiles")
-    assert code == 0 and out and cli._state["quiet"] is False
+    assert code == 0 and out and entry.STATE["quiet"] is False
     assert os.environ.get("CKPT_TOOL_DEBUG") is None

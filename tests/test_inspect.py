@@ -346,3 +346,60 @@ def test_hub_id_with_hf_hub_offline_json_prints_ok_false(tmp_path: Path) -> None
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and "HF_HUB_OFFLINE" in doc["error"] and doc["source"] == "hf://org/model@main"
+
+
+# ---------------------------------------------------------------------------------------------
+# The quick entry path: plain `inspect` runs without typer/rich, with the typer path's exact output
+
+
+def test_plain_inspect_json_imports_neither_typer_nor_rich_nor_torch(fixture_dir) -> None:
+    src = fixture_dir("fp4")
+    code = (
+        "import sys\nfrom ckpt_tool.entry import main\n"
+        f"rc = main(['inspect', {str(src)!r}, '--json'])\n"
+        "heavy = sorted(m for m in ('typer', 'rich', 'torch', 'click', 'pydantic', 'huggingface_hub') if m in sys.modules)\n"
+        "sys.stderr.write(f'rc={rc} heavy={heavy}')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.stderr.strip().endswith("rc=0 heavy=[]"), r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--json"],
+        ["--format", "json"],
+        ["--format=json", "-q"],
+        [],
+        ["--format", "table", "--debug"],
+        ["--json", "--revision", "main"],
+    ],
+)
+@pytest.mark.parametrize("variant", ["fp4", "missing-mtp", "truncated"])
+def test_quick_inspect_path_prints_what_the_typer_path_prints(capsys, monkeypatch, fixture_dir, variant: str, args: list[str]) -> None:
+    from tests.cli_helpers import run_cli
+
+    src = fixture_dir(variant)
+    quick = run_cli(capsys, "inspect", src, *args)
+    monkeypatch.setenv("CKPT_TOOL_TYPER_ONLY", "1")
+    typer_path = run_cli(capsys, "inspect", src, *args)
+    assert quick == typer_path
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect"], ["inspect", "a", "b"], ["inspect", "a", "--help"], ["inspect", "a", "--format", "xml"], ["inspect", "a", "--token"],
+     ["inspect", "--", "a"], ["convert", "a", "b"], ["inspect", "a", "--unknown"]],
+)
+def test_anything_but_a_plain_inspect_goes_to_typer(args: list[str]) -> None:
+    from ckpt_tool.entry import _plain_inspect
+
+    assert _plain_inspect(args) is None
+
+
+def test_plain_inspect_reads_every_option_form() -> None:
+    from ckpt_tool.entry import _plain_inspect
+
+    got = _plain_inspect(["inspect", "--revision=v1", "org/x", "--token", "t", "--cache-dir=/c", "--format", "json"])
+    assert got == {"src": "org/x", "as_json": True, "revision": "v1", "token": "t", "cache_dir": "/c"}
