@@ -181,7 +181,7 @@ def convert(
     moe_parallel: Annotated[Literal["tp", "ep"], typer.Option("--moe-parallel", help="Routed experts: tp splits each expert's intermediate dim; ep gives each rank whole experts (serve with --enable-expert-parallel).")] = "tp",
     only: Annotated[Literal["model", "mtp"] | None, typer.Option("--only", help="Write only the target model or only the MTP draft.")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
-    workers: Annotated[int, typer.Option("--workers", min=1, metavar="K", help="Output files written (and hashed) in parallel; each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = 1,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, metavar="K", help="Output files written (and hashed) in parallel (default: one per CPU core, at most 8, while that many are pending); each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = None,
     target: Annotated[Target, typer.Option("--target", help="Engine profile: auto (the installed vLLM's, else the newest) or one of 'ckpt-tool profiles'.")] = Target("auto"),  # type: ignore[valid-type]
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")] = False,

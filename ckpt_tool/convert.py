@@ -34,7 +34,7 @@ from . import __version__
 from .errors import OutputError, UsageError
 from .plan import Options, OutFile, Plan, plan_conversion
 from .source import Checkpoint, open_checkpoint
-from .writer import ProgressFn, SourceFiles, file_size, output_error, sha256_file, write_output_file
+from .writer import ProgressFn, SourceFiles, default_workers, file_size, output_error, sha256_file, write_output_file
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def convert(
     opts: Options,
     *,
     force: bool = False,
-    workers: int = 1,
+    workers: int | None = None,
     progress: ProgressFn | None = None,
     on_plan=None,
     ranks: Sequence[int] | None = None,
@@ -388,6 +388,8 @@ def convert(
                 result.written.append(f.relpath)
                 result.bytes_written += size
 
+        if workers is None:
+            workers = default_workers(len(todo))
         try:
             if workers <= 1:
                 for f in todo:

@@ -39,6 +39,16 @@ from .plan import OutFile, Segment
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
 MAX_BUFFERS = 32  # ring buffers in the whole process (32 x 8 MiB = 256 MiB), whatever --workers is
+MAX_DEFAULT_WORKERS = MAX_BUFFERS // RING  # the most files written at once by default: each gets its ring
+
+
+def default_workers(pending_files: int) -> int:
+    """Files written at once when --workers is not given: one per CPU core while that many are pending.
+
+    Hashing (sha256, ~1.5 GB/s per core) runs beside each file's writes; on storage faster than one
+    core hashes, one file at a time would be CPU-bound. Memory stays within MAX_BUFFERS either way.
+    """
+    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS, pending_files))
 PIECE = 1024 * 1024  # scratch for gathers and conversions: small enough to stay in CPU cache
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length granularity we keep to (covers 512-byte devices too)
 SMALL_COLUMN_SLICE = 64 * 1024  # column slices narrower than this are gathered from row blocks

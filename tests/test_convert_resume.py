@@ -24,7 +24,8 @@ import pytest
 from ckpt_tool.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-OPTS = ["--tp", "4", "--max-shard-size", "200KB"]
+OPTS = ["--tp", "4", "--max-shard-size", "200KB", "--workers", "1"]  # one file at a time: kill points count files
+PARALLEL = ["--tp", "4", "--max-shard-size", "200KB", "--workers", "2"]
 VARIANT = "fp4"
 
 WRAPPER = textwrap.dedent(
@@ -147,6 +148,9 @@ def resume_root(tmp_path_factory, fixture_dir):
         out = root / f"killed-{mode}-{n}"
         cmd, env = wrapper_cmd(root, mode, n, "convert", str(src), str(out), *OPTS)
         procs[(mode, n)] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    out = root / "killed-parallel"
+    cmd, env = wrapper_cmd(root, "files", 9, "convert", str(src), str(out), *PARALLEL)
+    procs[("parallel", 9)] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     ref = root / "reference"
     assert main(["convert", str(src), str(ref), *OPTS]) == 0
     killed = {}
@@ -187,6 +191,22 @@ def test_killed_conversion_resumes_to_byte_identical_output(resume_root, capsys,
     assert tmp_files(out) == []
     manifest = json.loads((out / "ckpt-tool.json").read_text())
     assert manifest["complete"] is True
+    assert tree_hashes(out) == tree_hashes(ref)
+
+
+def test_killed_parallel_conversion_resumes_to_byte_identical_output(resume_root, capsys) -> None:
+    """Two files in flight when the kill lands (the default --workers on a multi-core machine): the finished
+    ones are kept, the half-written one is redone, and the result equals an uninterrupted conversion."""
+    src, ref = resume_root["src"], resume_root["ref"]
+    out, rc, stderr = resume_root["killed"][("parallel", 9)]
+    assert rc == -signal.SIGKILL, f"the wrapper was not killed (rc={rc}):\n{stderr}"
+    assert not (out / "ckpt-tool.json").exists()
+    finished = part_files(out)
+    assert 0 < len(finished) < len(part_files(ref))
+    code, doc, err = run_json(capsys, "convert", src, out, *PARALLEL)
+    assert code == 0, err
+    assert doc["files_skipped"] == len(finished), doc
+    assert tmp_files(out) == []
     assert tree_hashes(out) == tree_hashes(ref)
 
 
