@@ -88,12 +88,13 @@ def run_inspect(src: str, *, as_json: bool, revision: str | None = None, token: 
 
     try:
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
+        shards = None
         if ref is not None:
             tensors, config, config_error = hub_headers(ref)
         else:
             ckpt = open_checkpoint(Path(src), need_config=False)
-            tensors, config, config_error = ckpt.tensors, ckpt.config, ckpt.config_error
-        report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
+            tensors, config, config_error, shards = ckpt.tensors, ckpt.config, ckpt.config_error, ckpt.shards.values()
+        report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"), shards=shards)
     except CkptToolError as exc:
         if as_json:
             print_json(json_document("inspect", {"source": src}, error=str(exc)))

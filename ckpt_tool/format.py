@@ -16,6 +16,8 @@ import json
 import math
 import os
 import struct
+from collections import Counter
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -90,6 +92,7 @@ class ShardHeader:
     metadata: dict[str, str]
     tensors: dict[str, TensorInfo] = field(repr=False)
     header_sha256: str = ""
+    dtype_totals: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # dtype -> (tensors, bytes)
 
     @property
     def data_start(self) -> int:
@@ -200,7 +203,7 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
         tensors = _quick_tensors(raw, file, data_start, file_size - data_start)
     if tensors is None:
         return _parse_careful(raw, file, file_size, header_len)
-    metadata, tensors = tensors
+    metadata, tensors, totals = tensors
     return ShardHeader(
         file=file,
         header_len=header_len,
@@ -208,6 +211,7 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
         metadata=metadata,
         tensors=tensors,
         header_sha256=hashlib.sha256(raw).hexdigest(),
+        dtype_totals=totals,
     )
 
 
@@ -215,8 +219,8 @@ _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter(
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
-def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
-    """(metadata, tensors) of a well-formed header in offset order, or None for anything else.
+def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> tuple[dict[str, str], dict[str, TensorInfo], dict[str, tuple[int, int]]] | None:
+    """(metadata, tensors, dtype totals) of a well-formed header in offset order, or None for anything else.
 
     Every step is a C-level pass over all entries (``map``, list equality, a Counter-free dict): a
     per-entry Python loop cost as much as the JSON parse itself. The C JSON parser keeps the last of
@@ -256,7 +260,11 @@ def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> t
         shapes = map({key: info.shape for key, info in known.items()}.__getitem__, keys)  # one tuple per kind
         starts, stops = map(add, begins, repeat(data_start)), map(add, ends, repeat(data_start))
         infos = map(tuple.__new__, repeat(TensorInfo), zip(names, dtypes, shapes, repeat(file), starts, stops))
-        return dict(metadata or {}), dict(zip(names, infos))
+        totals: dict[str, tuple[int, int]] = {}
+        for (dtype, _), count in Counter(keys).items():  # a few dozen kinds: inspect sums these, not 69k tensors
+            have, size = totals.get(dtype, (0, 0))
+            totals[dtype] = (have + count, size + count * nbytes[(dtype, _)])
+        return dict(metadata or {}), dict(zip(names, infos)), totals
     except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
         return None
 
@@ -362,7 +370,17 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
         metadata=dict(metadata),
         tensors={t.name: t for t in infos},
         header_sha256=hashlib.sha256(raw).hexdigest(),
+        dtype_totals=dtype_totals(infos),
     )
+
+
+def dtype_totals(infos: Iterable[TensorInfo]) -> dict[str, tuple[int, int]]:
+    """dtype -> (tensor count, bytes) of ``infos``."""
+    totals: dict[str, tuple[int, int]] = {}
+    for t in infos:
+        have, size = totals.get(t.dtype, (0, 0))
+        totals[t.dtype] = (have + 1, size + t.end - t.start)
+    return totals
 
 
 def _small_uints(values: list) -> bool:

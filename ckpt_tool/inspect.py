@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from operator import itemgetter, sub
 
 from .config import V4Config
 from .completeness import check_completeness, count_by_index
 from .errors import MTP_MISSING_MESSAGE
-from .format import TensorInfo, gc_paused
+from .format import ShardHeader, TensorInfo, gc_paused
 
 
 
@@ -90,26 +91,36 @@ def inspect_tensors(
     config_error: str | None = None,
     *,
     whole: bool = True,
+    shards: Iterable[ShardHeader] | None = None,
 ) -> InspectReport:
     """Summarise a set of tensor headers (from local shards or the hub) against the config.
 
     ``whole=False`` (one ``.safetensors`` file of a checkpoint) skips the completeness verdict, which
-    only means something for a whole checkpoint; absent MTP layers are still reported.
+    only means something for a whole checkpoint; absent MTP layers are still reported. ``shards``: the
+    headers ``tensors`` came from, whose per-dtype totals (tallied while parsing) give the file and dtype
+    sums without another pass over every tensor.
     """
     with gc_paused():
-        return _inspect(source, tensors, config, config_error, whole)
+        return _inspect(source, tensors, config, config_error, whole, list(shards) if shards is not None else None)
 
 
-def _inspect(source: str, tensors: dict[str, TensorInfo], config: V4Config | None, config_error: str | None, whole: bool) -> InspectReport:
+def _inspect(
+    source: str, tensors: dict[str, TensorInfo], config: V4Config | None, config_error: str | None, whole: bool,
+    shards: list[ShardHeader] | None,
+) -> InspectReport:
     file_count: Counter[str] = Counter()
     file_bytes: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()
     dtype_bytes: Counter[str] = Counter()
-    for (file, dtype, nbytes), count in _tally(tensors).items():
+    if shards is not None and sum(len(h.tensors) for h in shards) == len(tensors):
+        totals = ((h.file, dtype, count, size) for h in shards for dtype, (count, size) in h.dtype_totals.items())
+    else:  # hub metadata: no parsed shards, tally the tensors
+        totals = ((file, dtype, count, count * nbytes) for (file, dtype, nbytes), count in _tally(tensors).items())
+    for file, dtype, count, size in totals:
         file_count[file] += count
-        file_bytes[file] += count * nbytes
+        file_bytes[file] += size
         dtypes[dtype] += count
-        dtype_bytes[dtype] += count * nbytes
+        dtype_bytes[dtype] += size
 
     # Routed experts are 96 % of a V4 checkpoint's names: every step below is one cheap test per name
     # (a suffix, a substring) and the dtypes are counted at C speed; a regex per name cost 3x the parse.

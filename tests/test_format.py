@@ -135,6 +135,7 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
         quick = _quick_tensors(data[8 : 8 + n], path.name, 8 + n, len(data) - 8 - n)
         assert quick is not None, path.name
         assert quick[1] == read_shard_header(path).tensors
+        assert quick[2] == {d: (sum(t.dtype == d for t in quick[1].values()), sum(t.nbytes for t in quick[1].values() if t.dtype == d)) for d in quick[2]}
 
 
 def test_parse_header_directly_with_explicit_header_len() -> None:

@@ -403,3 +403,17 @@ def test_plain_inspect_reads_every_option_form() -> None:
 
     got = _plain_inspect(["inspect", "--revision=v1", "org/x", "--token", "t", "--cache-dir=/c", "--format", "json"])
     assert got == {"src": "org/x", "as_json": True, "revision": "v1", "token": "t", "cache_dir": "/c"}
+
+
+@pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp"])
+def test_header_totals_and_a_tensor_tally_give_the_same_report(fixture_dir, variant: str) -> None:
+    """inspect sums files and dtypes from the totals the header parse kept (local checkpoints) or by tallying
+    every tensor (hub metadata): both must say the same."""
+    from ckpt_tool.inspect import inspect_tensors
+    from ckpt_tool.source import open_checkpoint
+
+    ck = open_checkpoint(fixture_dir(variant))
+    from_headers = inspect_tensors("x", ck.tensors, ck.config, shards=ck.shards.values())
+    tallied = inspect_tensors("x", ck.tensors, ck.config)
+    assert from_headers == tallied
+    assert sum(f.bytes for f in tallied.files) == sum(t.nbytes for t in ck.tensors.values())

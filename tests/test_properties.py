@@ -57,7 +57,8 @@ def parse_or_header_error(raw: bytes, file_size: int) -> None:
     else:
         check_accepted(h, len(raw), file_size)
         careful = _parse_careful(raw, FILE, file_size, len(raw))
-        assert (h.tensors, list(h.tensors), h.metadata, h.header_sha256) == (careful.tensors, list(careful.tensors), careful.metadata, careful.header_sha256)
+        assert (h.tensors, list(h.tensors), h.metadata, h.header_sha256, h.dtype_totals) == (
+            careful.tensors, list(careful.tensors), careful.metadata, careful.header_sha256, careful.dtype_totals)
 
 
 json_leaf = st.one_of(
