@@ -3,6 +3,7 @@
     python bench/verify_bench.py                      # skeleton + convert tp 2 / tp 8 + verify levels, ~4 min on 2 cores
     python bench/verify_bench.py --src /tmp/vb/src    # reuse a skeleton made by bench/make_skeleton.py
     python bench/verify_bench.py --json verify.json --keep
+    python bench/verify_bench.py --model pro          # V4-Pro widths (~17 GiB): memory must stay flat
 
 In one run, on one skeleton (bench/make_skeleton.py: embed/head/norm/hc_head + the MTP layer with 256
 MXFP4 experts at real V4-Flash shapes, 5.32 GiB): ``convert --only mtp`` at tp 2 and tp 8, then
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", type=Path, help="an existing skeleton (default: make one in a fresh /tmp folder)")
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--model", choices=("flash", "pro"), default="flash",
+                    help="skeleton dimensions: V4-Flash (5.3 GiB) or V4-Pro (hidden 7168, 384 experts: ~17 GiB) - "
+                    "numeric verify's memory must not grow with them")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         src = args.src
         if src is None:
             src = work / "src"
+            if args.model == "pro":
+                make_skeleton.use_pro()
             make_skeleton.make_skeleton(src)
         for tp in args.tp:
             out = work / f"out-tp{tp}"
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         cov_txt = f"{cov['checked']}/{cov['total']} ({cov['percent']} %)" if cov else ""
         print(f"| {r['tp']} | {r['command']} | {r['seconds']:.2f} | {r.get('per_convert', 1.0):.2f} | {r['peak_rss_mib']:.0f} MiB | {cov_txt} |")
     if args.json:
-        args.json.write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"cpus": os.cpu_count(), "model": args.model, "rows": rows}, indent=2) + "\n")
     return 1 if failed else 0
 
 
