@@ -10,13 +10,17 @@ and its inverse (unconvert), so a new engine dtype is one entry here and one pro
 - ``int_to_i32``: a 64-bit integer table (``tid2eid``) becomes int32, refused if a value does not fit;
   an int32 source is copied.
 
+The engine's zero padding (block-FP8 shared experts at a tp their blocks do not divide) is zero source
+elements through the same conversion (:func:`zero_element`): the engine pads in the loaded dtype, then
+loads, so an E8M0 zero byte landing in a float32 parameter is ``2^-127``, not ``0.0``.
+
 Conversions work on little-endian bytes with numpy: never torch, so the writer stays light.
 """
 
 from __future__ import annotations
 
 from .errors import CheckpointError
-from .format import TensorInfo
+from .format import DTYPE_BITS, TensorInfo
 
 BYTEWISE = ("copy", "raw_uint8")  # output bytes are the source bytes
 KINDS = (*BYTEWISE, "e8m0_to_f32", "int_to_i32")
@@ -38,6 +42,17 @@ def out_dtype(src_dtype: str, kind: str) -> str:
         return "U8"
     kind = effective(src_dtype, kind)
     return _CONVERTS[kind][1] if kind in _CONVERTS else src_dtype
+
+
+def zero_element(kind: str, dtype: str) -> bytes:
+    """The output bytes of one zero source element under ``kind``, written as ``dtype`` (zero bytes, except
+    that ``e8m0_to_f32`` maps the E8M0 zero byte to float32 ``2^-127``, as :func:`forward` does)."""
+    if kind == "e8m0_to_f32":
+        return E8M0_ZERO_F32
+    return bytes(DTYPE_BITS[dtype] // 8)
+
+
+E8M0_ZERO_F32 = (0x00400000).to_bytes(4, "little")  # 2^-127: the float32 value of E8M0 byte 0 (a subnormal)
 
 
 def reject_e8m0_nan(raw: memoryview | bytes, info: TensorInfo):

@@ -6,9 +6,11 @@ research/vllm_0_33.md), independently of the rule table: verify compares the con
 so a rule table gone stale against the engine fails verify instead of the engine's start-up. The
 engine test (tests/engine) checks this table against vLLM's own model classes built on CPU.
 
-Shapes follow from config.json alone. ``attn_sink`` is the one documented prefix: the engine pads its
-parameter to the attention backend's head count (FlashMLA 64/128) and loads the ``H/tp`` real heads
-into the leading slots; the table lists the ``H/tp`` the file holds and marks it ``prefix``.
+Shapes follow from config.json alone. vLLM 0.33 gives block-FP8 shared experts whole 128-blocks per
+rank, rounding the per-rank count up where the blocks do not divide tp (its loader zero-fills the rest).
+``attn_sink`` is the one documented prefix: the engine pads its parameter to the attention backend's
+head count (FlashMLA 64/128) and loads the ``H/tp`` real heads into the leading slots; the table lists
+the ``H/tp`` the file holds and marks it ``prefix``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class EngineNames:
     tid2eid: str | None  # dtype of the hash table (None: as stored)
     fp8_expert_linear_scale: str | None  # linear scale dtype when experts are fp8 (None: as stored)
     fp4_expert_linear_scale: str | None  # ... when experts are fp4
+    shared_pad: bool = False  # block-FP8 shared experts get cdiv(blocks, tp) 128-blocks a rank (zero-padded)
 
 
 ENGINES: dict[str, EngineNames] = {
@@ -53,6 +56,7 @@ ENGINES: dict[str, EngineNames] = {
         tid2eid="I32",
         fp8_expert_linear_scale="F32",
         fp4_expert_linear_scale="F8_E8M0",
+        shared_pad=True,
     ),
     # the seed loader (shared/seeds): module names as the seed's DeepseekV4 model declares them; it copies
     # scales and the hash table in their stored dtypes.
@@ -133,7 +137,16 @@ class _Table:
             self.add(f"{g}.tid2eid", (c.vocab_size, c.num_experts_per_tok), n.tid2eid)
         else:
             self.add(f"{g}.e_score_correction_bias", (E,), "F32")
-        if c.n_shared_experts:
+        if c.n_shared_experts and n.shared_pad:
+            # DeepseekV4MLP: n_local = cdiv(I // block, tp) blocks a rank, intermediate_size = n_local * block * tp;
+            # gate_up_proj = MergedColumnParallelLinear([I_pad] * 2), down_proj = RowParallelLinear(I_pad, D)
+            sh = f"{p}.{n.shared}"
+            n_local = _cdiv(I * c.n_shared_experts // FP8_BLOCK, T)
+            self.add(f"{sh}.gate_up_proj.weight", (2 * n_local * FP8_BLOCK, D), "F8_E4M3")
+            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * n_local, _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.add(f"{sh}.down_proj.weight", (D, n_local * FP8_BLOCK), "F8_E4M3")
+            self.add(f"{sh}.down_proj.weight_scale_inv", (_cdiv(D, FP8_BLOCK), n_local), self.scale_dtype)
+        elif c.n_shared_experts:
             sh, Ish = f"{p}.{n.shared}", I * c.n_shared_experts
             # gate_up_proj: MergedColumnParallelLinear of w1 and w3, each split over tp
             self.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")

@@ -5,7 +5,9 @@ of tokens it reaches few routed experts and it never runs a main-model layer. Th
 rest: every linear of every layer, target model and MTP alike (each routed expert, each part of a
 fused weight, each TP rank), runs through the fp8-block / MXFP4 GEMM kernels on seeded probe inputs,
 ranks recombined as the engine does (column-parallel outputs concatenated, row-parallel partial sums
-added, expert-parallel ranks each holding their own experts), and is compared with the source
+added, expert-parallel ranks each holding their own experts; where the engine zero-pads a split, the
+padded rows must compute exactly zero and the padded inputs carry probe values that must add
+nothing), and is compared with the source
 linear dequantized in torch (:mod:`ckpt_tool.quant`). Tensors no quantized kernel runs are compared
 exactly by value, tile by tile: bf16 linears (embedding, heads, router, compressor, indexer
 projections) and non-linear tensors (norms, ``hc_*``, sinks, biases, ``tid2eid``, ``ape``).
@@ -80,6 +82,13 @@ class LinearUnit:
     ranks: tuple[int, ...]
     expert: int | None = None  # global routed expert (the engine tensor is stacked)
     local: tuple[int, ...] = ()  # per entry of ranks: the expert's slot in that rank's stack
+    # col/row: each part's rows (col) or the inputs (row) a rank holds when the engine zero-pads the split to
+    # whole blocks (real ones first, a rank past the end all zeros); None: an even split
+    per_rank: int | None = None
+
+    def share(self, size: int) -> int:
+        """What one rank holds of a split dim of ``size``."""
+        return self.per_rank if self.per_rank is not None else size // len(self.ranks)
 
     @property
     def label(self) -> str:
@@ -113,10 +122,10 @@ class _Builder:
     def exact(self, name: str, source: str, layout: str = "full") -> None:
         self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks))
 
-    def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str) -> None:
+    def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str, per_rank: int | None = None) -> None:
         self.units.append(LinearUnit(
             self.group, f"{base}.weight", f"{base}.weight_scale_inv", "fp8", tuple(Part(s, r) for s, r in parts),
-            inp, layout, self.all_ranks))
+            inp, layout, self.all_ranks, per_rank=per_rank))
 
     def bf16(self, name: str, parts: list[tuple[str, int]], inp: int, layout: str = "full") -> None:
         self.units.append(LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks))
@@ -161,8 +170,11 @@ class _Builder:
             self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
         if c.n_shared_experts:
             sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
-            self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col")
-            self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
+            per_rank = None
+            if n.shared_pad and (Ish // FP8_BLOCK) % self.tp:  # the engine's whole blocks a rank (engine.py)
+                per_rank = -(-(Ish // FP8_BLOCK) // self.tp) * FP8_BLOCK
+            self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
+            self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
         r = f"{p}.{n.routed}"
         kind = "mxfp4" if c.expert_dtype == "fp4" else "fp8"
         sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
@@ -227,10 +239,12 @@ def unit_tensors(u: Unit) -> list[str]:
 
 
 def probe(unit: LinearUnit, seed: int, device: torch.device) -> torch.Tensor:
-    """Seeded ``[PROBE_ROWS, in]`` inputs, distinct per unit (and expert)."""
+    """Seeded ``[PROBE_ROWS, in]`` inputs, distinct per unit (and expert); a row-parallel split the engine
+    zero-pads gets probe values on the padded inputs too (``[PROBE_ROWS, per_rank * tp]``)."""
     key = zlib.crc32(f"{unit.label}".encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
     g = torch.Generator().manual_seed(key)
-    return torch.randn(PROBE_ROWS, unit.inp, generator=g).to(device)
+    width = unit.share(unit.inp) * len(unit.ranks) if unit.layout == "row" else unit.inp
+    return torch.randn(PROBE_ROWS, width, generator=g).to(device)
 
 
 class _Sides:
@@ -319,21 +333,33 @@ class LinearRunner:
         # the source tile [step, in] is the largest piece either side holds
         step = tile_rows(part_rows, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
         if u.layout == "col":
-            T = len(u.ranks)
-            n_r = part_rows // T
+            n_r = u.share(part_rows)
             for i, r in enumerate(u.ranks):
-                for a in range(i * n_r, (i + 1) * n_r, step):
-                    yield a, min(a + step, (i + 1) * n_r), r
+                for a in range(i * n_r, min((i + 1) * n_r, part_rows), step):
+                    yield a, min(a + step, (i + 1) * n_r, part_rows), r
         else:
             for a in range(0, part_rows, step):
                 yield a, min(a + step, part_rows), None
 
+    def _pad_tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int]]:
+        """(a, b, rank): rows [a, b) of the rank's share of one column-parallel part that are the engine's
+        zero padding (past the end of the source part)."""
+        from .kernels.fp8_gemm import tile_rows
+
+        n_r = u.share(part_rows)
+        step = tile_rows(n_r, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        for i, r in enumerate(u.ranks):
+            real = max(0, min(n_r, part_rows - i * n_r))
+            for a in range(real, n_r, step):
+                yield a, min(a + step, n_r), r
+
     def run(self, u: LinearUnit) -> str | None:
         """None when every part on every rank agrees; else one line naming the engine tensor, rank and part."""
         x = probe(u, self.seed, self.sides.device)
-        T = len(u.ranks)
+        x_src = x[:, : u.inp]  # the source linear's inputs (a padded row-parallel probe is wider)
         slots = dict(zip(u.ranks, u.local)) if u.expert is not None else {r: 0 for r in u.ranks}
-        off = 0
+        off = 0  # the part's first row in the source's stacked parts
+        local_off = 0  # ... and in a column-parallel rank's tensor
         for part in u.parts:
             worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
 
@@ -347,17 +373,17 @@ class LinearRunner:
                 w_src, s_src = self._source_tile(u, part, a, b)
                 if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
                     i = u.ranks.index(owner) if owner is not None else 0
-                    holders = [(owner, off // T + a - i * (part.rows // T))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
+                    holders = [(owner, local_off + a - i * u.share(part.rows))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
                     for r, local in holders:
                         got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
                         if not torch.equal(got, w_src):
                             return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
                     continue
-                ref = self._reference(u.kind, x, w_src, s_src, f"source {part.source}")
+                ref = self._reference(u.kind, x_src, w_src, s_src, f"source {part.source}")
                 del w_src, s_src
                 if u.layout == "row":
                     got = None
-                    kr = u.inp // T
+                    kr = u.share(u.inp)
                     for i, r in enumerate(u.ranks):
                         w, s = self._engine_tile(u, r, slots[r], a, b)
                         y = self._kernel(u.kind, x[:, i * kr : (i + 1) * kr].contiguous(), w, s, f"{u.label} rank {r}")
@@ -365,8 +391,7 @@ class LinearRunner:
                     note("sum", ref, got)
                 elif u.layout == "col":
                     i = u.ranks.index(owner)
-                    n_r = part.rows // T
-                    local = off // T + a - i * n_r
+                    local = local_off + a - i * u.share(part.rows)
                     w, s = self._engine_tile(u, owner, slots[owner], local, local + (b - a))
                     note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}"))
                 else:
@@ -381,7 +406,15 @@ class LinearRunner:
                     expert = "" if u.expert is None else f" expert {u.expert}"
                     return (f"tensor {u.weight!r}{scale}{expert} ({where}): output of part {part.source} disagrees with "
                             f"the source linear: max_rel {rel:.3g} (needs <= {LINEAR_MAX_REL:g})")
+            if u.layout == "col" and u.per_rank is not None:
+                for a, b, r in self._pad_tiles(u, part.rows):
+                    w, s = self._engine_tile(u, r, slots[r], local_off + a, local_off + b)
+                    y = self._kernel(u.kind, x, w, s, f"{u.label} rank {r}")
+                    if y.count_nonzero():
+                        return (f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's zero "
+                                f"padding after part {part.source} but compute nonzero output (max |y| {y.abs().max().item():.3g})")
             off += part.rows
+            local_off += u.share(part.rows) if u.layout == "col" else part.rows
         return None
 
     def run_exact(self, u: ExactUnit) -> str | None:

@@ -283,8 +283,8 @@ class ConvertedShard:
         if role.startswith("wo_a."):
             g, Or = int(role.split(".")[1]), cfg.o_lora_rank
             return self._fp8(x, n["wo_a"], g * Or, Or)
-        if role in ("shared.w1", "shared.w3"):
-            half = cfg.moe_intermediate_size * cfg.n_shared_experts // self.tp
+        if role in ("shared.w1", "shared.w3"):  # w1 rows then w3 rows, each the rank's share (zero-padded by the engine)
+            half = self._info(n["gate_up_proj"] + ".weight")[1].shape[0] // 2
             return self._fp8(x, n["gate_up_proj"], 0 if role == "shared.w1" else half, half)
         if role == "shared.w2":
             return self._fp8(x, n["down_proj"])

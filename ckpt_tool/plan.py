@@ -2,9 +2,10 @@
 
 Everything that can be checked without reading tensor bytes is checked here, before any output is
 written: every source tensor matched by exactly one rule (unknown names are an error listing them),
-fused parts that agree, complete expert sets, TP splits that divide at block granularity, and every
-MTP layer present. The result is a :class:`Plan`: per output file, per tensor, the
-:class:`Segment` byte gathers the writer executes.
+fused parts that agree, complete expert sets, TP splits that divide at block granularity (or, where the
+profile's engine zero-pads a split to whole blocks per rank, the padded layout), and every MTP layer
+present. The result is a :class:`Plan`: per output file, per tensor, the :class:`Segment` byte gathers
+(and zero fills) the writer executes.
 
 Planning is on the interactive path (``--dry-run``, every convert and verify), so it does per-tensor
 work only where it must: source names are looked up in a table of the names the config implies
@@ -62,20 +63,44 @@ class Options:
         }
 
 
+ZERO = "<zero>"  # Segment.src of a zero fill (no source tensor can have this name: it matches no rule)
+
+
 @dataclass(frozen=True)
 class Segment:
-    """Rows [row0, row1) x columns [col0, col1) of a source tensor seen as 2-D [shape[0], prod(shape[1:])]."""
+    """Rows [row0, row1) x columns [col0, col1) of a source tensor seen as 2-D [shape[0], prod(shape[1:])],
+    each row followed by ``pad`` zeros; or, when ``src`` is :data:`ZERO`, (row1 - row0) x (col1 - col0) zeros.
 
-    src: str  # source tensor name (a materialized alias resolves through Plan.sources)
+    Zeros are the engine's padding of a split that does not divide at block granularity: zero source
+    elements through ``convert`` (:func:`conversions.zero_element`), in the output tensor's dtype.
+    """
+
+    src: str  # source tensor name (a materialized alias resolves through Plan.sources), or ZERO
     row0: int
     row1: int
     col0: int
     col1: int
     convert: str = "copy"  # a conversions.KINDS entry
+    pad: int = 0  # zero elements after each row's columns (a rank partly past the end of a padded column split)
+
+    @property
+    def kind(self) -> str:
+        """``zero`` (a zero fill) or ``source`` (bytes of a source tensor, maybe with zeros after each row)."""
+        return "zero" if self.src == ZERO else "source"
+
+    @property
+    def width(self) -> int:
+        """Output elements per row."""
+        return self.col1 - self.col0 + self.pad
 
     @property
     def numel(self) -> int:
-        return (self.row1 - self.row0) * (self.col1 - self.col0)
+        return (self.row1 - self.row0) * self.width
+
+    @property
+    def zeros(self) -> int:
+        """Output elements that are zero fill."""
+        return self.numel if self.src == ZERO else (self.row1 - self.row0) * self.pad
 
 
 Bounds = tuple[int, int, int, int]  # row0, row1, col0, col1
@@ -136,6 +161,7 @@ class OutTensor:
     segments: Sequence[Segment]  # a Segments (computed on demand) or a tuple
     rule: str
     sources: tuple[str, ...]
+    padding: int = 0  # elements of the engine's zero padding among the segments (see Segment.zeros)
 
     @property
     def nbytes(self) -> int:
@@ -391,6 +417,27 @@ def _check_piece(info: TensorInfo, split_dim: int | None, tp: int, sources: dict
         raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
 
 
+def _engine_pad(info: TensorInfo, dim: int, tp: int, sources: dict[str, TensorInfo]) -> tuple[int, int] | None:
+    """(size, per-rank size) of dim ``dim`` of ``info`` when the engine zero-pads its TP split, else None.
+
+    A block-FP8 weight (or its scale) whose whole 128-blocks on ``dim`` do not divide tp: vLLM's
+    DeepseekV4MLP gives every rank cdiv(blocks, tp) blocks and zero-pads the checkpoint tensor to that
+    before the even split (sizes in elements for the weight, in blocks for the scale). Anything else,
+    a split that divides or one that is not whole blocks at all, is checked as usual (None).
+    """
+    sib = _sibling(sources, info.name)
+    if sib is None:
+        return None
+    weight, scale = (info, sib) if info.name.endswith(".weight") else (sib, info)
+    if weight.dtype in ("I8", "U8") or len(weight.shape) != 2 or len(scale.shape) != 2:
+        return None
+    size, blocks = weight.shape[dim], scale.shape[dim]
+    if size % FP8_BLOCK or blocks != size // FP8_BLOCK or blocks % tp == 0:
+        return None
+    per_rank = -(-blocks // tp)
+    return (size, per_rank * FP8_BLOCK) if info is weight else (blocks, per_rank)
+
+
 def _bounds(info: TensorInfo, split_dim: int | None, tp: int, rank: int) -> Bounds:
     rows, cols = _rows_cols(info)
     if split_dim is None or tp == 1:
@@ -433,15 +480,24 @@ def _check_experts(
 
 
 def _plan_group(
-    g: _Group, cfg: V4Config, opts: Options, sources: dict[str, TensorInfo], srcs: tuple[str, ...], uniform_stacks: dict
-) -> list[tuple[tuple[int, ...], Segments, str]]:
-    """Per rank: output shape, segments and the first source read (for ordering) of one rule instance."""
+    g: _Group, cfg: V4Config, opts: Options, sources: dict[str, TensorInfo], srcs: tuple[str, ...], uniform_stacks: dict,
+    padded: set[tuple[int, int]],
+) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+    """Per rank: output shape, segments, the first source read (for ordering) and the elements of zero
+    padding of one rule instance.
+
+    ``padded`` collects (size, per-rank size) of every weight split the engine zero-pads (for the plan's note).
+    """
     rule, tp = g.rule, opts.tp
     if rule.kind in ("rename", "fuse"):
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
         infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
         first = infos[0]
         conv = conversions.effective(first.dtype, rule.convert)
+        if rule.pad and split_dim is not None and tp > 1:
+            pads = [_engine_pad(info, split_dim, tp, sources) for info in infos]
+            if any(pads):
+                return _plan_padded(infos, pads, split_dim, tp, conv, sources, padded)
         for info in infos:
             _check_piece(info, split_dim, tp, sources)
         names = tuple(i.name for i in infos)
@@ -451,7 +507,7 @@ def _plan_group(
         if split_dim is None or tp == 1:  # every rank reads the same: one Segments for all
             bounds = tuple(_bounds(i, None, 1, 0) for i in infos)
             rows = sum(b[1] for b in bounds)
-            return [((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0])] * tp
+            return [((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0)] * tp
         out = []
         sizes = list(map(_rows_cols, infos))
         for rank in range(tp):
@@ -460,10 +516,11 @@ def _plan_group(
             else:
                 bounds = tuple((0, r, rank * (c // tp), (rank + 1) * (c // tp)) for r, c in sizes)
             rows = sum(b[1] - b[0] for b in bounds)
-            out.append(((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0]))
+            out.append(((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0))
         return out
 
     # StackExperts: [E_local, rows, cols]; every expert's parts share one shape (checked), so one period
+    # (routed experts are never padded: a split that does not divide at block granularity is refused)
     E = cfg.n_routed_experts
     conv = conversions.effective(g.parts[(0, 0)].dtype, rule.convert)
     nsrc = len(rule.sources)
@@ -485,8 +542,67 @@ def _plan_group(
         else:
             names, n_local = srcs, E
         rows = sum(b[1] - b[0] for b in bounds)
-        out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0]))
+        out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0], 0))
     return out
+
+
+def _plan_padded(
+    infos: list[TensorInfo], pads: list[tuple[int, int] | None], split_dim: int, tp: int, conv: str,
+    sources: dict[str, TensorInfo], padded: set[tuple[int, int]],
+) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+    """Per rank of a rename/fuse whose split the engine zero-pads (see :func:`_engine_pad`): a padded part
+    gives each rank ``per_rank`` rows (dim 0) or columns (dim 1), its share of the source first, then
+    zeros; a rank past the source's end holds zeros only. Parts that need no pad split evenly as usual.
+    """
+    for info, pad in zip(infos, pads):
+        if pad is None:
+            _check_piece(info, split_dim, tp, sources)
+        elif info.name.endswith(".weight"):
+            padded.add(pad)
+    out = []
+    for rank in range(tp):
+        segs: list[Segment] = []
+        rows = width = 0
+        for info, pad in zip(infos, pads):
+            if pad is None:
+                r0, r1, c0, c1 = _bounds(info, split_dim, tp, rank)
+                segs.append(Segment(info.name, r0, r1, c0, c1, conv))
+                part_rows, part_width = r1 - r0, c1 - c0
+            else:
+                src_rows, src_cols = _rows_cols(info)
+                size, per_rank = pad
+                lo = min(rank * per_rank, size)
+                hi = min(lo + per_rank, size)
+                if split_dim == 0:
+                    if hi > lo:
+                        segs.append(Segment(info.name, lo, hi, 0, src_cols, conv))
+                    if per_rank > hi - lo:
+                        segs.append(Segment(ZERO, 0, per_rank - (hi - lo), 0, src_cols, conv))
+                    part_rows, part_width = per_rank, src_cols
+                else:
+                    if hi > lo:
+                        segs.append(Segment(info.name, 0, src_rows, lo, hi, conv, per_rank - (hi - lo)))
+                    else:
+                        segs.append(Segment(ZERO, 0, src_rows, 0, per_rank, conv))
+                    part_rows, part_width = src_rows, per_rank
+            rows += part_rows
+            width = width or part_width
+        tail = list(infos[0].shape[1:])
+        if split_dim == 1:
+            tail[0] = width
+        out.append(((rows, *tail), tuple(segs), infos[0].name, sum(s.zeros for s in segs)))
+    return out
+
+
+def pad_note(size: int, per_rank: int, tp: int) -> str:
+    """The plan's note on one shared-expert size the engine zero-pads over ``tp`` ranks."""
+    first = size // per_rank  # the first rank holding zeros
+    ranks = f"rank {first}" if first == tp - 1 else f"ranks {first}-{tp - 1}"
+    return (
+        f"shared experts: intermediate {size} = {size // FP8_BLOCK} blocks of {FP8_BLOCK}, which tp={tp} does not divide; "
+        f"each rank holds {per_rank // FP8_BLOCK} block(s), the {(per_rank * tp - size) // FP8_BLOCK} past the end "
+        f"zero-filled as the engine pads them (on {ranks})"
+    )
 
 
 def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
@@ -541,6 +657,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         )
 
     uniform_stacks = _uniform_stacks(groups)
+    padded: set[tuple[int, int]] = set()  # (size, per-rank size) of every weight split zero-padded
     outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]] = defaultdict(list)
     unused_by_selection: list[str] = []
     for g in groups:
@@ -559,9 +676,11 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             continue
         first = next(iter(g.parts.values()))
         dtype = conversions.out_dtype(first.dtype, rule.convert)
-        for rank, (shape, segs, head) in enumerate(_plan_group(g, config, opts, sources, srcs, uniform_stacks)):
+        for rank, (shape, segs, head, zeros) in enumerate(_plan_group(g, config, opts, sources, srcs, uniform_stacks, padded)):
             info = sources[head]
-            outputs[(rule.component, rank)].append(((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, srcs)))
+            outputs[(rule.component, rank)].append(
+                ((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, srcs, zeros))
+            )
 
     files = _pack(outputs, opts)
     deviations = []
@@ -583,7 +702,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=(NO_MTP_NOTE,) if complete.mtp_waived else (),
+        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
 
 

@@ -41,7 +41,9 @@ wq_b               [H*Dh, Qr]                  output rows of this rank's heads 
 wo_a               [G*Or, H*Dh/G]              linear role 'wo_a.{g}' = rows of global group
                                                r*G/T+g, i.e. [Or, H*Dh/G]
 wo_b               [D, G*Or]                   input columns of this rank's groups (linear)
-shared.w1, w3      [I_s, D]                    output rows [r*I_s/T, (r+1)*I_s/T) (linear)
+shared.w1, w3      [I_s, D]                    output rows [r*I_s/T, (r+1)*I_s/T) (linear; a
+                                               converted rank's share may end in the engine's
+                                               zero padding, which computes 0)
 shared.w2          [D, I_s]                    input columns of the same slice (linear)
 expert.{j}.w1, w3  [I, D]                      tp: rows slice of I/T; ep: whole, on the
                                                owning rank only (linear)

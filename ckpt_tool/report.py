@@ -115,8 +115,23 @@ def render_inspect(r: InspectReport) -> None:
             error_line(p)
 
 
+def _segment_json(s) -> dict:
+    if s.kind == "zero":
+        return {"kind": "zero", "rows": s.row1 - s.row0, "cols": s.col1 - s.col0, "convert": s.convert}
+    doc = {"kind": "source", "src": s.src, "rows": [s.row0, s.row1], "cols": [s.col0, s.col1], "convert": s.convert}
+    return {**doc, "pad": s.pad} if s.pad else doc
+
+
+def _tensor_json(t) -> dict:
+    doc = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "sources": list(t.sources), "rule": t.rule}
+    if t.padding:  # the engine's zero padding: how the tensor is assembled (other tensors are plain slices)
+        doc.update(padding=t.padding, segments=[_segment_json(s) for s in t.segments])
+    return doc
+
+
 def plan_json(plan) -> dict:
-    """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations."""
+    """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations;
+    a tensor holding the engine's zero padding also lists its segments (kind ``source`` or ``zero``)."""
     return {
         "options": plan.options.as_dict(),
         "tensor_count": plan.tensor_count,
@@ -126,10 +141,7 @@ def plan_json(plan) -> dict:
                 "file": f.relpath,
                 "rank": f.rank,
                 "bytes": f.data_bytes,
-                "tensors": [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "sources": list(t.sources), "rule": t.rule}
-                    for t in f.tensors
-                ],
+                "tensors": [_tensor_json(t) for t in f.tensors],
             }
             for f in plan.files
         ],
@@ -181,6 +193,7 @@ def _print_plan_plain(plan) -> None:
         if f.rank == 0:
             for x in f.tensors:
                 lines.append(f"tensor\t{x.name}\t{x.dtype}\t{list(x.shape)}\t{','.join(x.sources)}")
+    lines += [f"zero-pad\t{f.relpath}\t{t.name}\t{t.padding}" for f in plan.files for t in f.tensors if t.padding]
     lines += [f"materialize\t{a}\t{r}" for a, r in plan.materialized.items()]
     lines += [f"deviation\t{d}" for d in plan.deviations]
     lines += [f"note\t{n}" for n in plan.notes]

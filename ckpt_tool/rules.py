@@ -46,6 +46,9 @@ class Rule:
     note: str = ""
     expert_split_dim: int = 0  # for Split.EXPERTS under --moe-parallel tp: 0 = w13 rows, 1 = w2 inputs
     when_mtp: str | None = None  # None | "first" | "rest": restrict an MTP rule to mtp.0 or mtp.1..
+    # the engine zero-pads this TP split up to whole 128-blocks per rank where the blocks do not divide tp
+    # (set by the profile, see Profile.pads); otherwise such a split is refused
+    pad: bool = False
     regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -248,8 +251,10 @@ class Profile:
 
     ``renames`` map a run of whole dot-separated segments of a target name to another (first entry
     found in the name wins, applied once). ``converts`` change the element conversion of targets by
-    their base-name tail. ``covers`` are the vLLM ``major.minor`` series ``--target auto`` picks this
-    profile for; ``verified`` names the exact releases whose own loader the engine test runs. A new vLLM
+    their base-name tail. ``pads`` are runs of whole segments of a source name whose rules' TP split the
+    engine zero-pads to whole quantization blocks per rank (where the blocks do not divide tp) instead
+    of refusing it. ``covers`` are the vLLM ``major.minor`` series ``--target auto`` picks this profile
+    for; ``verified`` names the exact releases whose own loader the engine test runs. A new vLLM
     release whose layout changes is one more entry in ``PROFILES`` (and one engine-test parameter).
     """
 
@@ -258,6 +263,7 @@ class Profile:
     build: Callable[[str], list[Rule]]  # the base rule table, by expert_dtype
     renames: tuple[tuple[str, str], ...] = ()
     converts: tuple[ConvertOverride, ...] = ()
+    pads: tuple[str, ...] = ()
     covers: tuple[str, ...] = ()
     verified: tuple[str, ...] = ()
     verified_by: str = ""
@@ -267,6 +273,8 @@ class Profile:
         out = []
         for rule in self.build(expert_dtype):
             rule = override_convert(rule, self.converts, expert_dtype)
+            if any(_segment_run(src, run) >= 0 for src in rule.sources for run in self.pads):
+                rule = replace(rule, pad=True)
             out.append(rename_target(rule, self.renames))
         return out
 
@@ -312,6 +320,10 @@ VLLM_0_33_CONVERTS: tuple[ConvertOverride, ...] = (
         why="with fp8 experts every block-FP8 linear's scale parameter is float32 (E8M0 params exist only for fp4-expert checkpoints)",
     ),
 )
+# DeepseekV4MLP / load_weights (and the MTP's): block-FP8 shared experts get cdiv(blocks, tp) blocks a rank, the
+# checkpoint's weights and scales zero-padded on the intermediate dim (w1/w3 rows, w2 columns) before the even
+# TP split, so trailing ranks hold zeros (not under sequence parallelism, which ckpt-tool does not target).
+VLLM_0_33_PADS: tuple[str, ...] = ("shared_experts",)
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -331,6 +343,7 @@ PROFILES: dict[str, Profile] = {
             vllm_seed_rules,
             VLLM_0_33_RENAMES,
             VLLM_0_33_CONVERTS,
+            VLLM_0_33_PADS,
             covers=("0.33",),
             verified=("0.33.0",),
             verified_by="vLLM's own model classes and ShardedStateLoader.load_weights, built on CPU (tests/engine)",

@@ -6,7 +6,9 @@ for an OUT written before that file existed), and config.json is OUT's copy of t
 the conversion from those yields, for every output tensor, the exact source rows × columns each of its
 byte runs came from; unconvert runs that map backwards: TP ranks are concatenated along their split
 dims, stacked experts unstacked, fused tensors unfused, uint8 views written back as I8 / F8_E8M0 (the
-dtypes in the recorded headers) and float32 ``2^(b-127)`` scales back to their E8M0 byte ``b``.
+dtypes in the recorded headers) and float32 ``2^(b-127)`` scales back to their E8M0 byte ``b``. The
+engine's zero padding (shared experts at a tp their blocks do not divide) came from no source byte and
+is left behind (verify checks that it is zero).
 
 Every source byte must be covered by the outputs (dropped tensors and those a ``--only`` / ``--ranks``
 conversion did not write cannot come back: that is an error unless ``partial``); copies of one source
@@ -32,7 +34,7 @@ from .config import V4Config
 from .convert import COMPONENTS, MANIFEST, SOURCE_LAYOUT, options_from_manifest, read_manifest, source_layout
 from .errors import CheckpointError, OutputError
 from .format import DTYPE_BITS, ShardHeader, TensorInfo, parse_header, read_shard_header
-from .plan import Plan, needed_sources, plan_conversion
+from .plan import ZERO, Plan, needed_sources, plan_conversion
 from .writer import sha256_file
 
 BLOCK_BYTES = 16 * 1024 * 1024
@@ -56,6 +58,7 @@ class _Piece:
     offset: int  # absolute byte offset of the region's first element in the output file
     convert: str
     out_eb: int
+    stride: int  # output bytes from one row of the region to the next (more than its width: zero padding after each row)
 
 
 @dataclass
@@ -168,12 +171,16 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
             out_eb = DTYPE_BITS[t.dtype] // 8
             offset = got.start
             for seg in t.segments:
+                if seg.src == ZERO:  # the engine's zero padding: no source region
+                    offset += seg.numel * out_eb
+                    continue
                 real = plan.materialized.get(seg.src, seg.src)
                 info = plan.sources[real]
                 rows = info.shape[0] if info.shape else 1
                 cols = info.numel // rows if rows else 0
                 reg = regions.setdefault(real, _Regions(rows, cols))
-                reg.pieces.setdefault((seg.row0, seg.row1, seg.col0, seg.col1), []).append(_Piece(path, offset, seg.convert, out_eb))
+                piece = _Piece(path, offset, seg.convert, out_eb, seg.width * out_eb)
+                reg.pieces.setdefault((seg.row0, seg.row1, seg.col0, seg.col1), []).append(piece)
                 offset += seg.numel * out_eb
             if offset != got.end:
                 raise CheckpointError(f"{f.relpath}: tensor {t.name!r} holds {got.end - got.start} bytes, its segments {offset - got.start}")
@@ -218,8 +225,9 @@ def _rebuild(info: TensorInfo, reg: _Regions, reader: _Reader, fd: int, dest_sta
             width = c1 - c0
             first: np.ndarray | None = None
             for p in pieces:
-                n = (b - a) * width * p.out_eb
-                raw = reader.read(p.path, p.offset + (a - r0) * width * p.out_eb, n)
+                raw = reader.read(p.path, p.offset + (a - r0) * p.stride, (b - a) * p.stride)
+                if p.stride != width * p.out_eb:  # drop the zero padding after each row
+                    raw = np.frombuffer(raw, np.uint8).reshape(b - a, p.stride)[:, : width * p.out_eb].tobytes()
                 data = conversions.inverse(p.convert, raw, f"{p.path.name}: {info.name}")
                 data = data.reshape(b - a, width * eb)
                 if first is None:

@@ -4,7 +4,8 @@
    sets are exactly what the rules give for the source and the recorded options; index.json agrees;
    every file's size and sha256 match the manifest; the source is the one that was converted.
 2. values — every output tensor re-derived from the source bytes and compared exactly: byte-equal for
-   renames/slices/fusions/stacks, value-equal for E8M0 → float32. The source side is read through
+   renames/slices/fusions/stacks, value-equal for E8M0 → float32; the engine's zero padding (shared
+   experts at a tp their blocks do not divide) must hold the zero element. The source side is read through
    safetensors' own slicing (not the writer's gather code), in bounded row blocks.
 3. numeric — every output tensor against the source by the engine's names (linear_check.py: each
    linear through the GEMM kernels, the rest by value), then a forward of every MTP layer with every
@@ -31,7 +32,7 @@ from . import conversions
 from .convert import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from .errors import CkptToolError
 from .format import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
-from .plan import OutTensor, Plan, plan_conversion
+from .plan import ZERO, OutTensor, Plan, Segment, plan_conversion
 from .source import Checkpoint, open_checkpoint
 from .verdict import Check, NoProgress, Progress, VerifyReport
 from .writer import sha256_file
@@ -263,7 +264,7 @@ def _check_serving_files(out: Path, src_root: Path, report: VerifyReport) -> Non
 
 
 def _out_width(t: OutTensor) -> int:
-    return t.segments[0].col1 - t.segments[0].col0
+    return t.segments[0].width
 
 
 class _HashingReader:
@@ -462,7 +463,24 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
     width = _out_width(t)
     out_eb = DTYPE_BITS[t.dtype] // 8
     pos = got.start
+    out_row = 0  # rows of the output tensor (seen as 2-D [rows, width]) before the segment
     for seg in t.segments:
+        first_row, out_row = out_row, out_row + seg.row1 - seg.row0
+        zero = np.frombuffer(conversions.zero_element(seg.convert, t.dtype), np.uint8)
+        if seg.src == ZERO:  # the engine's zero padding: nothing to read from the source
+            rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, width * out_eb))
+            for r in range(seg.row0, seg.row1, rows_per_block):
+                n = min(rows_per_block, seg.row1 - r)
+                actual = reader.read(pos, n * width * out_eb)
+                if len(actual) != n * width * out_eb:
+                    return f"{t.name}: output file ended early"
+                a = np.frombuffer(actual, np.uint8).reshape(-1, out_eb)
+                bad = np.flatnonzero((a != zero).any(axis=1))
+                if bad.size:
+                    row, col = divmod(int(bad[0]), width)
+                    return _pad_message(t, seg, first_row + r - seg.row0 + row, col)
+                pos += len(actual)
+            continue
         info = plan.sources[seg.src]  # a materialized alias carries the offsets of the tensor it aliases
         src_eb = DTYPE_BITS[info.dtype] // 8
         src_row = (info.numel // info.shape[0] if info.shape else 1) * src_eb
@@ -477,6 +495,11 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
             want = raw if whole_rows else np.frombuffer(raw, np.uint8).reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb].tobytes()
             if seg.convert not in conversions.BYTEWISE:
                 want = conversions.forward(seg.convert, want, info)
+            if seg.pad:  # each row followed by the engine's zero padding
+                padded = np.empty((n, width * out_eb), np.uint8)
+                padded[:, : (width - seg.pad) * out_eb] = np.frombuffer(want, np.uint8).reshape(n, -1)
+                padded[:, (width - seg.pad) * out_eb :] = np.tile(zero, seg.pad)
+                want = padded.tobytes()
             nbytes = n * width * out_eb
             actual = reader.read(pos, nbytes)
             if len(actual) != nbytes:
@@ -485,6 +508,8 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
                 a, b = np.frombuffer(want, np.uint8), np.frombuffer(actual, np.uint8)
                 diff = int(np.flatnonzero(a != b)[0]) // out_eb
                 row, col = divmod(diff, width)
+                if col >= width - seg.pad:
+                    return _pad_message(t, seg, first_row + r - seg.row0 + row, col)
                 what = "bytes" if seg.convert in conversions.BYTEWISE else "value"
                 return (
                     f"tensor {t.name!r}: {what} differ from source {seg.src} "
@@ -494,3 +519,13 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
             pos += nbytes
             r += n
     return None
+
+
+def _pad_message(t: OutTensor, seg: Segment, row: int, col: int) -> str:
+    """A byte of the engine's zero padding that is not the zero element, at ``[row, col]`` of the segment's output."""
+    where = "after " + (f"source {seg.src} (rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1})" if seg.pad else "the source rows")
+    zero = "0" if seg.convert != "e8m0_to_f32" else "2^-127 (the float32 value of E8M0 byte 0)"
+    return (
+        f"tensor {t.name!r}: the engine's zero padding ({seg.zeros} elements {where}) holds something other than {zero}, "
+        f"first at element [{row}, {col}] of the output seen as 2-D; reconvert"
+    )

@@ -7,7 +7,9 @@ page-aligned ``CHUNK``-sized buffers, never a whole tensor in memory:
   ``os.preadv`` straight into the buffer, at their place in the output;
 - narrow column slices (TP split of dim 1) are gathered with numpy from cache-sized blocks of source
   rows; converted segments (E8M0 → float32, int64 → int32: :mod:`conversions`) are converted piece by
-  piece into the buffer.
+  piece into the buffer;
+- the engine's zero padding (a zero segment, or zeros after each row of a column slice) is filled from
+  a reused piece of the zero element's bytes (:func:`conversions.zero_element`).
 
 A full buffer goes to two threads at once: one feeds it to sha256 (the manifest's checksum is that of
 the bytes written; ``hashlib`` releases the GIL), the other writes it at its offset with ``O_DIRECT``
@@ -21,6 +23,7 @@ process together hold at most ``MAX_BUFFERS`` ring buffers (more workers wait fo
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import mmap
@@ -34,7 +37,7 @@ from pathlib import Path
 from . import conversions
 from .errors import CheckpointError, OutputError
 from .format import DTYPE_BITS, TensorInfo
-from .plan import OutFile, Segment
+from .plan import ZERO, OutFile, Segment
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
@@ -179,8 +182,8 @@ class SegmentReader:
 
     def byte_ranges(self, seg: Segment) -> list[tuple[int, int]] | None:
         """(absolute offset, length) source ranges whose concatenation is ``seg``'s output bytes as they
-        are, or None when the segment needs a gather of narrow slices or a dtype conversion."""
-        if seg.convert not in conversions.BYTEWISE:
+        are, or None when the segment needs a gather of narrow slices, a dtype conversion or zeros."""
+        if seg.convert not in conversions.BYTEWISE or seg.pad or seg.src == ZERO:
             return None
         return self._ranges(seg, self.sources[seg.src])
 
@@ -194,9 +197,12 @@ class SegmentReader:
         return None  # narrow slices of many rows: gathered
 
     def stream(self, seg: Segment, emit: Callable[[memoryview | bytes], None]) -> None:
-        """Call ``emit`` with the output bytes of ``seg``, in order, in pieces of at most ``CHUNK``."""
+        """Call ``emit`` with the output bytes of a source segment, in order, in pieces of at most ``CHUNK``."""
         info = self.sources[seg.src]
         check = self.checker(info)
+        if seg.pad:
+            self.gather_padded(seg, info, check, emit)
+            return
         if seg.convert not in conversions.BYTEWISE:
             out = lambda mv: emit(conversions.forward(seg.convert, mv, info))  # noqa: E731
         elif check is not None:
@@ -235,6 +241,38 @@ class SegmentReader:
             np.copyto(dst, np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
             del dst
             out(gather[: n * width])
+            row += n
+
+    def gather_padded(
+        self, seg: Segment, info: TensorInfo, check: Callable[[memoryview], None] | None, emit: Callable[[memoryview | bytes], None]
+    ) -> None:
+        """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements: blocks of
+        whole source rows are read, the slices checked or converted, and placed row by row with numpy in
+        front of the pad."""
+        import numpy as np
+
+        eb, row_bytes = self.geometry(info)
+        out_dtype = conversions.out_dtype(info.dtype, seg.convert)
+        out_eb = DTYPE_BITS[out_dtype] // 8
+        zero_row = np.tile(np.frombuffer(conversions.zero_element(seg.convert, out_dtype), dtype=np.uint8), seg.pad)
+        c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
+        real, padded = (seg.col1 - seg.col0) * out_eb, seg.width * out_eb
+        rows_per_block = max(1, PIECE // max(row_bytes, padded))
+        src = memoryview(self.buf) if rows_per_block * row_bytes <= PIECE else memoryview(bytearray(row_bytes))
+        row = seg.row0
+        while row < seg.row1:
+            n = min(rows_per_block, seg.row1 - row)
+            mv = src[: n * row_bytes]
+            self.files.pread_exact(info, mv, info.start + row * row_bytes)
+            sliced = np.ascontiguousarray(np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
+            if seg.convert not in conversions.BYTEWISE:
+                sliced = np.frombuffer(conversions.forward(seg.convert, sliced.data, info), dtype=np.uint8)
+            elif check is not None:
+                check(sliced.data)
+            block = np.empty((n, padded), dtype=np.uint8)
+            block[:, :real] = sliced.reshape(n, real)
+            block[:, real:] = zero_row
+            emit(block.data)
             row += n
 
 
@@ -489,7 +527,7 @@ def write_output_file(
             for t in out.tensors:
                 start = pipe.written
                 for seg in t.segments:
-                    _fill_segment(pipe, reader, files, seg)
+                    _fill_segment(pipe, reader, files, seg, t.dtype)
                 if pipe.written - start != t.nbytes:  # pragma: no cover - a plan/writer disagreement is a bug
                     raise AssertionError(f"{out.relpath}: {t.name} wrote {pipe.written - start} bytes, planned {t.nbytes}")
             written = pipe.written
@@ -514,7 +552,10 @@ def write_output_file(
     return expected, digest
 
 
-def _fill_segment(pipe: _Pipeline, reader: SegmentReader, files: SourceFiles, seg: Segment) -> None:
+def _fill_segment(pipe: _Pipeline, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str) -> None:
+    if seg.src == ZERO:
+        _fill_zeros(pipe, conversions.zero_element(seg.convert, dtype), seg.numel)
+        return
     ranges = reader.byte_ranges(seg)
     if ranges is None:  # narrow column slices or a dtype conversion: through the reader's scratch
         reader.stream(seg, pipe.write)
@@ -534,6 +575,27 @@ def _fill_segment(pipe: _Pipeline, reader: SegmentReader, files: SourceFiles, se
                 check(room[:n])
             pipe.commit(n)
             done += n
+
+
+@functools.lru_cache(maxsize=4)
+def _zero_piece(element: bytes) -> bytes:
+    """``PIECE`` bytes of repeated ``element`` (one per zero-element kind: zero bytes, float32 2^-127)."""
+    return element * (PIECE // len(element))
+
+
+def _fill_zeros(pipe: _Pipeline, element: bytes, count: int) -> None:
+    """``count`` copies of ``element`` into the output buffer, a piece at a time (never the whole fill in memory)."""
+    piece = memoryview(_zero_piece(element))
+    left = count * len(element)
+    done = 0
+    while left:
+        room = pipe.space()
+        at = done % len(element)  # a buffer may end inside an element: continue the pattern where it stopped
+        n = min(len(room), left, len(piece) - at)
+        room[:n] = piece[at : at + n]
+        pipe.commit(n)
+        left -= n
+        done += n
 
 
 def sha256_file(path: Path) -> str:

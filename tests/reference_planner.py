@@ -25,6 +25,7 @@ from ckpt_tool import conversions
 from ckpt_tool.completeness import require_complete
 from ckpt_tool.errors import PlanError
 from ckpt_tool.format import DTYPE_BITS, TensorInfo
+from ckpt_tool.plan import pad_note  # the note's wording; which sizes pad is worked out here
 from ckpt_tool.rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split
 
 GiB = 1024**3
@@ -57,9 +58,13 @@ class Options:
         }
 
 
+ZERO = "<zero>"  # Segment.src of a zero fill
+
+
 @dataclass(frozen=True)
 class Segment:
-    """Rows [row0, row1) x columns [col0, col1) of a source tensor seen as 2-D [shape[0], prod(shape[1:])]."""
+    """Rows [row0, row1) x columns [col0, col1) of a source tensor seen as 2-D [shape[0], prod(shape[1:])],
+    each row followed by ``pad`` zeros; or, when ``src`` is ZERO, (row1 - row0) x (col1 - col0) zeros."""
 
     src: str  # source tensor name (a materialized alias resolves through Plan.sources)
     row0: int
@@ -67,10 +72,11 @@ class Segment:
     col0: int
     col1: int
     convert: str = "copy"  # a conversions.KINDS entry
+    pad: int = 0
 
     @property
     def numel(self) -> int:
-        return (self.row1 - self.row0) * (self.col1 - self.col0)
+        return (self.row1 - self.row0) * (self.col1 - self.col0 + self.pad)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,10 @@ class OutTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
+
+    @property
+    def padding(self) -> int:
+        return sum(s.numel if s.src == ZERO else (s.row1 - s.row0) * s.pad for s in self.segments)
 
 
 @dataclass(frozen=True)
@@ -203,8 +213,36 @@ def _chunk(n: int, tp: int, r: int) -> tuple[int, int]:
     return r * step, (r + 1) * step
 
 
+def _engine_padded(info: TensorInfo, sibling: TensorInfo | None, dim: int, tp: int, rank: int, conv: str,
+                   padded: set[tuple[int, int]]) -> list[Segment] | None:
+    """vLLM's _pad_shared_expert_weight, then an even split: a block-FP8 weight (elements) or scale (blocks) is
+    zero-padded on ``dim`` to a multiple of tp blocks and rank ``rank`` takes its chunk. None: not such a tensor."""
+    if sibling is None:
+        return None
+    weight, scale = (info, sibling) if info.name.endswith(".weight") else (sibling, info)
+    if weight.dtype in ("I8", "U8") or len(weight.shape) != 2 or len(scale.shape) != 2:
+        return None
+    if weight.shape[dim] % FP8_BLOCK or scale.shape[dim] != weight.shape[dim] // FP8_BLOCK:
+        return None
+    step = FP8_BLOCK if info is weight else 1
+    n = info.shape[dim]
+    total = -(-n // (tp * step)) * tp * step
+    lo, hi = _chunk(total, tp, rank)
+    real = range(lo, min(hi, n))
+    zeros = (hi - lo) - len(real)
+    rows, cols = info.shape
+    if info is weight:
+        padded.add((n, hi - lo))
+    if dim == 0:
+        segs = [Segment(info.name, real.start, real.stop, 0, cols, conv)] if len(real) else []
+        return segs + ([Segment(ZERO, 0, zeros, 0, cols, conv)] if zeros else [])
+    if len(real):
+        return [Segment(info.name, 0, rows, real.start, real.stop, conv, zeros)]
+    return [Segment(ZERO, 0, rows, 0, zeros, conv)]
+
+
 def _segments_for(
-    group: _Group, cfg: V4Config, opts: Options, rank: int, sources: dict[str, TensorInfo]
+    group: _Group, cfg: V4Config, opts: Options, rank: int, sources: dict[str, TensorInfo], padded: set[tuple[int, int]]
 ) -> tuple[tuple[int, ...], list[Segment]]:
     """Output shape and segments of one rule instance on one rank."""
     rule, tp = group.rule, opts.tp
@@ -212,25 +250,32 @@ def _segments_for(
     first = infos[0]
     conv = conversions.effective(first.dtype, rule.convert)
 
-    def piece(info: TensorInfo, split_dim: int | None) -> Segment:
+    def piece(info: TensorInfo, split_dim: int | None) -> list[Segment]:
         rows, cols = _rows_cols(info)
         r0, r1, c0, c1 = 0, rows, 0, cols
         if split_dim is not None and tp > 1:
-            _check_split(info.name, info, split_dim, tp, _sibling(sources, info.name))
+            sibling = _sibling(sources, info.name)
+            try:
+                _check_split(info.name, info, split_dim, tp, sibling)
+            except PlanError:
+                segs = _engine_padded(info, sibling, split_dim, tp, rank, conv, padded) if rule.pad else None
+                if segs is None:
+                    raise
+                return segs
             if split_dim == 0:
                 r0, r1 = _chunk(rows, tp, rank)
             else:
                 if len(info.shape) != 2:
                     raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
                 c0, c1 = _chunk(cols, tp, rank)
-        return Segment(info.name, r0, r1, c0, c1, conv)
+        return [Segment(info.name, r0, r1, c0, c1, conv)]
 
     if rule.kind in ("rename", "fuse"):
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
-        segs = [piece(i, split_dim) for i in infos]
+        segs = [s for i in infos for s in piece(i, split_dim)]
         tail = list(first.shape[1:])
         if split_dim == 1:
-            tail[0] //= tp
+            tail[0] = segs[0].col1 - segs[0].col0 + segs[0].pad
         rows = sum(s.row1 - s.row0 for s in segs)
         return (rows, *tail) if first.shape else (), segs
 
@@ -247,7 +292,7 @@ def _segments_for(
     segs = []
     for e in experts:
         for idx in range(len(rule.sources)):
-            segs.append(piece(group.parts[(idx, e)], split_dim))
+            segs += piece(group.parts[(idx, e)], split_dim)
     per_expert = len(rule.sources)
     rows = sum(s.row1 - s.row0 for s in segs[:per_expert])
     cols = segs[0].col1 - segs[0].col0
@@ -317,6 +362,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 
     outputs: dict[tuple[str, int], list[OutTensor]] = defaultdict(list)
     unused_by_selection: list[str] = []
+    padded: set[tuple[int, int]] = set()
     for g in groups.values():
         _check_group(g, config)
         rule = g.rule
@@ -329,7 +375,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         first = next(iter(g.parts.values()))
         dtype = conversions.out_dtype(first.dtype, rule.convert)
         for rank in range(opts.tp):
-            shape, segs = _segments_for(g, config, opts, rank, sources)
+            shape, segs = _segments_for(g, config, opts, rank, sources, padded)
             outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, srcs))
 
     files = _pack(outputs, sources, opts)
@@ -352,7 +398,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=(NO_MTP_NOTE,) if complete.mtp_waived else (),
+        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
 
 
@@ -412,7 +458,10 @@ def _pack(outputs: dict[tuple[str, int], list[OutTensor]], sources: dict[str, Te
     """
     files: list[OutFile] = []
     for (component, rank) in sorted(outputs):
-        ts = sorted(outputs[(component, rank)], key=lambda t: (sources[t.segments[0].src].file, sources[t.segments[0].src].start, t.name))
+        def first_read(t: OutTensor) -> TensorInfo:  # a rank of zeros only is placed where its first source is
+            return sources[t.segments[0].src if t.segments[0].src != ZERO else t.sources[0]]
+
+        ts = sorted(outputs[(component, rank)], key=lambda t: (first_read(t).file, first_read(t).start, t.name))
         part: list[OutTensor] = []
         size = 0
         n = 0

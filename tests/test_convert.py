@@ -52,10 +52,15 @@ def load_source(src: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 class _Builder:
-    """Maps source tensors to the output of one rank; records every source it consumed."""
+    """Maps source tensors to the output of one rank; records every source it consumed.
 
-    def __init__(self, src: dict[str, torch.Tensor], cfg: dict, tp: int, rank: int, moe: str) -> None:
+    ``pad_shared``: shared experts as vLLM 0.33 loads them: each weight (scale) zero-padded on its intermediate
+    dim to a multiple of tp 128-blocks (tp blocks) in its own dtype, then split evenly (``_pad_shared_expert_weight``).
+    """
+
+    def __init__(self, src: dict[str, torch.Tensor], cfg: dict, tp: int, rank: int, moe: str, pad_shared: bool = False) -> None:
         self.src, self.cfg, self.tp, self.r, self.moe = src, cfg, tp, rank, moe
+        self.pad_shared = pad_shared
         self.used: set[str] = set()
         self.fp4 = cfg.get("expert_dtype", "fp4") == "fp4"
 
@@ -72,6 +77,15 @@ class _Builder:
         n = t.shape[1] // self.tp
         assert n * self.tp == t.shape[1]
         return t[:, self.r * n : (self.r + 1) * n]
+
+    def padded(self, t: torch.Tensor, dim: int, step: int) -> torch.Tensor:
+        """``t`` with zeros (of its dtype) appended on ``dim`` up to a multiple of tp * step, if pad_shared."""
+        extra = -t.shape[dim] % (self.tp * step) if self.pad_shared else 0
+        if not extra:
+            return t
+        shape = list(t.shape)
+        shape[dim] = extra
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
     def expert_tensor(self, t: torch.Tensor, is_scale: bool) -> torch.Tensor:
         if self.fp4:  # MXFP4 packed weights and their E8M0 scales: raw bytes as uint8
@@ -118,9 +132,10 @@ class _Builder:
             o[f"{di}.compressor.ape"] = g(f"{i}.compressor.ape")
             o[f"{di}.compressor.norm.weight"] = g(f"{i}.compressor.norm.weight")
         se, dse = f"{sp}.ffn.shared_experts", f"{dp}.ffn.shared_experts"
-        for suf, dsuf in (("weight", "weight"), ("scale", "weight_scale_inv")):
-            o[f"{dse}.gate_up_proj.{dsuf}"] = torch.cat([self.rows(g(f"{se}.w1.{suf}")), self.rows(g(f"{se}.w3.{suf}"))])
-            o[f"{dse}.down_proj.{dsuf}"] = self.cols(g(f"{se}.w2.{suf}"))
+        for suf, dsuf, step in (("weight", "weight", 128), ("scale", "weight_scale_inv", 1)):
+            w1, w3 = (self.padded(g(f"{se}.{w}.{suf}"), 0, step) for w in ("w1", "w3"))
+            o[f"{dse}.gate_up_proj.{dsuf}"] = torch.cat([self.rows(w1), self.rows(w3)])
+            o[f"{dse}.down_proj.{dsuf}"] = self.cols(self.padded(g(f"{se}.w2.{suf}"), 1, step))
         # routed experts
         E = self.cfg["n_routed_experts"]
         ex, dex = f"{sp}.ffn.experts", f"{dp}.ffn.experts"
@@ -184,18 +199,19 @@ class _Builder:
 _EXPECT_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
 
 
-def expected_outputs(src: Path, tp: int, rank: int, moe: str = "tp") -> dict[str, dict[str, torch.Tensor]]:
-    """{"model": {name: tensor}, "mtp": {name: tensor}} for rank ``rank`` of ``tp``, from the SPEC rules."""
-    key = (Path(src), tp, rank, moe)
+def expected_outputs(src: Path, tp: int, rank: int, moe: str = "tp", pad_shared: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """{"model": {name: tensor}, "mtp": {name: tensor}} for rank ``rank`` of ``tp``, from the SPEC rules
+    (``pad_shared``: with vLLM 0.33's zero-padded shared experts)."""
+    key = (Path(src), tp, rank, moe, pad_shared)
     if key not in _EXPECT_CACHE:
         _EXPECT_CACHE.clear()  # one conversion's worth at a time keeps memory small
-        _EXPECT_CACHE[key] = _expected_outputs(src, tp, rank, moe)
+        _EXPECT_CACHE[key] = _expected_outputs(src, tp, rank, moe, pad_shared)
     return _EXPECT_CACHE[key]
 
 
-def _expected_outputs(src: Path, tp: int, rank: int, moe: str) -> dict[str, dict[str, torch.Tensor]]:
+def _expected_outputs(src: Path, tp: int, rank: int, moe: str, pad_shared: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     cfg, tensors = load_source(src)
-    b = _Builder(tensors, cfg, tp, rank, moe)
+    b = _Builder(tensors, cfg, tp, rank, moe, pad_shared)
     out = {"model": b.model(), "mtp": b.mtp()}
     unused = sorted(set(tensors) - b.used)
     assert not unused, f"expectation builder does not cover source tensors {unused[:10]}"

@@ -271,3 +271,18 @@ def test_force_killed_while_clearing_never_leaves_a_complete_manifest_over_missi
     code, doc, err = run_json(capsys, "convert", src, out, *OPTS)
     assert code == 0, err
     assert tree_hashes(out) == tree_hashes(ref)
+
+
+def test_killed_padded_conversion_resumes_to_byte_identical_output(fixture_dir, tmp_path, capsys) -> None:
+    """fp4-pad at tp 4: files holding the engine's zero padding (rank 3's shared experts are zeros only) are
+    journaled, skipped and finished like any other."""
+    src = fixture_dir("fp4-pad")
+    ref, out = tmp_path / "reference", tmp_path / "killed"
+    assert main(["convert", str(src), str(ref), *OPTS]) == 0
+    cmd, env = wrapper_cmd(tmp_path, "midfile", 40, "convert", str(src), str(out), *OPTS)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode(errors="replace")
+    code, doc, err = run_json(capsys, "convert", src, out, *OPTS)
+    assert code == 0, err
+    assert doc["files_skipped"] == 40 and doc["files_skipped"] + doc["files_written"] == len(part_files(ref))
+    assert tree_hashes(out) == tree_hashes(ref)

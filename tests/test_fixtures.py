@@ -20,6 +20,7 @@ from fixtures.make import (
     GOOD_VARIANTS,
     HIDDEN,
     MOE_INTER,
+    PAD_VARIANTS,
     SEED,
     TOPK,
     VARIANTS,
@@ -45,13 +46,14 @@ def families(names, pattern: str) -> set[str]:
 
 
 def test_variant_lists_partition_the_variants() -> None:
-    assert set(GOOD_VARIANTS) | set(BROKEN_VARIANTS) == set(VARIANTS)
-    assert not set(GOOD_VARIANTS) & set(BROKEN_VARIANTS)
+    assert set(GOOD_VARIANTS) | set(PAD_VARIANTS) | set(BROKEN_VARIANTS) == set(VARIANTS)
+    assert len(GOOD_VARIANTS) + len(PAD_VARIANTS) + len(BROKEN_VARIANTS) == len(VARIANTS)
     assert {"fp4", "fp4-mtp-emb", "fp8", "fp8-e8m0", "fp4-2mtp"} <= set(GOOD_VARIANTS)
+    assert {"fp4-pad", "fp8-e8m0-pad"} <= set(PAD_VARIANTS)
     assert {"missing-mtp", "truncated", "bad-header-len", "overlap", "missing-file"} <= set(BROKEN_VARIANTS)
 
 
-@pytest.mark.parametrize("variant", GOOD_VARIANTS)
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)
 def test_good_variant_opens_and_index_matches_shards(fixture_dir, variant: str) -> None:
     root = fixture_dir(variant)
     ck = open_checkpoint(root)
@@ -72,10 +74,12 @@ EXPECTED_QUANT = {
     "fp4-2mtp": ("I8", "F8_E8M0", "F8_E8M0"),
     "fp8": ("F8_E4M3", "F32", "F32"),
     "fp8-e8m0": ("F8_E4M3", "F8_E8M0", "F8_E8M0"),
+    "fp4-pad": ("I8", "F8_E8M0", "F8_E8M0"),
+    "fp8-e8m0-pad": ("F8_E4M3", "F8_E8M0", "F8_E8M0"),
 }
 
 
-@pytest.mark.parametrize("variant", GOOD_VARIANTS)
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)
 def test_good_variant_quantized_tensor_families(fixture_dir, variant: str) -> None:
     t = open_checkpoint(fixture_dir(variant)).tensors
     w_dt, s_dt, lin_s_dt = EXPECTED_QUANT[variant]
@@ -86,8 +90,9 @@ def test_good_variant_quantized_tensor_families(fixture_dir, variant: str) -> No
     assert {t[n].dtype for n in experts_w} == {w_dt}
     assert {t[n].dtype for n in experts_s} == {s_dt}
 
-    # Shapes of one expert's w1 (in=HIDDEN) and w2 (in=MOE_INTER).
-    for proj, out, inp in (("w1", MOE_INTER, HIDDEN), ("w2", HIDDEN, MOE_INTER), ("w3", MOE_INTER, HIDDEN)):
+    # Shapes of one expert's w1 (in=HIDDEN) and w2 (in=moe_intermediate_size).
+    inter = VARIANTS[variant].moe_inter
+    for proj, out, inp in (("w1", inter, HIDDEN), ("w2", HIDDEN, inter), ("w3", inter, HIDDEN)):
         w, s = t[f"layers.1.ffn.experts.3.{proj}.weight"], t[f"layers.1.ffn.experts.3.{proj}.scale"]
         if w_dt == "I8":  # MXFP4: two e2m1 codes per byte, one E8M0 scale per 32 inputs
             assert w.shape == (out, inp // 2) and s.shape == (out, inp // 32)
@@ -269,11 +274,34 @@ def test_missing_mtp_parses_but_lacks_mtp_tensors(fixture_dir) -> None:
     assert set(ck.tensors) == {n for n in open_checkpoint(fixture_dir("fp4")).tensors if not n.startswith("mtp.")}
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pad_variants_split_everywhere_but_at_their_shared_experts(fixture_dir, tp: int) -> None:
+    """fp4-pad / fp8-e8m0-pad: only the shared experts' 3 FP8 blocks miss whole-block splits at tp 2 and 4 (so an
+    engine that does not pad refuses them there), every other split dim divides; fp8's 128-block routed
+    experts split only with --moe-parallel ep."""
+    from ckpt_tool.errors import PlanError
+    from ckpt_tool.plan import Options, plan_conversion
+
+    for variant, moe in (("fp4-pad", "tp"), ("fp4-pad", "ep"), ("fp8-e8m0-pad", "ep")):
+        ck = open_checkpoint(fixture_dir(variant))
+        cfg = ck.require_config()
+        assert cfg.moe_intermediate_size // 128 == 3
+        with pytest.raises(PlanError, match=r"shared_experts\.w[123]\.(weight|scale)'"):
+            plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-seed"))
+        plan = plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33"))
+        padded = {t.name.split(".ffn.")[-1] for f in plan.files for t in f.tensors if t.padding}
+        assert padded == {f"experts._shared_experts._layer.{n}" for n in (
+            "gate_up_proj.weight", "gate_up_proj.weight_scale_inv", "down_proj.weight", "down_proj.weight_scale_inv")}
+    ck = open_checkpoint(fixture_dir("fp8-e8m0-pad"))
+    with pytest.raises(PlanError, match=r"ffn\.experts\.0\.w1\.(weight|scale)'.*choose"):
+        plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel="tp", profile="vllm-0.33"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Values, read by safetensors itself
 
 
-@pytest.mark.parametrize("variant", GOOD_VARIANTS)
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)
 def test_safetensors_loads_every_tensor_with_finite_values(fixture_dir, variant: str) -> None:
     root = fixture_dir(variant)
     ck = open_checkpoint(root)

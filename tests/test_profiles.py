@@ -108,6 +108,35 @@ def test_v033_is_the_seed_layout_renamed_with_engine_dtypes(converted, fixture_d
             assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), name
 
 
+PADDED = [("fp4-pad", 2, "tp"), ("fp4-pad", 4, "tp"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]
+
+
+@pytest.mark.parametrize("variant,tp,moe", PADDED, ids=[f"{v}-tp{t}-{m}" for v, t, m in PADDED])
+def test_v033_zero_pads_shared_experts_as_vllm_loads_them(fixture_dir, tmp_path, variant: str, tp: int, moe: str) -> None:
+    """3-block shared experts at tp 2/4: the SPEC expectation with vLLM 0.33's pad-then-split of every shared-expert
+    weight and scale (zeros in the source dtype: an E8M0 zero in a float32 parameter is 2^-127), renamed."""
+    from test_convert import expected_outputs, read_component
+
+    src = fixture_dir(variant)
+    expert_dtype = json.loads((src / "config.json").read_text())["expert_dtype"]
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33"))
+    blocks_a_rank = -(-3 // tp)  # cdiv(384 / 128, tp): more than 3 / tp, the rest zeros
+    for comp in ("model", "mtp"):
+        got = read_component(out / comp)
+        for rank in range(tp):
+            want = {v033_name(n): v033_tensor(n, t, expert_dtype) for n, t in expected_outputs(src, tp, rank, moe, pad_shared=True)[comp].items()}
+            assert set(got[rank]) == set(want), (comp, rank)
+            for name, t in want.items():
+                have = got[rank][name][1]
+                assert have.dtype == t.dtype and have.shape == t.shape, (comp, rank, name, have.shape, t.shape)
+                assert torch.equal(have.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), (comp, rank, name)
+                if name.endswith("_shared_experts._layer.gate_up_proj.weight"):
+                    assert t.shape[0] == 2 * blocks_a_rank * 128
+    report = verify(out, src, level="values")
+    assert report.ok, [c.message for c in report.failures]
+
+
 def test_v033_layout_of_hash_layer_compressor_and_mtp_block(converted) -> None:
     new = tensors_of(converted("fp4", "vllm-0.33", 1))
     model, mtp = new[("model", 0)], new[("mtp", 0)]

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from ckpt_tool.convert import convert
 from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.format import DTYPE_BITS, MAX_HEADER_SIZE, ShardHeader, _parse_careful, expected_nbytes, parse_header, read_shard_header
-from ckpt_tool.plan import Options, plan_conversion
+from ckpt_tool.plan import ZERO, Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -213,6 +213,11 @@ def fp4_ckpt(fixture_dir):
     return open_checkpoint(fixture_dir("fp4"))
 
 
+@pytest.fixture(scope="module")
+def fp4_pad_ckpt(fixture_dir):
+    return open_checkpoint(fixture_dir("fp4-pad"))
+
+
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     if not shape:
         return 1, 1
@@ -225,11 +230,14 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     moe=st.sampled_from(["tp", "ep"]),
     max_shard=st.integers(16 * 1024, 16 * 2**20),
     only=st.sampled_from([None, None, "model", "mtp"]),
+    padded=st.booleans(),
 )
-def test_plan_places_every_source_byte_once_per_rank_set(fp4_ckpt, tp: int, moe: str, max_shard: int, only) -> None:
-    cfg = fp4_ckpt.require_config()
+def test_plan_places_every_source_byte_once_per_rank_set(fp4_ckpt, fp4_pad_ckpt, tp: int, moe: str, max_shard: int, only, padded) -> None:
+    """(``padded``: fp4-pad, whose shared experts the engine zero-pads at tp 2 and 4: zeros come from no source.)"""
+    ckpt = fp4_pad_ckpt if padded else fp4_ckpt
+    cfg = ckpt.require_config()
     opts = Options(tp=tp, moe_parallel=moe, only=only, max_shard_size=max_shard)
-    plan = plan_conversion(cfg, fp4_ckpt.tensors, opts)
+    plan = plan_conversion(cfg, ckpt.tensors, opts)
 
     rects: dict[str, dict[int, list[tuple[int, int, int, int]]]] = defaultdict(lambda: defaultdict(list))
     shapes: dict[tuple[str, str], set[tuple[int, tuple[int, ...]]]] = defaultdict(set)
@@ -244,6 +252,8 @@ def test_plan_places_every_source_byte_once_per_rank_set(fp4_ckpt, tp: int, moe:
             assert sum(s.numel for s in t.segments) * out_bits // 8 == t.nbytes, t.name
             shapes[(f.component, t.name)].add((f.rank, t.shape))
             for s in t.segments:
+                if s.src == ZERO:
+                    continue
                 rows, cols = _rows_cols(plan.sources[s.src].shape)
                 assert 0 <= s.row0 < s.row1 <= rows and 0 <= s.col0 < s.col1 <= cols, (t.name, s)
                 rects[s.src][f.rank].append((s.row0, s.row1, s.col0, s.col1))

@@ -21,7 +21,7 @@ from ckpt_tool.convert import MANIFEST, SOURCE_LAYOUT, convert
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.plan import Options
 from ckpt_tool.unconvert import unconvert
-from fixtures.make import GOOD_VARIANTS
+from fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
 
 KB = 1024
 
@@ -65,6 +65,22 @@ def test_round_trip_is_byte_identical(fixture_dir, tmp_path, variant: str, tp: i
     assert_same_tensors(src, back)
     # every source file came back with its own header: the whole checkpoint is identical
     assert sorted(result.identical_files) == sorted(p.name for p in src.glob("*.safetensors"))
+    assert file_hashes(back) == file_hashes(src)
+
+
+PADDED = [("fp4-pad", 2, "tp"), ("fp4-pad", 4, "tp"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]
+
+
+@pytest.mark.parametrize("variant,tp,moe", PADDED, ids=[f"{v}-tp{t}-{m}" for v, t, m in PADDED])
+def test_round_trip_drops_the_engine_zero_padding(fixture_dir, tmp_path, variant: str, tp: int, moe: str) -> None:
+    assert variant in PAD_VARIANTS
+    src = fixture_dir(variant)
+    out, back = tmp_path / "out", tmp_path / "back"
+    result = convert(src, out, Options(tp=tp, moe_parallel=moe, max_shard_size=512 * KB))
+    assert any(t.padding for f in result.plan.files for t in f.tensors)  # the shared experts were padded
+    result = unconvert(out, back)
+    assert result.missing == []
+    assert_same_tensors(src, back)
     assert file_hashes(back) == file_hashes(src)
 
 

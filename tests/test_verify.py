@@ -67,6 +67,7 @@ SINK = P + "attn.attn_sink"
 WO_B = P + "attn.wo_b.weight"
 WO_B_SCALE = P + "attn.wo_b.weight_scale_inv"
 HEAD = f"model.layers.{S}.shared_head.head.weight"
+SHARED = P + "ffn.experts._shared_experts._layer."  # + gate_up_proj / down_proj .weight / .weight_scale_inv
 
 # Verify through the torch GEMM path on cpu: deterministic and independent of triton/CUDA.
 CLI_BACKEND = ("--kernels", "torch", "--device", "cpu")
@@ -276,6 +277,17 @@ def corrupt_wo_b_wrong_bytes(out: Path, src: Path, tp: int = 2, rank: int = 1) -
     return WO_B
 
 
+def corrupt_pad(out: Path, src: Path, name: str, rank: int, where: Callable[[torch.Tensor], torch.Tensor], value) -> str:
+    """(z) the engine's zero padding of a shared-expert tensor overwritten (``where`` selects the padded part)."""
+
+    def edit(t: torch.Tensor) -> torch.Tensor:
+        where(as_bytes(t) if t.element_size() == 1 else t).fill_(value)
+        return t
+
+    rewrite_tensors(out, rank, {name: edit})
+    return name
+
+
 # (id, variant, tp, moe, corruption, failing level)
 CORRUPTIONS = [
     ("a-swap-w13-fp4", "fp4", 2, "tp", lambda o, s: corrupt_swap_w13(o, s, rank=1), "values"),
@@ -291,6 +303,15 @@ CORRUPTIONS = [
     ("e-wo_b-wrong-dim-bytes", "fp4", 2, "tp", corrupt_wo_b_wrong_bytes, "values"),
     # a replicated tensor corrupted on rank 1 only: values catches it (the numeric gate does not, see below)
     ("r-fused-wkv-first-on-rank1", "fp4", 2, "tp", lambda o, s: corrupt_swap_fused(o, s, rank=1), "values"),
+    # the engine's zero padding of the 3-block shared experts: rank 3 of tp 4 holds zeros only; rank 1 of tp 2 one
+    # real block, then zeros (w1 rows 128:256 of its gate_up share; down_proj columns 128:256); with fp8 experts
+    # the float32 scale pad is 2^-127 (E8M0 byte 0), so a plain 0.0 there is wrong too
+    ("z-pad-gate_up-rank-of-zeros", "fp4-pad", 4, "tp",
+     lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight", 3, lambda t: t[200:201, 7:8], 0x38), "values"),
+    ("z-pad-down-columns-part-real-rank", "fp4-pad", 2, "tp",
+     lambda o, s: corrupt_pad(o, s, SHARED + "down_proj.weight", 1, lambda t: t[:, 128:], 0x38), "values"),
+    ("z-pad-f32-scale-zero-not-2^-127", "fp8-e8m0-pad", 2, "ep",
+     lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight_scale_inv", 1, lambda t: t[3:4], 0.0), "values"),
 ]
 NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values"]
 
@@ -302,6 +323,11 @@ NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values
 GOOD = [(v, 1, "tp") for v in GOOD_VARIANTS] + [(v, 4, "tp") for v in GOOD_VARIANTS] + [
     ("fp4", 4, "ep"),
     ("fp8-e8m0", 4, "ep"),
+    # shared experts zero-padded by the engine: a rank part real part zeros (tp 2), a rank of zeros only (tp 4)
+    ("fp4-pad", 2, "tp"),
+    ("fp4-pad", 4, "tp"),
+    ("fp4-pad", 4, "ep"),
+    ("fp8-e8m0-pad", 2, "ep"),
 ]
 
 
@@ -439,6 +465,27 @@ def test_numeric_gate_alone_catches_corruption(fixture_dir, tmp_path, cid, varia
     assert bad, f"{cid}: forward passed a corrupted conversion: {metrics}"
     assert metrics["logits_max_rel"] > 2e-2 and metrics["hidden_max_rel"] > 2e-2, metrics
     assert metrics["logits_cosine"] < 0.9999, metrics
+
+
+@pytest.mark.parametrize("linear,rank,tp", [("gate_up_proj", 3, 4), ("down_proj", 1, 2)])
+def test_numeric_gate_alone_catches_garbage_in_the_engine_padding(fixture_dir, tmp_path, linear, rank, tp) -> None:
+    """Nonzero weights and scales in the shared experts' zero padding change what the engine computes: padded
+    gate_up rows must compute exactly 0, and padded down_proj inputs carry probe values that must add nothing."""
+    src = fixture_dir("fp4-pad")
+    out = do_convert(src, tmp_path / "out", tp)
+    assert numeric_gate(out, src).ok
+    base = SHARED + linear
+    pad = (lambda t: t) if linear == "gate_up_proj" else (lambda t: t[:, t.shape[1] // 2 :])  # all / the second block
+
+    def fill(value: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: (pad(as_bytes(t)).fill_(value), t)[1]
+
+    rewrite_tensors(out, rank, {base + ".weight": fill(0x38), base + ".weight_scale_inv": fill(127)})  # fp8 1.0, E8M0 2^0
+    report = numeric_gate(out, src)
+    assert not report.ok
+    first = report.failures[0]
+    assert first.name.startswith("numeric:mtp/") and first.tensor == base + ".weight", (first.name, first.message)
+    assert ("zero padding" in first.message) == (linear == "gate_up_proj"), first.message
 
 
 def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, tmp_path) -> None:
