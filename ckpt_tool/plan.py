@@ -479,6 +479,21 @@ def _check_experts(
             _check_piece(g.parts[(idx, e)], split_dim, tp, sources)
 
 
+MXFP4_ROW_ALIGN = 128  # vLLM's MXFP4 MoE backends (Marlin, DeepGEMM, CUTLASS, TRTLLM, ...) pad a rank's rows to this
+
+
+def _check_mxfp4_rows(cfg: V4Config, tp: int) -> None:
+    """Routed MXFP4 experts split by tp must leave each rank a multiple of 128 intermediate rows."""
+    rows = cfg.moe_intermediate_size // tp
+    if cfg.expert_dtype == "fp4" and tp > 1 and rows % MXFP4_ROW_ALIGN:
+        raise PlanError(
+            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a rank, "
+            "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
+            "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
+            "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
+        )
+
+
 def _plan_group(
     g: _Group, cfg: V4Config, opts: Options, sources: dict[str, TensorInfo], srcs: tuple[str, ...], uniform_stacks: dict,
     padded: set[tuple[int, int]],
@@ -531,6 +546,7 @@ def _plan_group(
     else:
         split_dim = rule.expert_split_dim
         _check_experts(g, E, split_dim, tp, sources, uniform_stacks)
+        _check_mxfp4_rows(cfg, tp)
     period = [g.parts[(idx, 0)] for idx in range(nsrc)]
     out = []
     for rank in range(tp):

@@ -293,6 +293,14 @@ def _segments_for(
     for e in experts:
         for idx in range(len(rule.sources)):
             segs += piece(group.parts[(idx, e)], split_dim)
+    rows = cfg.moe_intermediate_size // tp
+    if opts.moe_parallel != "ep" and cfg.expert_dtype == "fp4" and tp > 1 and rows % 128:
+        raise PlanError(
+            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a rank, "
+            "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
+            "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
+            "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
+        )
     per_expert = len(rule.sources)
     rows = sum(s.row1 - s.row0 for s in segs[:per_expert])
     cols = segs[0].col1 - segs[0].col0

@@ -27,7 +27,7 @@ SRC = "layers.0.ffn.shared_experts."
 E8M0_ZERO_AS_F32 = struct.pack("<I", 0x00400000)  # 2^-127
 
 
-def shared_tensors(variant_dir: Path, tp: int, moe: str = "tp", profile: str = "vllm-0.33") -> dict[int, dict[str, OutTensor]]:
+def shared_tensors(variant_dir: Path, tp: int, moe: str = "ep", profile: str = "vllm-0.33") -> dict[int, dict[str, OutTensor]]:
     ck = open_checkpoint(variant_dir)
     plan = plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel=moe, profile=profile))
     out: dict[int, dict[str, OutTensor]] = {}
@@ -111,9 +111,20 @@ def test_attention_and_routed_experts_still_refuse_a_tp_their_blocks_do_not_divi
         plan_conversion(ck.require_config(), ck.tensors, Options(tp=2))
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mxfp4_experts_with_rows_vllm_rounds_up_are_refused_under_tp_moe(fixture_dir, tp: int) -> None:
+    """fp4-pad's routed experts leave 192 / 96 intermediate rows a rank under --moe-parallel tp; most of vLLM's
+    MXFP4 MoE backends round that up to 256 / 128 at load (a backend-dependent layout the sharded loader would
+    fill by copying our rows into the wrong places): refused, pointing at --moe-parallel ep, which plans."""
+    ck = open_checkpoint(fixture_dir("fp4-pad"))
+    with pytest.raises(PlanError, match=rf"moe_intermediate_size=384 over tp={tp} leaves {384 // tp} rows a rank, not a multiple of 128.*--moe-parallel ep"):
+        plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp))
+    assert plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel="ep")).files
+
+
 def test_dry_run_shows_the_padding(fixture_dir, tmp_path, capsys) -> None:
     src, out = fixture_dir("fp4-pad"), tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "convert", src, out, "--tp", "4", "--dry-run", "--json")
+    code, stdout, err = run_cli(capsys, "convert", src, out, "--tp", "4", "--moe-parallel", "ep", "--dry-run", "--json")
     assert code == 0, err
     doc = json.loads(stdout)
     assert any("zero-filled" in n and "rank 3" in n for n in doc["notes"]), doc["notes"]
@@ -121,7 +132,7 @@ def test_dry_run_shows_the_padding(fixture_dir, tmp_path, capsys) -> None:
     t = tensors[(3, SHARED + "down_proj.weight")]
     assert t["padding"] == HIDDEN * 128 and t["segments"] == [{"kind": "zero", "rows": HIDDEN, "cols": 128, "convert": "copy"}]
     assert "segments" not in tensors[(0, SHARED + "down_proj.weight")]  # no padding: plain slices, not listed
-    code, stdout, err = run_cli(capsys, "convert", src, out, "--tp", "2", "--dry-run")
+    code, stdout, err = run_cli(capsys, "convert", src, out, "--tp", "2", "--moe-parallel", "ep", "--dry-run")
     assert code == 0, err
     lines = [line.split("\t") for line in stdout.splitlines()]
     assert ["zero-pad", "model/model-rank-1-part-0.safetensors", SHARED + "down_proj.weight", str(HIDDEN * 128)] in lines

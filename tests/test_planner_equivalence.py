@@ -184,9 +184,10 @@ def test_fast_planner_plans_what_the_reference_planner_plans(case) -> None:
 
 
 PADDED = {  # (inter, expert dtype, tp, moe): shared experts of 3 or 5 blocks the engine zero-pads
-    "3 blocks, fp4, tp 2 (rank 1 part zero)": (384, "fp4", 2, "tp"),
-    "3 blocks, fp4, tp 4 (rank 3 all zero)": (384, "fp4", 4, "tp"),
-    "5 blocks, fp4, tp 4 (rank 2 part, rank 3 all zero)": (640, "fp4", 4, "tp"),
+    "3 blocks, fp4, tp 2 ep (rank 1 part zero)": (384, "fp4", 2, "ep"),
+    "3 blocks, fp4, tp 4 ep (rank 3 all zero)": (384, "fp4", 4, "ep"),
+    "5 blocks, fp4, tp 4 ep (rank 2 part, rank 3 all zero)": (640, "fp4", 4, "ep"),
+    "4 blocks, fp4, tp 8 ep (ranks 4-7 all zero)": (512, "fp4", 8, "ep"),
     "3 blocks, fp8, tp 8 ep (ranks 3-7 all zero)": (384, "fp8", 8, "ep"),
 }
 

@@ -235,6 +235,8 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
 def test_plan_places_every_source_byte_once_per_rank_set(fp4_ckpt, fp4_pad_ckpt, tp: int, moe: str, max_shard: int, only, padded) -> None:
     """(``padded``: fp4-pad, whose shared experts the engine zero-pads at tp 2 and 4: zeros come from no source.)"""
     ckpt = fp4_pad_ckpt if padded else fp4_ckpt
+    if padded and tp > 1:
+        moe = "ep"  # its MXFP4 routed experts leave 192 / 96 rows a rank under tp: refused (see test_plan_pad)
     cfg = ckpt.require_config()
     opts = Options(tp=tp, moe_parallel=moe, only=only, max_shard_size=max_shard)
     plan = plan_conversion(cfg, ckpt.tensors, opts)

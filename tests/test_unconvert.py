@@ -68,7 +68,7 @@ def test_round_trip_is_byte_identical(fixture_dir, tmp_path, variant: str, tp: i
     assert file_hashes(back) == file_hashes(src)
 
 
-PADDED = [("fp4-pad", 2, "tp"), ("fp4-pad", 4, "tp"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]
+PADDED = [("fp4-pad", 2, "ep"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]  # MXFP4 experts at 192/96 rows a rank: ep only
 
 
 @pytest.mark.parametrize("variant,tp,moe", PADDED, ids=[f"{v}-tp{t}-{m}" for v, t, m in PADDED])

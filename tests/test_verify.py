@@ -306,9 +306,9 @@ CORRUPTIONS = [
     # the engine's zero padding of the 3-block shared experts: rank 3 of tp 4 holds zeros only; rank 1 of tp 2 one
     # real block, then zeros (w1 rows 128:256 of its gate_up share; down_proj columns 128:256); with fp8 experts
     # the float32 scale pad is 2^-127 (E8M0 byte 0), so a plain 0.0 there is wrong too
-    ("z-pad-gate_up-rank-of-zeros", "fp4-pad", 4, "tp",
+    ("z-pad-gate_up-rank-of-zeros", "fp4-pad", 4, "ep",
      lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight", 3, lambda t: t[200:201, 7:8], 0x38), "values"),
-    ("z-pad-down-columns-part-real-rank", "fp4-pad", 2, "tp",
+    ("z-pad-down-columns-part-real-rank", "fp4-pad", 2, "ep",
      lambda o, s: corrupt_pad(o, s, SHARED + "down_proj.weight", 1, lambda t: t[:, 128:], 0x38), "values"),
     ("z-pad-f32-scale-zero-not-2^-127", "fp8-e8m0-pad", 2, "ep",
      lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight_scale_inv", 1, lambda t: t[3:4], 0.0), "values"),
@@ -323,9 +323,9 @@ NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values
 GOOD = [(v, 1, "tp") for v in GOOD_VARIANTS] + [(v, 4, "tp") for v in GOOD_VARIANTS] + [
     ("fp4", 4, "ep"),
     ("fp8-e8m0", 4, "ep"),
-    # shared experts zero-padded by the engine: a rank part real part zeros (tp 2), a rank of zeros only (tp 4)
-    ("fp4-pad", 2, "tp"),
-    ("fp4-pad", 4, "tp"),
+    # shared experts zero-padded by the engine: a rank part real part zeros (tp 2), a rank of zeros only (tp 4);
+    # their MXFP4 routed experts (192 / 96 rows a rank under --moe-parallel tp) convert with ep only
+    ("fp4-pad", 2, "ep"),
     ("fp4-pad", 4, "ep"),
     ("fp8-e8m0-pad", 2, "ep"),
 ]
@@ -472,7 +472,7 @@ def test_numeric_gate_alone_catches_garbage_in_the_engine_padding(fixture_dir, t
     """Nonzero weights and scales in the shared experts' zero padding change what the engine computes: padded
     gate_up rows must compute exactly 0, and padded down_proj inputs carry probe values that must add nothing."""
     src = fixture_dir("fp4-pad")
-    out = do_convert(src, tmp_path / "out", tp)
+    out = do_convert(src, tmp_path / "out", tp, "ep")
     assert numeric_gate(out, src).ok
     base = SHARED + linear
     pad = (lambda t: t) if linear == "gate_up_proj" else (lambda t: t[:, t.shape[1] // 2 :])  # all / the second block
