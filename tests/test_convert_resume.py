@@ -205,7 +205,9 @@ def test_killed_parallel_conversion_resumes_to_byte_identical_output(resume_root
     assert 0 < len(finished) < len(part_files(ref))
     code, doc, err = run_json(capsys, "convert", src, out, *PARALLEL)
     assert code == 0, err
-    assert doc["files_skipped"] == len(finished), doc
+    # a file renamed into place whose journal entry the kill cut off is redone, never trusted
+    assert 0 < doc["files_skipped"] <= len(finished), doc
+    assert doc["files_skipped"] + doc["files_written"] == len(part_files(ref)), doc
     assert tmp_files(out) == []
     assert tree_hashes(out) == tree_hashes(ref)
 
