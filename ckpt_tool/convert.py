@@ -380,8 +380,16 @@ def convert(
         files = SourceFiles(ckpt.root)
         jlock = threading.Lock()
 
+        failed = threading.Event()  # one file failed: files not yet started are not started
+
         def work(f: OutFile) -> None:
-            size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings)
+            if failed.is_set():
+                return
+            try:
+                size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings)
+            except BaseException:
+                failed.set()
+                raise
             with jlock:
                 journal["files"][f.relpath] = {"size": size, "sha256": digest}
                 _write_json_atomic(journal_path, journal)
@@ -396,8 +404,13 @@ def convert(
                     work(f)
             else:
                 with ThreadPoolExecutor(max_workers=workers) as pool:
-                    for fut in [pool.submit(work, f) for f in todo]:
-                        fut.result()
+                    futures = [pool.submit(work, f) for f in todo]
+                    try:
+                        for fut in futures:
+                            fut.result()
+                    except BaseException:
+                        failed.set()  # (Ctrl-C lands here, not in a worker) files in flight finish, no new one starts
+                        raise
         finally:
             files.close()
 

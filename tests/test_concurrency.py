@@ -167,3 +167,35 @@ def test_default_workers_use_the_cores_while_files_are_pending(monkeypatch, cpus
     monkeypatch.setattr(writer.os, "cpu_count", lambda: cpus)
     assert writer.default_workers(pending) == expected
     assert writer.MAX_DEFAULT_WORKERS * writer.RING <= writer.MAX_BUFFERS
+
+
+def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_dir, tmp_path: Path, monkeypatch) -> None:
+    """With several writers, the first failure ends the conversion: files in flight finish, queued ones never start
+    (a fatal error must not be followed by gigabytes of further writes), and the error is what convert raises."""
+    import threading
+
+    from ckpt_tool import convert as conv
+    from ckpt_tool.plan import Options
+
+    real, started, lock = conv.write_output_file, [], threading.Lock()
+
+    def write(f, dest, *args, **kwargs):
+        with lock:
+            started.append(f.relpath)
+            first = len(started) == 1
+        if first:
+            raise conv.OutputError(f"{dest}: simulated failure")
+        return real(f, dest, *args, **kwargs)
+
+    monkeypatch.setattr(conv, "write_output_file", write)
+    with pytest.raises(conv.OutputError, match="simulated failure"):
+        conv.convert(fixture_dir("fp4"), tmp_path / "out", Options(tp=2, max_shard_size=2_000_000), workers=2)
+    total = len(conv.plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files)
+    assert total > 6 and len(started) <= 3, (len(started), total)
+
+
+def _cfg_and_tensors(src: Path):
+    from ckpt_tool.source import open_checkpoint
+
+    ck = open_checkpoint(src)
+    return ck.require_config(), ck.tensors
