@@ -160,7 +160,7 @@ class OutTensor:
     shape: tuple[int, ...]
     segments: Sequence[Segment]  # a Segments (computed on demand) or a tuple
     rule: str
-    sources: tuple[str, ...]
+    sources: tuple[str, ...]  # the source tensors this rank's tensor is built from (under ep: its own experts')
     padding: int = 0  # elements of the engine's zero padding among the segments (see Segment.zeros)
 
     @property
@@ -694,8 +694,9 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         dtype = conversions.out_dtype(first.dtype, rule.convert)
         for rank, (shape, segs, head, zeros) in enumerate(_plan_group(g, config, opts, sources, srcs, uniform_stacks, padded)):
             info = sources[head]
+            read = segs.names if isinstance(segs, Segments) else srcs  # under ep a rank reads its own experts only
             outputs[(rule.component, rank)].append(
-                ((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, srcs, zeros))
+                ((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, read, zeros))
             )
 
     files = _pack(outputs, opts)

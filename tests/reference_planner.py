@@ -384,7 +384,8 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         dtype = conversions.out_dtype(first.dtype, rule.convert)
         for rank in range(opts.tp):
             shape, segs = _segments_for(g, config, opts, rank, sources, padded)
-            outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, srcs))
+            read = tuple(dict.fromkeys(s.src for s in segs)) if rule.kind == "stack" and opts.moe_parallel == "ep" else srcs
+            outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, read))
 
     files = _pack(outputs, sources, opts)
     deviations = []

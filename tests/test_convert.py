@@ -513,3 +513,22 @@ def test_converting_a_copy_of_the_source_elsewhere_gives_the_same_tensor_files(f
     tensor_files = {k: v for k, v in ha.items() if k.endswith(".safetensors") or k.endswith("index.json")}
     assert tensor_files == {k: hb[k] for k in tensor_files}
 
+
+
+def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(fixture_dir) -> None:
+    """--dry-run says where each tensor comes from: under --moe-parallel ep rank r's stack is built from experts
+    [r*E/tp, (r+1)*E/tp) only (it listed all E before); under tp every rank reads a slice of every expert."""
+    from ckpt_tool.plan import Options, plan_conversion
+    from ckpt_tool.source import open_checkpoint
+
+    ck = open_checkpoint(fixture_dir("fp4"))
+    cfg = ck.require_config()
+    E, tp = cfg.n_routed_experts, 4
+    for moe in ("ep", "tp"):
+        plan = plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe))
+        for f in plan.files:
+            for t in f.tensors:
+                if t.name.endswith("routed_experts.w13_weight") and ".layers.0." in t.name:
+                    experts = range(f.rank * E // tp, (f.rank + 1) * E // tp) if moe == "ep" else range(E)
+                    assert t.sources == tuple(f"layers.0.ffn.experts.{j}.{w}.weight" for j in experts for w in ("w1", "w3")), (moe, f.rank)
+                    assert {s.src for s in t.segments} == set(t.sources)
