@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import count, repeat
 from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -250,20 +250,23 @@ def _quick_tensors(raw: bytes, file: str, data_start: int, buffer_len: int) -> t
         if set(map(len, offsets)) - {2}:
             return None
         begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
-        kinds = dict(zip(keys, names))  # (dtype, shape) -> a tensor of that kind, checked in full once
-        known = {key: _tensor_entry(file, name, doc[name], data_start) for key, name in kinds.items()}
+        # (dtype, shape) kinds hashed once: each entry gets its kind's id, the position of the kind's first
+        # tensor (setdefault keeps the first position it was offered); everything per kind is looked up by id
+        kinds: dict[tuple, int] = {}
+        ids = list(map(kinds.setdefault, keys, count()))
+        known = {i: _tensor_entry(file, names[i], entries[i], data_start) for i in kinds.values()}  # full checks, once a kind
         if (begins[:1] or [0]) != [0] or begins[1:] != ends[:-1] or (ends[-1:] or [0]) != [buffer_len]:
             return None  # out of offset order, a gap, an overlap, truncated or trailing bytes: worded by the careful path
-        nbytes = {key: info.nbytes for key, info in known.items()}
-        if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, keys)):
+        nbytes = {i: info.nbytes for i, info in known.items()}
+        if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, ids)):
             return None
-        shapes = map({key: info.shape for key, info in known.items()}.__getitem__, keys)  # one tuple per kind
+        shapes = map({i: info.shape for i, info in known.items()}.__getitem__, ids)  # one tuple per kind
         starts, stops = map(add, begins, repeat(data_start)), map(add, ends, repeat(data_start))
         infos = map(tuple.__new__, repeat(TensorInfo), zip(names, dtypes, shapes, repeat(file), starts, stops))
         totals: dict[str, tuple[int, int]] = {}
-        for (dtype, _), count in Counter(keys).items():  # a few dozen kinds: inspect sums these, not 69k tensors
-            have, size = totals.get(dtype, (0, 0))
-            totals[dtype] = (have + count, size + count * nbytes[(dtype, _)])
+        for i, n in Counter(ids).items():  # a few dozen kinds: inspect sums these, not 69k tensors
+            have, size = totals.get(dtypes[i], (0, 0))
+            totals[dtypes[i]] = (have + n, size + n * nbytes[i])
         return dict(metadata or {}), dict(zip(names, infos)), totals
     except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
         return None
