@@ -6,7 +6,6 @@ A source is a folder (with or without ``model.safetensors.index.json``), an inde
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +64,7 @@ def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
     the shard headers; no tensor is stored twice; each tensor lives in the file the index says.
     """
     with gc_paused():  # ~300k objects, none cyclic: the collector's passes cost more than the parse
-        ckpt = _open_checkpoint(src, need_config)
-    # The headers live as long as the command. Moved out of the collector's generations, they are not
-    # traversed again by every later collection (building the plan's JSON took 5x longer with them in).
-    # Only the cyclic collector ignores them: reference counting still frees them.
-    gc.freeze()
-    return ckpt
+        return _open_checkpoint(src, need_config)
 
 
 def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
