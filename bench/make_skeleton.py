@@ -350,7 +350,8 @@ def make_skeleton(
     specs = all_specs(layers)
     groups = shard(specs, shard_size=shard_size, num_shards=num_shards)
     n = len(groups)
-    (out / "config.json").write_text(json.dumps(make_config(), indent=2) + "\n")
+    # a skeleton of k main layers says so in its config: the engine (and convert) want every layer it names
+    (out / "config.json").write_text(json.dumps(make_config(layers or None), indent=2) + "\n")
     pools = None if headers_only else Pools(seed)
     weight_map: dict[str, str] = {}
     total = 0
