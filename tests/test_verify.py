@@ -759,3 +759,18 @@ def test_values_reads_tensors_spanning_many_read_blocks(fixture_dir, tmp_path, m
     name = corrupt_sink_rank(out, src)
     report = verify(out, src, level="values")
     assert not report.ok and report.failures[0].tensor == name
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096, 3 * 4096 + 7])
+def test_output_files_hash_like_hashlib_through_the_read_ahead_reader(tmp_path, monkeypatch, size: int) -> None:
+    """structure's checksums read each output file the way values does (O_DIRECT blocks, read ahead); any size,
+    block boundaries and an empty file included, gives hashlib's digest."""
+    import hashlib
+
+    from ckpt_tool import verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", 4096)
+    data = bytes((i * 7 + 3) % 251 for i in range(size))
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(data)
+    assert verify_mod._sha256_output(path) == hashlib.sha256(data).hexdigest()
