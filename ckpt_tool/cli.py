@@ -4,7 +4,7 @@ Exit codes (every command): 0 ok, 1 a check failed or the input is invalid, 2 us
 interrupted. A closed stdout (``ckpt-tool inspect SRC | head -1``) is not an error. ``--debug`` and
 ``-q/--quiet`` are accepted anywhere on the command line. ``--json`` (or ``--format json``) prints one
 JSON document per command, of one shape on success and failure (``schema_version``, ``command``,
-``ok``, ``error``, then the command's fields; see report.JSON_FIELDS).
+``ok``, ``error``, then the command's fields; see jsondoc.JSON_FIELDS).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _wants_json(json_out: bool, fmt: str | None) -> bool:
 def _fail_user(exc: CkptToolError, command: str | None, json_out: bool, body: dict | None = None) -> None:
     """A user-facing error: the command's JSON document (ok false) when --json owns stdout, one line, the exit code."""
     if json_out and command is not None:
-        from .report import json_document, print_json
+        from .jsondoc import json_document, print_json
 
         print_json(json_document(command, body, error=str(exc)))
     _fail(exc, exc.exit_code)
@@ -217,7 +217,8 @@ def convert(
     """
     from .convert import convert as run_convert
     from .plan import Options
-    from .report import ConvertProgress, json_document, plan_json, print_json, render_plan, render_convert_summary
+    from .jsondoc import json_document, print_json
+    from .report import ConvertProgress, plan_json, render_plan, render_convert_summary
     from .target import resolve_target
 
     as_json = _wants_json(json_out, fmt)
@@ -327,7 +328,8 @@ def verify(
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash --level values --json --junit verify.xml
     """
-    from .report import json_document, print_json, render_verify, write_junit, github_annotations, github_summary
+    from .jsondoc import json_document, print_json
+    from .report import render_verify, write_junit, github_annotations, github_summary
     from .verify import verify as run_verify
 
     as_json = _wants_json(json_out, fmt)
@@ -386,7 +388,8 @@ def unconvert(
       ckpt-tool unconvert ./v4-tp8 ./DeepSeek-V4-Flash-again
       ckpt-tool unconvert ./v4-mtp ./mtp-only --partial
     """
-    from .report import human_bytes, json_document, print_json, summary_line
+    from .jsondoc import json_document, print_json
+    from .report import human_bytes, summary_line
     from .unconvert import unconvert as run_unconvert
 
     as_json = _wants_json(json_out, fmt)
@@ -419,7 +422,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     Each profile names the vLLM releases whose own loader it is verified against (the engine test
     builds vLLM's model classes on CPU and runs its sharded_state loader on converted output).
     """
-    from .report import json_document, print_json
+    from .jsondoc import json_document, print_json
     from .rules import PROFILES
     from .target import installed_vllm
 
@@ -450,7 +453,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
 def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """What to paste into a bug report: versions of the tool and its stack, the profile --target auto
     picks, the HF cache in use, CUDA and Triton's interpreter setting."""
-    from .report import json_document, print_json
+    from .jsondoc import json_document, print_json
     from .target import installed_vllm
 
     doc = environment_facts()

@@ -10,7 +10,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .inspect import InspectReport
-from .jsondoc import JSON_FIELDS, SCHEMA_VERSION, json_document, print_json  # noqa: F401 - callers import them from here
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:

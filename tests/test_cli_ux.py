@@ -16,7 +16,7 @@ import pytest
 
 from ckpt_tool import cli, entry
 from ckpt_tool.hub import HubRef, parse_hub_ref
-from ckpt_tool.report import JSON_FIELDS
+from ckpt_tool.jsondoc import JSON_FIELDS
 from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
