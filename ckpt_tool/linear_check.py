@@ -44,7 +44,7 @@ from .format import ShardHeader, TensorInfo
 from .plan import Plan
 from .source import Checkpoint
 from .tensor_rows import RowReader, row_count, source_info
-from .verdict import Check, NoProgress, Progress, VerifyReport
+from .verdict import NoProgress, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
 
@@ -479,11 +479,5 @@ def check_every_tensor(
                         for r in u.ranks:
                             done.update((r, name) for name in unit_tensors(u))
                         progress.advance(1, f"{comp} {group}")
-                name = f"numeric:{comp}/{group}"
-                if bad:
-                    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                    report.add(Check(name, False, f"{comp}/{group}: {bad[0][0]}{more}", tensor=bad[0][1],
-                                     details={"problems": [m for m, _ in bad]}))
-                else:
-                    report.add(Check(name, True, details={"units": len(units)}))
+                report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": len(units)}))
     return checked

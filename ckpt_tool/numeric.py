@@ -38,7 +38,7 @@ from .plan import Plan
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
 from .tensor_rows import RowReader, release_freed_memory, source_info
-from .verdict import Check, Progress, VerifyReport
+from .verdict import Check, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
 
@@ -500,13 +500,8 @@ def check_numeric(
             names = [n for f in plan.files if f.component == "mtp" and f.relpath in headers
                      for n in headers[f.relpath].tensors if n.startswith(experts + ".")]
             checked.setdefault("mtp", set()).update((r, n) for r in range(plan.options.tp) for n in names)
-        ename = f"numeric:mtp/mtp.{i} (layer {S}) routed experts"
-        if bad:
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            report.add(Check(ename, False, f"mtp/mtp.{i} (layer {S}): {bad[0][0]}{more}", tensor=bad[0][1],
-                             details={"problems": [m for m, _ in bad]}))
-        else:
-            report.add(Check(ename, True, details={"experts": cfg.n_routed_experts, "complete": complete}))
+        report.add(problems_check(f"numeric:mtp/mtp.{i} (layer {S}) routed experts", f"mtp/mtp.{i} (layer {S})", bad,
+                                  {"experts": cfg.n_routed_experts, "complete": complete}))
         metrics = compare_outputs(a, b)
         bad = within_tolerance(metrics)
         entry = {"layer": S, "mtp": i, "backend": backend, "device": str(dev), "tokens": tokens, "seed": seed,

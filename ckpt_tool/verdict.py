@@ -26,6 +26,16 @@ class Check:
     details: dict = field(default_factory=dict)
 
 
+def problems_check(name: str, where: str, problems: list[tuple[str, str | None]], passed: dict) -> Check:
+    """One check over many units: passes with ``passed`` as details, or fails on the first of ``problems``
+    ((message, tensor) pairs) with ``where`` before it, saying how many more there are and listing all."""
+    if not problems:
+        return Check(name, True, details=passed)
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    message, tensor = problems[0]
+    return Check(name, False, f"{where}: {message}{more}", tensor=tensor, details={"problems": [m for m, _ in problems]})
+
+
 @dataclass
 class VerifyReport:
     out: str
