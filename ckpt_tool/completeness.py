@@ -46,6 +46,22 @@ def count_by_index(names: Iterable[str], head: str) -> dict[int, int]:
     return {int(i): count for i, count in Counter(found).items()}
 
 
+def layer_indices(names: Iterable[str], head: str = "layers.") -> set[int]:
+    """Every ``N`` of the names ``{head}N.…``, without a match per name.
+
+    A regex run matches a whole stretch of consecutive names under one index (``\\1`` repeats the
+    index just read), so a shard listing its layers in order costs one match per layer, not per name
+    (inspect reads 66k layer names). A name holding a newline makes each name its own line check.
+    """
+    names = list(names)
+    joined = "\n" + "\n".join(names)
+    if joined.count("\n") != len(names):
+        return set(count_by_index(names, head))
+    index = rf"{re.escape(head)}(0|[1-9][0-9]*)\."
+    run = re.compile(rf"\n{index}[^\n]*(?:\n{re.escape(head)}\1\.[^\n]*)*")
+    return set(map(int, run.findall(joined)))
+
+
 def _linear(prefix: str) -> list[str]:
     return [f"{prefix}.weight", f"{prefix}.scale"]
 
@@ -133,14 +149,18 @@ class Completeness:
         )
 
 
-def check_completeness(config: V4Config, names: Iterable[str], only: str | None = None) -> Completeness:
+def check_completeness(
+    config: V4Config, names: Iterable[str], only: str | None = None, *, mtp_present: set[int] | None = None
+) -> Completeness:
     """Compare source tensor ``names`` with what the engine needs for the components ``only`` selects.
 
     ``only="model"`` allows a checkpoint without any MTP layer (re-quantized uploads often drop them):
-    the target model converts and the draft must come from elsewhere.
+    the target model converts and the draft must come from elsewhere. ``mtp_present``: the MTP indices
+    with any tensor, when the caller has counted them already.
     """
     have = names if isinstance(names, (set, frozenset, dict)) else set(names)  # a headers dict as it is: no copy
-    mtp_present = set(count_by_index(have, "mtp."))
+    if mtp_present is None:
+        mtp_present = set(count_by_index(have, "mtp."))
     components = {"model", "mtp"} if only is None else {only}
     mtp_waived = only == "model" and not mtp_present and config.num_nextn_predict_layers > 0
     absent = tuple(i for i in range(config.num_nextn_predict_layers) if i not in mtp_present)

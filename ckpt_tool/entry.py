@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 STATE = {"debug": False, "quiet": False}
 GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
@@ -82,19 +81,16 @@ def run_inspect(src: str, *, as_json: bool, revision: str | None = None, token: 
     """``ckpt-tool inspect``: the report on stdout (a table, or one JSON document); returns the exit code."""
     from .errors import CkptToolError
     from .hub import hub_headers, parse_hub_ref
-    from .inspect import inspect_tensors
+    from .inspect import inspect_local, inspect_tensors
     from .jsondoc import json_document, print_json
-    from .source import open_checkpoint
 
     try:
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
-        shards = None
         if ref is not None:
             tensors, config, config_error = hub_headers(ref)
+            report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
         else:
-            ckpt = open_checkpoint(Path(src), need_config=False)
-            tensors, config, config_error, shards = ckpt.tensors, ckpt.config, ckpt.config_error, ckpt.shards.values()
-        report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"), shards=shards)
+            report = inspect_local(src)
     except CkptToolError as exc:
         if as_json:
             print_json(json_document("inspect", {"source": src}, error=str(exc)))

@@ -57,6 +57,16 @@ def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:
     raise CheckpointError(f"{src}: not a folder, an index .json or a .safetensors file")
 
 
+def load_config(root: Path, *, need_config: bool = True) -> tuple[V4Config | None, str | None]:
+    """(config, None), or with ``need_config=False`` (None, why not) when config.json is absent or bad."""
+    try:
+        return V4Config.load(root / "config.json"), None
+    except CheckpointError as exc:
+        if need_config:
+            raise
+        return None, str(exc)
+
+
 def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
     """Read config, index and all shard headers of ``src`` and check they agree.
 
@@ -69,14 +79,7 @@ def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
 
 def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
     root, index_path, explicit = resolve_layout(Path(src))
-    config: V4Config | None = None
-    config_error: str | None = None
-    try:
-        config = V4Config.load(root / "config.json")
-    except CheckpointError as exc:
-        if need_config:
-            raise
-        config_error = str(exc)
+    config, config_error = load_config(root, need_config=need_config)
 
     weight_map: dict[str, str] | None = None
     if index_path is not None:

@@ -134,8 +134,11 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
         (n,) = struct.unpack("<Q", data[:8])
         quick = _quick_tensors(data[8 : 8 + n], path.name, 8 + n, len(data) - 8 - n)
         assert quick is not None, path.name
-        assert quick[1] == read_shard_header(path).tensors
-        assert quick[2] == {d: (sum(t.dtype == d for t in quick[1].values()), sum(t.nbytes for t in quick[1].values() if t.dtype == d)) for d in quick[2]}
+        _, names, dtypes, build, totals = quick
+        tensors = build()
+        assert tensors == read_shard_header(path).tensors
+        assert (names, dtypes) == (list(tensors), [t.dtype for t in tensors.values()])
+        assert totals == {d: (sum(t.dtype == d for t in tensors.values()), sum(t.nbytes for t in tensors.values() if t.dtype == d)) for d in totals}
 
 
 def test_parse_header_directly_with_explicit_header_len() -> None:

@@ -57,8 +57,10 @@ def parse_or_header_error(raw: bytes, file_size: int) -> None:
     else:
         check_accepted(h, len(raw), file_size)
         careful = _parse_careful(raw, FILE, file_size, len(raw))
-        assert (h.tensors, list(h.tensors), h.metadata, h.header_sha256, h.dtype_totals) == (
-            careful.tensors, list(careful.tensors), careful.metadata, careful.header_sha256, careful.dtype_totals)
+        assert (h.tensors, list(h.tensors), h.names, h.dtypes, h.metadata, h.header_sha256, h.dtype_totals) == (
+            careful.tensors, list(careful.tensors), careful.names, careful.dtypes, careful.metadata, careful.header_sha256,
+            careful.dtype_totals)
+        assert h.names == list(h.tensors) and h.dtypes == [t.dtype for t in h.tensors.values()]
 
 
 json_leaf = st.one_of(

@@ -1,0 +1,146 @@
+"""A second core for the header path: run a function in a forked child, take back its result.
+
+``inspect`` of a full V4 checkpoint is CPU work on 69k-145k header entries (JSON parsing, tallies),
+and a user runs it interactively. A forked child starts in milliseconds with every module already
+imported (``multiprocessing`` costs more to import than the work it would split), and hands its result
+back through a pipe as ``marshal`` data: builtins only, no pickling of our classes.
+
+Every caller keeps a serial path and takes it whenever a child cannot help or did not succeed, so a
+child never decides an outcome: it only saves time on the way to the same answer. Linux only (fork
+without exec is not safe on macOS), and never from a process with other threads running.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def can_fork() -> bool:
+    """Whether a forked child is safe and useful here: Linux, no other thread running, a spare CPU."""
+    if sys.platform != "linux" or os.environ.get("CKPT_TOOL_NO_FORK"):
+        return False
+    threading = sys.modules.get("threading")
+    if threading is not None and threading.active_count() > 1:
+        return False  # a lock held by another thread at fork time stays held in the child forever
+    return usable_cpus() > 1
+
+
+class TaskQueue:
+    """Task numbers ``0..n-1`` that forked processes take one at a time, each taking the next free one.
+
+    A pipe filled before the fork: every process reads 2-byte task numbers from the shared read end (the
+    kernel serialises reads, so no two processes get the same number) until it is empty. Work shares
+    itself out by speed, which a fixed split cannot do on a machine where the other core is busy.
+    """
+
+    LIMIT = 32768  # tasks that fit in a pipe's 64 KiB buffer without a reader
+
+    def __init__(self, tasks: int) -> None:
+        if tasks > self.LIMIT:
+            raise ValueError(f"{tasks} tasks: at most {self.LIMIT} fit in one queue")
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, b"".join(i.to_bytes(2, "big") for i in range(tasks)))
+        finally:
+            os.close(write_end)  # an empty queue then reads as end of file
+        self._fd: int | None = read_end
+
+    def take(self) -> Iterator[int]:
+        """The task numbers this process gets, until none are left."""
+        while self._fd is not None:
+            token = os.read(self._fd, 2)
+            if len(token) < 2:
+                return
+            yield int.from_bytes(token, "big")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> TaskQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Child:
+    """``fn(*args)`` running in a forked process; :meth:`result` waits for its value (None if it failed)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child's coverage is not collected)
+            _run_child(read_end, write_end, fn, args)
+        os.close(write_end)
+        self._pid: int | None = pid
+        self._pipe = os.fdopen(read_end, "rb")
+
+    def result(self) -> Any | None:
+        """The child's return value, or None when it raised, was killed or sent something unreadable."""
+        if self._pid is None:
+            return None
+        try:
+            data = self._pipe.read()
+        finally:
+            self._pipe.close()
+            status = self._reap()
+        if status != 0:
+            return None
+        try:
+            return marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            return None
+
+    def cancel(self) -> None:
+        """Stop the child (if still running) and reap it; its result is dropped."""
+        if self._pid is None:
+            return
+        try:
+            os.kill(self._pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._pipe.close()
+        self._reap()
+
+    def _reap(self) -> int:
+        pid, self._pid = self._pid, None
+        assert pid is not None
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+def _run_child(read_end: int, write_end: int, fn: Callable[..., Any], args: tuple) -> None:  # pragma: no cover
+    """In the child: compute, write the marshalled value, leave without running the parent's exit hooks."""
+    code = 1
+    try:
+        os.close(read_end)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C reaches the whole group: the child just goes
+        data = marshal.dumps(fn(*args))
+        with os.fdopen(write_end, "wb") as out:
+            out.write(data)
+        code = 0
+    except BaseException:  # noqa: BLE001 - any failure means "no result"; the parent takes the serial path
+        pass
+    finally:
+        os._exit(code)  # no atexit, no flushing of stdio buffers inherited from the parent

@@ -1,0 +1,172 @@
+"""inspect with forked helpers: the same output as the serial path on every input, and the fork helpers.
+
+The fixtures have 4 shards, below the 8 the forked path waits for; these tests lower that floor so the
+path runs on them, and compare it with ``CKPT_TOOL_NO_FORK=1`` (the serial path) on good fixtures, every
+broken variant and every case of the hostile corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import types
+from pathlib import Path
+
+import pytest
+
+import ckpt_tool.inspect as inspect_mod
+from ckpt_tool.forked import Child, TaskQueue, can_fork
+from ckpt_tool.inspect import _inspect_forked, inspect_local
+from cli_helpers import run_cli
+from fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
+from fixtures.make import VARIANTS
+
+pytestmark = pytest.mark.skipif(not can_fork(), reason="the forked path needs Linux, a spare CPU and hash randomization")
+
+
+@pytest.fixture
+def forking(monkeypatch):
+    """The forked path for checkpoints of any shard count."""
+    monkeypatch.setattr(inspect_mod, "_FORK_MIN_FILES", 1)
+
+
+def both_paths(capsys, monkeypatch, src: Path, *args: str) -> tuple[tuple, tuple]:
+    forked = run_cli(capsys, "inspect", src, *args)
+    monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
+    serial = run_cli(capsys, "inspect", src, *args)
+    monkeypatch.delenv("CKPT_TOOL_NO_FORK")
+    return forked, serial
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forked_inspect_prints_what_the_serial_path_prints(forking, capsys, monkeypatch, fixture_dir, variant: str) -> None:
+    for args in ((), ("--json",)):
+        forked, serial = both_paths(capsys, monkeypatch, fixture_dir(variant), *args)
+        assert forked == serial
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASE_SPECS[n].inspect_exit is not None])
+def test_forked_inspect_of_a_hostile_case_prints_what_the_serial_path_prints(forking, capsys, monkeypatch, fixture_dir, tmp_path, name: str) -> None:
+    case_dir = make_broken(tmp_path / name, name, fixture_dir("fp4"))
+    spec = json.loads((case_dir / "case.json").read_text())
+    monkeypatch.chdir(case_dir)
+    forked, serial = both_paths(capsys, monkeypatch, *spec["inspect"][1:], "--json")
+    assert forked == serial
+
+
+@pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp"])
+def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_report(forking, fixture_dir, monkeypatch, variant: str) -> None:
+    src = str(fixture_dir(variant))
+    forked = _inspect_forked(src)
+    assert forked is not None, "the forked path declined a healthy checkpoint"
+    monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
+    assert forked == inspect_local(src)
+
+
+def _move(src: Path, name: str, to: str) -> None:
+    doc = json.loads((src / INDEX).read_text())
+    doc["weight_map"][name] = to
+    (src / INDEX).write_text(json.dumps(doc))
+
+
+def _edit_index(src: Path, edit) -> None:
+    doc = json.loads((src / INDEX).read_text())
+    edit(doc["weight_map"])
+    (src / INDEX).write_text(json.dumps(doc))
+
+
+INDEX_EDITS = {
+    "a tensor mapped to another shard": lambda wm: wm.__setitem__("layers.0.attn_norm.weight", S2),
+    "two tensors' shards swapped": lambda wm: wm.update({"norm.weight": S1, "layers.0.attn_norm.weight": S4}),
+    "a name the shards lack": lambda wm: wm.__setitem__("layers.0.attn.ghost", S1),
+    "a stored tensor left out": lambda wm: wm.pop("layers.0.attn_norm.weight"),
+    "one name swapped for another": lambda wm: (wm.pop("layers.0.attn_norm.weight"), wm.__setitem__("layers.0.attn.ghost", S1)),
+}
+
+
+@pytest.mark.parametrize("edit", list(INDEX_EDITS))
+def test_forked_path_declines_an_index_that_disagrees_with_the_headers(forking, fixture_copy, capsys, monkeypatch, edit: str) -> None:
+    """The placement digest catches each way an index can disagree; the serial path then words the error."""
+    src = fixture_copy("fp4")
+    assert _inspect_forked(str(src)) is not None
+    _edit_index(src, INDEX_EDITS[edit])
+    assert _inspect_forked(str(src)) is None
+    forked, serial = both_paths(capsys, monkeypatch, src)
+    assert forked == serial and forked[0] == 1 and "index" in forked[2]
+
+
+def test_forked_path_declines_a_tensor_stored_in_two_shards(forking, fixture_copy) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = fixture_copy("fp4")
+    with safe_open(src / S1, "pt") as f:
+        extra = {"layers.0.attn_norm.weight": f.get_tensor("layers.0.attn_norm.weight")}
+    with safe_open(src / S4, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file({**tensors, **extra}, src / S4)  # the index still maps it to S1 only
+    assert _inspect_forked(str(src)) is None
+
+
+def test_forked_path_is_not_used_with_a_fixed_hash_seed(forking, fixture_dir, monkeypatch) -> None:
+    """The placement digest relies on str hashes keyed by a secret no input can be built against."""
+    fake_sys = types.SimpleNamespace(flags=types.SimpleNamespace(hash_randomization=0))
+    monkeypatch.setattr(inspect_mod, "sys", fake_sys)
+    assert _inspect_forked(str(fixture_dir("fp4"))) is None
+
+
+def test_forked_path_waits_for_enough_shards(fixture_dir) -> None:
+    assert _inspect_forked(str(fixture_dir("fp4"))) is None  # 4 shards, below the floor of 8
+
+
+# --- the fork helpers -------------------------------------------------------------------------------
+
+
+def test_child_hands_back_its_value() -> None:
+    with Child(lambda a, b: {"sum": a + b, "pid": os.getpid(), "items": [(1, True, "x")]}, 2, 3) as child:
+        got = child.result()
+    assert got["sum"] == 5 and got["pid"] != os.getpid() and got["items"] == [(1, True, "x")]
+
+
+def test_child_that_raises_gives_none() -> None:
+    def boom() -> None:
+        raise RuntimeError("no")
+
+    with Child(boom) as child:
+        assert child.result() is None
+
+
+def test_child_that_is_killed_gives_none() -> None:
+    with Child(lambda: os.kill(os.getpid(), signal.SIGKILL)) as child:
+        assert child.result() is None
+
+
+def test_child_with_an_unmarshallable_value_gives_none() -> None:
+    with Child(lambda: object()) as child:
+        assert child.result() is None
+
+
+def test_cancel_reaps_a_running_child() -> None:
+    import time
+
+    child = Child(time.sleep, 60)
+    pid = child._pid
+    child.cancel()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # already reaped: no zombie left behind
+    assert child.result() is None
+
+
+def test_task_queue_hands_every_task_to_exactly_one_process() -> None:
+    with TaskQueue(500) as queue:
+        children = [Child(lambda: list(queue.take())) for _ in range(3)]
+        mine = list(queue.take())
+        theirs = [child.result() for child in children]
+    taken = sorted(mine + [t for got in theirs for t in got])
+    assert taken == list(range(500))
+
+
+def test_task_queue_refuses_more_tasks_than_a_pipe_holds() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        TaskQueue(TaskQueue.LIMIT + 1)
