@@ -7,13 +7,15 @@ Each command runs as a subprocess (interpreter start included) on V4-Flash (43 l
 tp 8) and V4-Pro-sized (61 layers, 384 experts, 145,108 tensors, tp 16 with --moe-parallel ep: its
 24-block shared experts zero-padded to 2 blocks a rank, as vLLM does; and tp 8) header sets from
 ``make_skeleton.py --headers-only``.
-Targets: plan < 1 s (Flash) / < 2 s (Pro), inspect < 0.3 s / < 0.5 s. Timings are the best of N rounds: on a shared
-machine the minimum is the one that says what the code costs.
+Targets: plan < 1 s (Flash) / < 2 s (Pro), inspect < 0.3 s / < 0.5 s. inspect also runs with
+``CKPT_TOOL_NO_FORK=1`` (every shard parsed in one process) to show what the forked helpers bring.
+Timings are the best of N rounds: on a shared machine the minimum is the one that says what the code costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -32,11 +34,11 @@ FLOOR = (
 )
 
 
-def best(cmd: list[str], rounds: int) -> tuple[float, int]:
+def best(cmd: list[str], rounds: int, env: dict[str, str] | None = None) -> tuple[float, int]:
     times, rc = [], 0
     for _ in range(rounds):
         t = time.perf_counter()
-        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env).returncode
         times.append(time.perf_counter() - t)
     return min(times), rc
 
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((model, "floor", f"floor: interpreter + json.loads of every header ({model})", secs, rc))
             secs, rc = best([*tool, "inspect", str(src), "--json"], args.rounds)
             rows.append((model, "inspect", f"ckpt-tool inspect {model} --json", secs, rc))
+            secs, rc = best([*tool, "inspect", str(src), "--json"], args.rounds, env={**os.environ, "CKPT_TOOL_NO_FORK": "1"})
+            rows.append((model, "inspect", "  same, one process (CKPT_TOOL_NO_FORK=1)", secs, rc))
             for tp, moe in plans:
                 cmd = [*tool, "convert", str(src), str(root / "out"), "--tp", str(tp), "--moe-parallel", moe, "--dry-run", "--json"]
                 secs, rc = best(cmd, args.rounds)
