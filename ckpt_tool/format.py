@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import count, repeat
+from itertools import chain, count, repeat
 from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -252,7 +252,7 @@ def _quick_tensors(
     """
     try:
         text = raw.decode("utf-8")
-        if not text.lstrip(" ").startswith("{") or "true" in text or "false" in text:  # booleans equal 0/1 below
+        if not text.lstrip(" ").startswith("{"):
             return None
         doc = json.loads(text, parse_float=_no_float)
         if type(doc) is not dict:
@@ -267,11 +267,15 @@ def _quick_tensors(
         if set(map(len, entries)) - {3} or text.count(":") != members + 3 * len(entries):
             return None  # (len() of a non-object entry: a TypeError, or a count that is not 3)
         dtypes = list(map(_DTYPE, entries))  # KeyError: a field missing; TypeError: not an object
-        keys = list(zip(dtypes, map(tuple, map(_SHAPE, entries))))
+        shapes = list(map(_SHAPE, entries))
+        keys = list(zip(dtypes, map(tuple, shapes)))
         offsets = list(map(_OFFSETS, entries))
         if set(map(len, offsets)) - {2}:
             return None
         begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
+        # JSON true/false parse as bools, which equal 1/0 in every comparison below: only ints pass
+        if not set(map(type, chain(begins, ends, chain.from_iterable(shapes)))) <= {int}:
+            return None
         # (dtype, shape) kinds hashed once: each entry gets its kind's id, the position of the kind's first
         # tensor (setdefault keeps the first position it was offered); everything per kind is looked up by id
         kinds: dict[tuple, int] = {}

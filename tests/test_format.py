@@ -141,6 +141,24 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
         assert totals == {d: (sum(t.dtype == d for t in tensors.values()), sum(t.nbytes for t in tensors.values() if t.dtype == d)) for d in totals}
 
 
+@pytest.mark.parametrize(
+    "entries, field",
+    [
+        ('"a":{"dtype":"F32","shape":[1,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[true,4],"data_offsets":[16,32]}', "shape"),
+        ('"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[true,2]}', "data_offsets"),
+        ('"a":{"dtype":"U8","shape":[1],"data_offsets":[0,true]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}', "data_offsets"),
+    ],
+    ids=["true-in-a-later-shape", "true-as-a-later-begin", "true-as-an-end"],
+)
+def test_json_booleans_are_not_numbers_even_where_they_equal_one(entries: str, field: str) -> None:
+    """``true == 1`` in Python: a boolean where an integer belongs must be refused on the quick path too,
+    not read as 1 or 0 (the Rust reference refuses it)."""
+    raw = ("{" + entries + "}").encode()
+    data_len = 32 if "[16,32]" in entries else 2
+    with pytest.raises(HeaderError, match=field):
+        parse_header(raw, "b.safetensors", file_size=8 + len(raw) + data_len)
+
+
 def test_parse_header_directly_with_explicit_header_len() -> None:
     raw = b'{"t":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}}    '
     h = parse_header(raw, "mem.safetensors", file_size=8 + len(raw) + 4)
