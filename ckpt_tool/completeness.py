@@ -29,37 +29,44 @@ GLOBAL_GROUP = "globals"
 _MAX_LISTED = 8
 
 
-def count_by_index(names: Iterable[str], head: str) -> dict[int, int]:
+def name_lines(names: list[str]) -> str | None:
+    """``names`` as one text, each after a newline (``"\\nA\\nB"``): what the regex counts below scan at
+    C speed. None when a name holds a newline itself (then the lines would not be the names)."""
+    joined = "\n" + "\n".join(names)
+    return joined if joined.count("\n") == len(names) else None
+
+
+def count_by_index(names: Iterable[str], head: str, lines: str | None = None) -> dict[int, int]:
     """Tensor count per ``N`` of the names ``{head}N.…`` (``head`` like ``layers.`` or ``mtp.``).
 
-    One regex pass over the names joined by newlines: a pattern that starts with a literal (``\\nmtp.``)
-    lets the regex engine skip to candidates at C speed (inspect counts 69k names this way). A name
-    holding a newline itself would break the lines; then each name is matched on its own.
+    One regex pass over the names' :func:`name_lines` (pass ``lines`` when already joined): a pattern
+    that starts with a literal (``\\nmtp.``) lets the regex engine skip to candidates at C speed
+    (inspect counts 69k names this way); without lines each name is matched on its own.
     """
     names = list(names)
-    joined = "\n" + "\n".join(names)
+    lines = name_lines(names) if lines is None else lines
     index = rf"{re.escape(head)}(0|[1-9][0-9]*)\."  # an index as the engine writes it
-    if joined.count("\n") == len(names):
-        found = re.findall("\n" + index, joined)
+    if lines is not None:
+        found = re.findall("\n" + index, lines)
     else:
         found = [m.group(1) for n in names if (m := re.match(index, n))]
     return {int(i): count for i, count in Counter(found).items()}
 
 
-def layer_indices(names: Iterable[str], head: str = "layers.") -> set[int]:
+def layer_indices(names: Iterable[str], head: str = "layers.", lines: str | None = None) -> set[int]:
     """Every ``N`` of the names ``{head}N.…``, without a match per name.
 
     A regex run matches a whole stretch of consecutive names under one index (``\\1`` repeats the
     index just read), so a shard listing its layers in order costs one match per layer, not per name
-    (inspect reads 66k layer names). A name holding a newline makes each name its own line check.
+    (inspect reads 66k layer names).
     """
     names = list(names)
-    joined = "\n" + "\n".join(names)
-    if joined.count("\n") != len(names):
+    lines = name_lines(names) if lines is None else lines
+    if lines is None:
         return set(count_by_index(names, head))
     index = rf"{re.escape(head)}(0|[1-9][0-9]*)\."
     run = re.compile(rf"\n{index}[^\n]*(?:\n{re.escape(head)}\1\.[^\n]*)*")
-    return set(map(int, run.findall(joined)))
+    return set(map(int, run.findall(lines)))
 
 
 def _linear(prefix: str) -> list[str]:

@@ -287,6 +287,9 @@ def _quick_tensors(
         if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, ids)):
             return None
         shape_of = {i: info.shape for i, info in known.items()}  # one tuple per kind
+        # one dtype string per kind too (JSON gives each entry its own): the tallies over 145k dtypes that
+        # inspect and planning do then hash and compare a handful of objects that stay in cache
+        dtypes = list(map({i: dtypes[i] for i in known}.__getitem__, ids))
 
         def build() -> dict[str, TensorInfo]:
             shapes = map(shape_of.__getitem__, ids)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .config import V4Config
-from .completeness import Completeness, check_completeness, count_by_index, layer_indices
+from .completeness import Completeness, check_completeness, count_by_index, layer_indices, name_lines
 from .errors import MTP_MISSING_MESSAGE, CkptToolError
 from .forked import Child, TaskQueue, can_fork, usable_cpus
 from .format import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_index, read_shard_header
@@ -111,6 +111,7 @@ def tally_file(file: str, names: list[str], dtypes: list[str], totals: dict[str,
         elif name.endswith(".scale"):
             linear_scales[dtype] += 1
     expert_weights = weights - linear_weights
+    lines = name_lines(names)
     return ShardTally(
         file=file,
         dtype_totals=totals,
@@ -119,8 +120,8 @@ def tally_file(file: str, names: list[str], dtypes: list[str], totals: dict[str,
         linear_weights=dict(linear_weights),
         linear_scales=dict(linear_scales),
         first_expert_weight={dtype: _first_expert_weight(names, dtypes, dtype) for dtype in expert_weights},
-        layers=sorted(layer_indices(names)),
-        mtp=count_by_index(names, "mtp."),
+        layers=sorted(layer_indices(names, lines=lines)),
+        mtp=count_by_index(names, "mtp.", lines=lines),
     )
 
 
