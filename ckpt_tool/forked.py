@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -144,3 +145,20 @@ def _run_child(read_end: int, write_end: int, fn: Callable[..., Any], args: tupl
         pass
     finally:
         os._exit(code)  # no atexit, no flushing of stdio buffers inherited from the parent
+
+
+@contextmanager
+def helpers(count: int, fn: Callable[..., Any], *args: Any) -> Iterator[list[Child]]:
+    """Up to ``count`` children each running ``fn(*args)``: fewer when the system refuses a fork (process
+    or memory limits), which work shared through a :class:`TaskQueue` absorbs. All are stopped on exit."""
+    children: list[Child] = []
+    try:
+        for _ in range(count):
+            try:
+                children.append(Child(fn, *args))
+            except OSError:
+                break
+        yield children
+    finally:
+        for child in children:
+            child.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Collection, Iterable
@@ -14,7 +15,7 @@ from typing import NamedTuple
 from .config import V4Config
 from .completeness import Completeness, check_completeness, count_by_index, layer_indices, name_lines
 from .errors import MTP_MISSING_MESSAGE, CkptToolError
-from .forked import Child, TaskQueue, can_fork, usable_cpus
+from .forked import TaskQueue, can_fork, helpers, usable_cpus
 from .format import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_index, read_shard_header
 from .source import load_config, open_checkpoint, resolve_layout
 
@@ -285,13 +286,14 @@ def _inspect_forked(src: str) -> InspectReport | None:
     files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
     if index_path is None or explicit is not None or not _FORK_MIN_FILES <= len(files) <= TaskQueue.LIMIT:
         return None
-    if not sys.flags.hash_randomization:
+    if not _hashes_keyed_at_random():
         return None  # see _placement_digest
-    children: list[Child] = []
-    done: list[tuple[int, tuple, int, int]] = []  # (file number, tally, tensors, placement digest)
-    with TaskQueue(len(files)) as queue:
-        try:
-            children += [Child(_tally_files, root, files, queue) for _ in range(min(usable_cpus() - 1, _MAX_HELPERS))]
+    try:
+        queue = TaskQueue(len(files))
+    except OSError:  # out of file descriptors: no helpers
+        return None
+    try:
+        with queue, helpers(min(usable_cpus() - 1, _MAX_HELPERS), _tally_files, root, files, queue) as children:
             config, config_error = load_config(root, need_config=False)
             weight_map = read_index(index_path)
             if sorted(set(weight_map.values())) != files:
@@ -300,17 +302,14 @@ def _inspect_forked(src: str) -> InspectReport | None:
             # completeness on them while the helpers parse
             completeness = check_completeness(config, weight_map) if config is not None else None
             indexed = _placement_digest(weight_map.items())
-            done += _tally_files(root, files, queue)
+            done = _tally_files(root, files, queue)  # (file number, tally, tensors, placement digest) each
             for child in children:
                 theirs = child.result()
                 if theirs is None:
                     return None
                 done += theirs
-        except CkptToolError:
-            return None
-        finally:
-            for child in children:
-                child.cancel()
+    except CkptToolError:
+        return None
     done.sort()
     if [i for i, *_ in done] != list(range(len(files))):
         return None  # pragma: no cover (every file is taken once; a lost one means no report from here)
@@ -326,10 +325,17 @@ def _placement_digest(pairs: Iterable[tuple[str, str]]) -> int:
 
     The sum is order-free, so each helper adds its own shards. ``hash`` of a str is keyed by a random
     per-process secret (helpers are forked: they share it), so a disagreeing index matches by chance with
-    odds of about 2^-64 and cannot be built to match; with PYTHONHASHSEED fixed this path is not used.
+    odds of about 2^-64 and cannot be built to match; with PYTHONHASHSEED fixed this path is not used
+    (:func:`_hashes_keyed_at_random`).
     A tensor stored in two files shows up the same way: the index places it once.
     """
     return sum(map(hash, pairs))
+
+
+def _hashes_keyed_at_random() -> bool:
+    """Whether str hashes use this process's random secret (not PYTHONHASHSEED=0 or another fixed seed)."""
+    seed = "random" if sys.flags.ignore_environment else os.environ.get("PYTHONHASHSEED", "random")
+    return bool(sys.flags.hash_randomization) and seed in ("", "random")
 
 
 def _tally_files(root: Path, files: list[str], queue: TaskQueue) -> list[tuple[int, tuple, int, int]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool.inspect as inspect_mod
-from ckpt_tool.forked import Child, TaskQueue, can_fork
+from ckpt_tool.forked import Child, TaskQueue, can_fork, helpers
 from ckpt_tool.inspect import _inspect_forked, inspect_local
 from cli_helpers import run_cli
 from fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
@@ -109,10 +109,12 @@ def test_forked_path_declines_a_tensor_stored_in_two_shards(forking, fixture_cop
     assert _inspect_forked(str(src)) is None
 
 
-def test_forked_path_is_not_used_with_a_fixed_hash_seed(forking, fixture_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("seed", ["0", "123"])
+def test_forked_path_is_not_used_with_a_fixed_hash_seed(forking, fixture_dir, monkeypatch, seed: str) -> None:
     """The placement digest relies on str hashes keyed by a secret no input can be built against."""
-    fake_sys = types.SimpleNamespace(flags=types.SimpleNamespace(hash_randomization=0))
-    monkeypatch.setattr(inspect_mod, "sys", fake_sys)
+    flags = types.SimpleNamespace(hash_randomization=int(seed != "0"), ignore_environment=0)
+    monkeypatch.setattr(inspect_mod, "sys", types.SimpleNamespace(flags=flags))
+    monkeypatch.setenv("PYTHONHASHSEED", seed)
     assert _inspect_forked(str(fixture_dir("fp4"))) is None
 
 
@@ -170,3 +172,28 @@ def test_task_queue_hands_every_task_to_exactly_one_process() -> None:
 def test_task_queue_refuses_more_tasks_than_a_pipe_holds() -> None:
     with pytest.raises(ValueError, match="at most"):
         TaskQueue(TaskQueue.LIMIT + 1)
+
+
+def test_a_refused_fork_leaves_the_work_to_this_process(forking, fixture_dir, monkeypatch) -> None:
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    src = str(fixture_dir("fp4"))
+    monkeypatch.setattr(os, "fork", no_fork)
+    alone = _inspect_forked(src)
+    monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
+    assert alone is not None and alone == inspect_local(src)
+
+
+def test_helpers_start_as_many_as_the_system_allows(monkeypatch) -> None:
+    real_fork, forks = os.fork, []
+
+    def fork_twice() -> int:
+        if len(forks) == 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        forks.append(1)
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork_twice)
+    with helpers(4, lambda: 7) as children:
+        assert [c.result() for c in children] == [7, 7]
