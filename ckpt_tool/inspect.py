@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from itertools import compress, repeat
-from operator import itemgetter, not_
+from operator import itemgetter, mul, not_
 from pathlib import Path
 from typing import NamedTuple
 
@@ -287,7 +287,7 @@ def _inspect_forked(src: str) -> InspectReport | None:
     if index_path is None or explicit is not None or not _FORK_MIN_FILES <= len(files) <= TaskQueue.LIMIT:
         return None
     if not _hashes_keyed_at_random():
-        return None  # see _placement_digest
+        return None  # see index_digest
     try:
         queue = TaskQueue(len(files))
     except OSError:  # out of file descriptors: no helpers
@@ -301,7 +301,7 @@ def _inspect_forked(src: str) -> InspectReport | None:
             # the index's names are the stored names once the headers are shown to agree (below): check
             # completeness on them while the helpers parse
             completeness = check_completeness(config, weight_map) if config is not None else None
-            indexed = _placement_digest(weight_map.items())
+            indexed = index_digest(weight_map)
             done = _tally_files(root, files, queue)  # (file number, tally, tensors, placement digest) each
             for child in children:
                 theirs = child.result()
@@ -319,17 +319,30 @@ def _inspect_forked(src: str) -> InspectReport | None:
     return summarize(src, tallies, weight_map, config, config_error, completeness=completeness)
 
 
-def _placement_digest(pairs: Iterable[tuple[str, str]]) -> int:
-    """Sum of ``hash((tensor, file))`` over ``pairs``: equal sums (and counts) say the index places every
-    stored tensor where it is stored, without looking up 145k names the helpers parsed in the index.
+def placement_digest(file: str, names: Iterable[str]) -> int:
+    """What the names stored in ``file`` add to a placement digest (see :func:`index_digest`)."""
+    return _file_key(file) * sum(map(hash, names))
 
-    The sum is order-free, so each helper adds its own shards. ``hash`` of a str is keyed by a random
-    per-process secret (helpers are forked: they share it), so a disagreeing index matches by chance with
-    odds of about 2^-64 and cannot be built to match; with PYTHONHASHSEED fixed this path is not used
-    (:func:`_hashes_keyed_at_random`).
-    A tensor stored in two files shows up the same way: the index places it once.
+
+def index_digest(weight_map: dict[str, str]) -> int:
+    """Sum over tensors of ``hash(tensor) * key(file)``: equal to the sum of :func:`placement_digest` over
+    the shards (and with equal counts) when the index places every stored tensor where it is stored,
+    without looking up in the index 145k names that other processes parsed.
+
+    The sum is order-free, so each process adds its own shards. ``hash`` of a str is keyed by a random
+    per-process secret (helpers are forked: they share it), and each file's key is an odd number drawn
+    from it. A misplaced tensor changes the sum by (h(tensor)) x (difference of two file keys), two
+    tensors trading files by (h(a) - h(b)) x (difference of keys): zero only by a 2^-64 chance, and not
+    something an input can be built for; with a fixed PYTHONHASHSEED this path is not used
+    (:func:`_hashes_keyed_at_random`). (A sum of ``hash((tensor, file))`` is not enough: tuple hashing is
+    nearly additive, so a swap cancels out in about one case in four.)
     """
-    return sum(map(hash, pairs))
+    keys = {file: _file_key(file) for file in set(weight_map.values())}
+    return sum(map(mul, map(hash, weight_map), map(keys.__getitem__, weight_map.values())))
+
+
+def _file_key(file: str) -> int:
+    return hash(file) | 1  # odd: a multiple of it is zero only when the other factor is
 
 
 def _hashes_keyed_at_random() -> bool:
@@ -345,5 +358,5 @@ def _tally_files(root: Path, files: list[str], queue: TaskQueue) -> list[tuple[i
     for i in queue.take():
         header = read_shard_header(root / files[i], files[i])
         tally = tally_file(files[i], header.names, header.dtypes, header.dtype_totals)
-        out.append((i, tuple(tally), len(header.names), _placement_digest(zip(header.names, repeat(files[i])))))
+        out.append((i, tuple(tally), len(header.names), placement_digest(files[i], header.names)))
     return out

@@ -96,6 +96,27 @@ def test_forked_path_declines_an_index_that_disagrees_with_the_headers(forking, 
     assert forked == serial and forked[0] == 1 and "index" in forked[2]
 
 
+def test_placement_digest_tells_every_swap_and_move_from_the_truth() -> None:
+    """Stored placement vs an index with two tensors' files traded, or one tensor moved: the digests must
+    differ every time (a sum of tuple hashes let about one swap in four through, hash-seed dependent)."""
+    import random
+
+    from ckpt_tool.inspect import index_digest, placement_digest
+
+    rng = random.Random(0)
+    files = [f"model-{k:05d}-of-00046.safetensors" for k in range(1, 47)]
+    for trial in range(300):
+        names = [f"layers.{rng.randrange(61)}.ffn.experts.{rng.randrange(384)}.w{rng.randrange(1, 4)}.weight.{trial}.{i}" for i in range(6)]
+        stored = {n: rng.choice(files) for n in names}
+        truth = sum(placement_digest(f, [n for n in names if stored[n] == f]) for f in set(stored.values()))
+        assert index_digest(stored) == truth
+        a, b = names[0], names[1]
+        if stored[a] != stored[b]:
+            assert index_digest({**stored, a: stored[b], b: stored[a]}) != truth
+        moved = rng.choice([f for f in files if f != stored[a]])
+        assert index_digest({**stored, a: moved}) != truth
+
+
 def test_forked_path_declines_a_tensor_stored_in_two_shards(forking, fixture_copy) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
