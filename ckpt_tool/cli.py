@@ -217,7 +217,7 @@ def convert(
     """
     from .convert import convert as run_convert
     from .plan import Options
-    from .jsondoc import json_document, print_json
+    from .jsondoc import dumps_sharing, json_document, print_json, print_json_text
     from .report import ConvertProgress, plan_json, render_plan, render_convert_summary
     from .target import resolve_target
 
@@ -248,7 +248,8 @@ def convert(
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if as_json:
-                print_json(json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note}), compact=True)
+                doc = json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note})
+                print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
             else:
                 render_plan(plan)
                 _target_note(chosen.note)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 # --json: one document per command, of one shape on success and failure. Every document starts with
@@ -50,5 +52,47 @@ def print_json(doc: Any, *, compact: bool = False) -> None:
     ``compact``: no indentation. indent=2 makes CPython use its pure-Python encoder, and a V4 plan
     (--dry-run --json: ~30 MB) then takes seconds to print; compact output goes through the C encoder.
     """
-    sys.stdout.write((json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str)) + "\n")
+    print_json_text(json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str))
+
+
+def print_json_text(text: str) -> None:
+    """A JSON document already encoded (see :func:`dumps_sharing`) on stdout."""
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
+    """``json.dumps(doc, default=str)`` (compact), byte for byte, with each distinct ``key`` list encoded
+    once and spliced into the text. ``lists`` is the path of list-valued keys to the dicts holding
+    ``key``: ``("files", "tensors")`` means every ``doc["files"][i]["tensors"][j][key]``.
+
+    A dry run's plan names each tensor's sources on every rank: of V4-Flash's 23 MB plan at tp 8, 21 MB
+    are sources lists and 2.6 MB of those distinct, and the C encoder spent ~0.1 s encoding them again
+    and again. While the rest is encoded the holders hold null there, and the text is cut at each
+    ``"key": null`` (a quote inside a JSON string is escaped, so a cut can only fall on a holder's key),
+    in document order, which is the order walked here.
+    """
+    holders: list[dict] = [doc]
+    for name in lists:
+        holders = [item for holder in holders for item in holder[name]]
+    texts: dict[int, str] = {}  # id of a list -> its JSON (a plan gives all ranks of a tensor one tuple)
+    by_value: dict[tuple, str] = {}
+    values = [holder[key] for holder in holders]  # kept alive: no id is reused while it counts
+    for value in values:
+        if id(value) not in texts:
+            frozen = tuple(value)
+            if frozen not in by_value:
+                by_value[frozen] = json.dumps(value, default=str)
+            texts[id(value)] = by_value[frozen]
+    try:
+        for holder in holders:
+            holder[key] = None
+        text = json.dumps(doc, default=str)
+    finally:
+        for holder, value in zip(holders, values):
+            holder[key] = value
+    cut = json.dumps(key) + ": "
+    parts = text.split(cut + "null")
+    assert len(parts) == len(holders) + 1, f"{len(parts) - 1} places for {len(holders)} {key} lists"
+    spliced = [cut + texts[id(value)] for value in values]
+    return parts[0] + "".join(chain.from_iterable(zip(spliced, parts[1:])))

@@ -532,3 +532,12 @@ def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(f
                     experts = range(f.rank * E // tp, (f.rank + 1) * E // tp) if moe == "ep" else range(E)
                     assert t.sources == tuple(f"layers.0.ffn.experts.{j}.{w}.weight" for j in experts for w in ("w1", "w3")), (moe, f.rank)
                     assert {s.src for s in t.segments} == set(t.sources)
+
+
+@pytest.mark.parametrize("args", [["--tp", "2"], ["--tp", "4", "--moe-parallel", "ep"], ["--tp", "1", "--only", "mtp"]])
+def test_dry_run_json_text_is_exactly_what_json_dumps_prints(fixture_dir, tmp_path, capsys, args: list[str]) -> None:
+    """The dry run splices each distinct sources list in once (jsondoc.dumps_sharing): the text must be the
+    plain encoder's, byte for byte."""
+    code, stdout, err = run_cli(capsys, "convert", fixture_dir("fp4-2mtp"), tmp_path / "out", *args, "--dry-run", "--json")
+    assert code == 0, err
+    assert stdout == json.dumps(json.loads(stdout)) + "\n"
