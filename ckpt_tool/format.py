@@ -17,7 +17,7 @@ import math
 import os
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -83,13 +83,22 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
+class Columns(NamedTuple):
+    """A parsed header's per-tensor shapes and offsets as plain lists, in file order: what
+    :attr:`ShardHeader.tensors` is built from, and part of what a forked helper hands back."""
+
+    kinds: list[int]  # each tensor's kind (dtype and shape), a key of ``shapes``
+    shapes: dict[int, tuple[int, ...]]
+    begins: list[int]  # offsets in the data buffer (after the header)
+    ends: list[int]
+
+
 @dataclass(frozen=True, eq=False)
 class ShardHeader:
     """A validated safetensors header. ``names``, ``dtypes`` and ``tensors`` are in offset (file) order.
 
-    ``tensors`` is built on first use: inspect needs only the names, dtypes and per-dtype totals, and a
-    record per tensor was a tenth of its time. (Equality is identity: the fields do not hold every
-    shape and offset until ``tensors`` is built.)
+    ``tensors`` is built from ``columns`` on first use: inspect needs only the names, dtypes and
+    per-dtype totals, and a record per tensor was a tenth of its time. (Equality is identity.)
     """
 
     file: str
@@ -98,13 +107,28 @@ class ShardHeader:
     metadata: dict[str, str]
     names: list[str] = field(repr=False)
     dtypes: list[str] = field(repr=False)
-    build_tensors: Callable[[], dict[str, TensorInfo]] = field(repr=False, compare=False)
+    columns: Columns = field(repr=False)
     header_sha256: str = ""
     dtype_totals: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # dtype -> (tensors, bytes)
 
     @cached_property
     def tensors(self) -> dict[str, TensorInfo]:
-        return self.build_tensors()
+        kinds, shapes, begins, ends = self.columns
+        start = self.data_start
+        infos = zip(self.names, self.dtypes, map(shapes.__getitem__, kinds), repeat(self.file),
+                    map(add, begins, repeat(start)), map(add, ends, repeat(start)))
+        with gc_paused():
+            return dict(zip(self.names, map(tuple.__new__, repeat(TensorInfo), infos)))
+
+    def to_wire(self) -> tuple:
+        """This header as builtins only (for ``marshal``); :meth:`from_wire` makes it again."""
+        return (self.file, self.header_len, self.file_size, self.metadata, self.names, self.dtypes, tuple(self.columns),
+                self.header_sha256, self.dtype_totals)
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> ShardHeader:
+        file, header_len, file_size, metadata, names, dtypes, columns, sha, totals = wire
+        return cls(file, header_len, file_size, metadata, names, dtypes, Columns(*columns), sha, totals)
 
     @property
     def data_start(self) -> int:
@@ -220,7 +244,7 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
         tensors = _quick_tensors(raw, file, data_start, file_size - data_start)
     if tensors is None:
         return _parse_careful(raw, file, file_size, header_len)
-    metadata, names, dtypes, build, totals = tensors
+    metadata, names, dtypes, columns, totals = tensors
     return ShardHeader(
         file=file,
         header_len=header_len,
@@ -228,7 +252,7 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
         metadata=metadata,
         names=names,
         dtypes=dtypes,
-        build_tensors=build,
+        columns=columns,
         header_sha256=hashlib.sha256(raw).hexdigest(),
         dtype_totals=totals,
     )
@@ -240,9 +264,9 @@ _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 def _quick_tensors(
     raw: bytes, file: str, data_start: int, buffer_len: int
-) -> tuple[dict[str, str], list[str], list[str], Callable[[], dict[str, TensorInfo]], dict[str, tuple[int, int]]] | None:
-    """(metadata, names, dtypes, tensors builder, dtype totals) of a well-formed header in offset order, or
-    None for anything else.
+) -> tuple[dict[str, str], list[str], list[str], Columns, dict[str, tuple[int, int]]] | None:
+    """(metadata, names, dtypes, columns, dtype totals) of a well-formed header in offset order, or None
+    for anything else.
 
     Every step is a C-level pass over all entries (``map``, list equality, a Counter-free dict): a
     per-entry Python loop cost as much as the JSON parse itself. The C JSON parser keeps the last of
@@ -286,23 +310,15 @@ def _quick_tensors(
         nbytes = {i: info.nbytes for i, info in known.items()}
         if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, ids)):
             return None
-        shape_of = {i: info.shape for i, info in known.items()}  # one tuple per kind
-        # one dtype string per kind too (JSON gives each entry its own): the tallies over 145k dtypes that
+        # one dtype string per kind (JSON gives each entry its own): the tallies over 145k dtypes that
         # inspect and planning do then hash and compare a handful of objects that stay in cache
         dtypes = list(map({i: dtypes[i] for i in known}.__getitem__, ids))
-
-        def build() -> dict[str, TensorInfo]:
-            shapes = map(shape_of.__getitem__, ids)
-            starts, stops = map(add, begins, repeat(data_start)), map(add, ends, repeat(data_start))
-            infos = map(tuple.__new__, repeat(TensorInfo), zip(names, dtypes, shapes, repeat(file), starts, stops))
-            with gc_paused():
-                return dict(zip(names, infos))
-
+        columns = Columns(ids, {i: info.shape for i, info in known.items()}, begins, ends)  # one shape tuple per kind
         totals: dict[str, tuple[int, int]] = {}
         for i, n in Counter(ids).items():  # a few dozen kinds: inspect sums these, not 69k tensors
             have, size = totals.get(dtypes[i], (0, 0))
             totals[dtypes[i]] = (have + n, size + n * nbytes[i])
-        return dict(metadata or {}), names, dtypes, build, totals
+        return dict(metadata or {}), names, dtypes, columns, totals
     except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
         return None
 
@@ -408,7 +424,8 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
         metadata=dict(metadata),
         names=[t.name for t in infos],
         dtypes=[t.dtype for t in infos],
-        build_tensors=lambda: {t.name: t for t in infos},
+        columns=Columns(list(range(len(infos))), {i: t.shape for i, t in enumerate(infos)},
+                        [t.start - data_start for t in infos], [t.end - data_start for t in infos]),
         header_sha256=hashlib.sha256(raw).hexdigest(),
         dtype_totals=dtype_totals(infos),
     )

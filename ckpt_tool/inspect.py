@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from itertools import compress, repeat
-from operator import itemgetter, mul, not_
+from operator import itemgetter, not_
 from pathlib import Path
 from typing import NamedTuple
 
 from .config import V4Config
 from .completeness import Completeness, check_completeness, count_by_index, layer_indices, name_lines
-from .errors import MTP_MISSING_MESSAGE, CkptToolError
-from .forked import TaskQueue, can_fork, helpers, usable_cpus
-from .format import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_index, read_shard_header
-from .source import load_config, open_checkpoint, resolve_layout
+from .errors import MTP_MISSING_MESSAGE
+from .fanout import read_shards_forked
+from .format import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
+from .source import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -251,112 +249,29 @@ def summarize(
 
 
 def inspect_local(src: str) -> InspectReport:
-    """inspect of a local folder, index file or single ``.safetensors`` file (raises CkptToolError).
-
-    A checkpoint of many shards with an index is read with forked helpers parsing most shards while
-    this process reads the index and the rest (:func:`_inspect_forked`). Anything that path does not
-    expect (a single file, no index, an index naming other files than the folder holds, a header it
-    cannot read, an index that disagrees with the headers) sends it here, to the serial path, which
-    gives the same report and words every error.
-    """
+    """inspect of a local folder, index file or single ``.safetensors`` file (raises CkptToolError)."""
     with gc_paused():
-        whole = not src.endswith(".safetensors")
-        report = _inspect_forked(src) if whole and can_fork() else None
+        report = None if src.endswith(".safetensors") else inspect_forked(src)
         if report is not None:
             return report
-        ckpt = open_checkpoint(Path(src), need_config=False)
-        return inspect_tensors(src, ckpt.tensors, ckpt.config, ckpt.config_error, whole=whole, shards=ckpt.shards.values())
+        ckpt = open_checkpoint(Path(src), need_config=False, forked=False)
+        return inspect_tensors(src, ckpt.tensors, ckpt.config, ckpt.config_error, whole=not src.endswith(".safetensors"), shards=ckpt.shards.values())
 
 
-# Shards a checkpoint needs before a helper process pays for itself (a fork and hand-back cost ~10 ms).
-_FORK_MIN_FILES = 8
-_MAX_HELPERS = 3
-
-
-def _inspect_forked(src: str) -> InspectReport | None:
-    """The report, with shards parsed and tallied by forked helpers too; None: take the serial path.
-
-    The helpers start on the shards at once; this process reads the index and checks completeness on
-    its names first, then takes shards from the same queue until none are left.
-    """
-    try:
-        root, index_path, explicit = resolve_layout(Path(src))
-    except CkptToolError:
+def inspect_forked(src: str) -> InspectReport | None:
+    """The report of a many-shard checkpoint, tallied by forked helpers while this process reads the index
+    and checks completeness on its names (:func:`ckpt_tool.fanout.read_shards_forked`); None where only
+    the serial path can answer (it then gives the same report, or words the error)."""
+    read = read_shards_forked(src, _tally_file_at, need_config=False, wire=tuple, unwire=ShardTally._make, on_index=_completeness)
+    if read is None:
         return None
-    files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
-    if index_path is None or explicit is not None or not _FORK_MIN_FILES <= len(files) <= TaskQueue.LIMIT:
-        return None
-    if not _hashes_keyed_at_random():
-        return None  # see index_digest
-    try:
-        queue = TaskQueue(len(files))
-    except OSError:  # out of file descriptors: no helpers
-        return None
-    try:
-        with queue, helpers(min(usable_cpus() - 1, _MAX_HELPERS), _tally_files, root, files, queue) as children:
-            config, config_error = load_config(root, need_config=False)
-            weight_map = read_index(index_path)
-            if sorted(set(weight_map.values())) != files:
-                return None  # the serial path reads the files the index names, and says which are missing
-            # the index's names are the stored names once the headers are shown to agree (below): check
-            # completeness on them while the helpers parse
-            completeness = check_completeness(config, weight_map) if config is not None else None
-            indexed = index_digest(weight_map)
-            done = _tally_files(root, files, queue)  # (file number, tally, tensors, placement digest) each
-            for child in children:
-                theirs = child.result()
-                if theirs is None:
-                    return None
-                done += theirs
-    except CkptToolError:
-        return None
-    done.sort()
-    if [i for i, *_ in done] != list(range(len(files))):
-        return None  # pragma: no cover (every file is taken once; a lost one means no report from here)
-    if sum(count for _, _, count, _ in done) != len(weight_map) or sum(digest for *_, digest in done) != indexed:
-        return None  # a tensor stored twice, or the index and the headers disagree: the serial path says which
-    tallies = [ShardTally._make(tally) for _, tally, _, _ in done]
-    return summarize(src, tallies, weight_map, config, config_error, completeness=completeness)
+    return summarize(src, read.values, read.weight_map, read.config, read.config_error, completeness=read.on_index)
 
 
-def placement_digest(file: str, names: Iterable[str]) -> int:
-    """What the names stored in ``file`` add to a placement digest (see :func:`index_digest`)."""
-    return _file_key(file) * sum(map(hash, names))
+def _tally_file_at(root: Path, file: str) -> tuple[ShardTally, list[str]]:
+    header = read_shard_header(root / file, file)
+    return tally_file(file, header.names, header.dtypes, header.dtype_totals), header.names
 
 
-def index_digest(weight_map: dict[str, str]) -> int:
-    """Sum over tensors of ``hash(tensor) * key(file)``: equal to the sum of :func:`placement_digest` over
-    the shards (and with equal counts) when the index places every stored tensor where it is stored,
-    without looking up in the index 145k names that other processes parsed.
-
-    The sum is order-free, so each process adds its own shards. ``hash`` of a str is keyed by a random
-    per-process secret (helpers are forked: they share it), and each file's key is an odd number drawn
-    from it. A misplaced tensor changes the sum by (h(tensor)) x (difference of two file keys), two
-    tensors trading files by (h(a) - h(b)) x (difference of keys): zero only by a 2^-64 chance, and not
-    something an input can be built for; with a fixed PYTHONHASHSEED this path is not used
-    (:func:`_hashes_keyed_at_random`). (A sum of ``hash((tensor, file))`` is not enough: tuple hashing is
-    nearly additive, so a swap cancels out in about one case in four.)
-    """
-    keys = {file: _file_key(file) for file in set(weight_map.values())}
-    return sum(map(mul, map(hash, weight_map), map(keys.__getitem__, weight_map.values())))
-
-
-def _file_key(file: str) -> int:
-    return hash(file) | 1  # odd: a multiple of it is zero only when the other factor is
-
-
-def _hashes_keyed_at_random() -> bool:
-    """Whether str hashes use this process's random secret (not PYTHONHASHSEED=0 or another fixed seed)."""
-    seed = "random" if sys.flags.ignore_environment else os.environ.get("PYTHONHASHSEED", "random")
-    return bool(sys.flags.hash_randomization) and seed in ("", "random")
-
-
-def _tally_files(root: Path, files: list[str], queue: TaskQueue) -> list[tuple[int, tuple, int, int]]:
-    """The files this process takes from ``queue``: (file number, tally as a plain tuple, tensor count,
-    placement digest) each, builtins only (a helper hands them back through marshal)."""
-    out = []
-    for i in queue.take():
-        header = read_shard_header(root / files[i], files[i])
-        tally = tally_file(files[i], header.names, header.dtypes, header.dtype_totals)
-        out.append((i, tuple(tally), len(header.names), placement_digest(files[i], header.names)))
-    return out
+def _completeness(config: V4Config | None, names: dict[str, str]) -> Completeness | None:
+    return check_completeness(config, names) if config is not None else None

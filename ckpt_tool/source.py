@@ -12,11 +12,14 @@ from pathlib import Path
 
 from .config import V4Config
 from .errors import CheckpointError
+from .fanout import read_shards_forked
 from .format import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
+from .layout import INDEX_NAME, load_config, resolve_layout
+
+__all__ = ["INDEX_NAME", "Checkpoint", "load_config", "open_checkpoint", "resolve_layout"]
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -43,38 +46,29 @@ class Checkpoint:
         return self.config
 
 
-def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:
-    """Find (root folder, index path or None, explicit shard list or None) for a local source."""
-    if not src.exists():
-        raise CheckpointError(f"{src}: no such file or folder")
-    if src.is_dir():
-        index = src / INDEX_NAME
-        return src, (index if index.is_file() else None), None
-    if src.name.endswith(".index.json") or src.suffix == ".json":
-        return src.parent, src, None
-    if src.suffix == ".safetensors":
-        return src.parent, None, [src.name]
-    raise CheckpointError(f"{src}: not a folder, an index .json or a .safetensors file")
-
-
-def load_config(root: Path, *, need_config: bool = True) -> tuple[V4Config | None, str | None]:
-    """(config, None), or with ``need_config=False`` (None, why not) when config.json is absent or bad."""
-    try:
-        return V4Config.load(root / "config.json"), None
-    except CheckpointError as exc:
-        if need_config:
-            raise
-        return None, str(exc)
-
-
-def open_checkpoint(src: Path, *, need_config: bool = True) -> Checkpoint:
+def open_checkpoint(src: Path, *, need_config: bool = True, forked: bool = True) -> Checkpoint:
     """Read config, index and all shard headers of ``src`` and check they agree.
 
     Checks: every shard the index names exists and parses; the index's tensor set equals the union of
-    the shard headers; no tensor is stored twice; each tensor lives in the file the index says.
+    the shard headers; no tensor is stored twice; each tensor lives in the file the index says. A
+    checkpoint of many shards with an index is read with forked helpers (``forked=False``: never), which
+    answer only for a consistent checkpoint; the serial path gives the same result and words every error.
     """
     with gc_paused():  # ~300k objects, none cyclic: the collector's passes cost more than the parse
+        read = read_shards_forked(src, _header_at, need_config=need_config, wire=ShardHeader.to_wire, unwire=ShardHeader.from_wire) if forked else None
+        if read is not None:
+            shards = dict(zip(read.files, read.values))
+            tensors: dict[str, TensorInfo] = {}
+            for header in read.values:
+                tensors.update(header.tensors)
+            if len(tensors) == len(read.weight_map):  # (the placement digest has ruled out a tensor stored twice)
+                return Checkpoint(read.root, read.config, read.config_error, read.index_file, shards, tensors)
         return _open_checkpoint(src, need_config)
+
+
+def _header_at(root: Path, file: str) -> tuple[ShardHeader, list[str]]:
+    header = read_shard_header(root / file, file)
+    return header, header.names
 
 
 def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:

@@ -6,6 +6,7 @@ Files here are built by hand, byte by byte, so every validation rule is hit with
 from __future__ import annotations
 
 import json
+import marshal
 import struct
 import subprocess
 import sys
@@ -134,9 +135,11 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
         (n,) = struct.unpack("<Q", data[:8])
         quick = _quick_tensors(data[8 : 8 + n], path.name, 8 + n, len(data) - 8 - n)
         assert quick is not None, path.name
-        _, names, dtypes, build, totals = quick
-        tensors = build()
-        assert tensors == read_shard_header(path).tensors
+        _, names, dtypes, _, totals = quick
+        header = read_shard_header(path)
+        tensors = header.tensors
+        assert (header.names, header.dtypes, header.dtype_totals) == (names, dtypes, totals)
+        assert tensors == ShardHeader.from_wire(marshal.loads(marshal.dumps(header.to_wire()))).tensors
         assert (names, dtypes) == (list(tensors), [t.dtype for t in tensors.values()])
         assert totals == {d: (sum(t.dtype == d for t in tensors.values()), sum(t.nbytes for t in tensors.values() if t.dtype == d)) for d in totals}
 

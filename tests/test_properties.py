@@ -7,6 +7,7 @@ Example counts are kept small (<= 50 per test) so the file runs in a few seconds
 from __future__ import annotations
 
 import json
+import marshal
 import math
 import struct
 import tempfile
@@ -61,6 +62,9 @@ def parse_or_header_error(raw: bytes, file_size: int) -> None:
             careful.tensors, list(careful.tensors), careful.names, careful.dtypes, careful.metadata, careful.header_sha256,
             careful.dtype_totals)
         assert h.names == list(h.tensors) and h.dtypes == [t.dtype for t in h.tensors.values()]
+        for parsed in (h, careful):  # what a forked helper hands back builds the same records
+            again = ShardHeader.from_wire(marshal.loads(marshal.dumps(parsed.to_wire())))
+            assert (again.tensors, again.names, again.header_sha256) == (parsed.tensors, parsed.names, parsed.header_sha256)
 
 
 json_leaf = st.one_of(

@@ -1,7 +1,8 @@
-"""inspect with forked helpers: the same output as the serial path on every input, and the fork helpers.
+"""Headers read by forked helpers (inspect, open_checkpoint): the same answers as the serial path on
+every input, and the fork helpers themselves.
 
 The fixtures have 4 shards, below the 8 the forked path waits for; these tests lower that floor so the
-path runs on them, and compare it with ``CKPT_TOOL_NO_FORK=1`` (the serial path) on good fixtures, every
+path runs on them, and compare it with the serial path (``CKPT_TOOL_NO_FORK=1``) on good fixtures, every
 broken variant and every case of the hostile corpus.
 """
 
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import ckpt_tool.inspect as inspect_mod
+import ckpt_tool.fanout as fanout
+from ckpt_tool.fanout import index_digest, placement_digest
 from ckpt_tool.forked import Child, TaskQueue, can_fork, helpers
-from ckpt_tool.inspect import _inspect_forked, inspect_local
+from ckpt_tool.inspect import inspect_forked, inspect_local
+from ckpt_tool.source import open_checkpoint
 from cli_helpers import run_cli
 from fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
 from fixtures.make import VARIANTS
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.skipif(not can_fork(), reason="the forked path needs Li
 @pytest.fixture
 def forking(monkeypatch):
     """The forked path for checkpoints of any shard count."""
-    monkeypatch.setattr(inspect_mod, "_FORK_MIN_FILES", 1)
+    monkeypatch.setattr(fanout, "FORK_MIN_FILES", 1)
 
 
 def both_paths(capsys, monkeypatch, src: Path, *args: str) -> tuple[tuple, tuple]:
@@ -58,7 +61,7 @@ def test_forked_inspect_of_a_hostile_case_prints_what_the_serial_path_prints(for
 @pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp"])
 def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_report(forking, fixture_dir, monkeypatch, variant: str) -> None:
     src = str(fixture_dir(variant))
-    forked = _inspect_forked(src)
+    forked = inspect_forked(src)
     assert forked is not None, "the forked path declined a healthy checkpoint"
     monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
     assert forked == inspect_local(src)
@@ -89,9 +92,9 @@ INDEX_EDITS = {
 def test_forked_path_declines_an_index_that_disagrees_with_the_headers(forking, fixture_copy, capsys, monkeypatch, edit: str) -> None:
     """The placement digest catches each way an index can disagree; the serial path then words the error."""
     src = fixture_copy("fp4")
-    assert _inspect_forked(str(src)) is not None
+    assert inspect_forked(str(src)) is not None
     _edit_index(src, INDEX_EDITS[edit])
-    assert _inspect_forked(str(src)) is None
+    assert inspect_forked(str(src)) is None
     forked, serial = both_paths(capsys, monkeypatch, src)
     assert forked == serial and forked[0] == 1 and "index" in forked[2]
 
@@ -100,8 +103,6 @@ def test_placement_digest_tells_every_swap_and_move_from_the_truth() -> None:
     """Stored placement vs an index with two tensors' files traded, or one tensor moved: the digests must
     differ every time (a sum of tuple hashes let about one swap in four through, hash-seed dependent)."""
     import random
-
-    from ckpt_tool.inspect import index_digest, placement_digest
 
     rng = random.Random(0)
     files = [f"model-{k:05d}-of-00046.safetensors" for k in range(1, 47)]
@@ -127,20 +128,78 @@ def test_forked_path_declines_a_tensor_stored_in_two_shards(forking, fixture_cop
     with safe_open(src / S4, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     save_file({**tensors, **extra}, src / S4)  # the index still maps it to S1 only
-    assert _inspect_forked(str(src)) is None
+    assert inspect_forked(str(src)) is None
 
 
 @pytest.mark.parametrize("seed", ["0", "123"])
 def test_forked_path_is_not_used_with_a_fixed_hash_seed(forking, fixture_dir, monkeypatch, seed: str) -> None:
     """The placement digest relies on str hashes keyed by a secret no input can be built against."""
     flags = types.SimpleNamespace(hash_randomization=int(seed != "0"), ignore_environment=0)
-    monkeypatch.setattr(inspect_mod, "sys", types.SimpleNamespace(flags=flags))
+    monkeypatch.setattr(fanout, "sys", types.SimpleNamespace(flags=flags))
     monkeypatch.setenv("PYTHONHASHSEED", seed)
-    assert _inspect_forked(str(fixture_dir("fp4"))) is None
+    assert inspect_forked(str(fixture_dir("fp4"))) is None
 
 
 def test_forked_path_waits_for_enough_shards(fixture_dir) -> None:
-    assert _inspect_forked(str(fixture_dir("fp4"))) is None  # 4 shards, below the floor of 8
+    assert inspect_forked(str(fixture_dir("fp4"))) is None  # 4 shards, below the floor of 8
+
+
+# --- open_checkpoint (convert, verify, --dry-run) -------------------------------------------------
+
+
+def same_checkpoint(a, b) -> None:
+    assert (a.root, a.config, a.config_error, a.index_file) == (b.root, b.config, b.config_error, b.index_file)
+    assert list(a.tensors.items()) == list(b.tensors.items())  # the same records, in the same order
+    assert list(a.shards) == list(b.shards)
+    for file in a.shards:
+        x, y = a.shards[file], b.shards[file]
+        assert (x.header_len, x.file_size, x.metadata, x.names, x.dtypes, x.header_sha256, x.dtype_totals) == (
+            y.header_len, y.file_size, y.metadata, y.names, y.dtypes, y.header_sha256, y.dtype_totals)
+
+
+@pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp", "fp8-e8m0-pad"])
+def test_forked_open_checkpoint_gives_the_serial_checkpoint(forking, fixture_dir, monkeypatch, variant: str) -> None:
+    import ckpt_tool.source as source
+
+    src = fixture_dir(variant)
+    serial = open_checkpoint(src, forked=False)
+    monkeypatch.setattr(source, "_open_checkpoint", lambda *a: pytest.fail("the forked path declined a healthy checkpoint"))
+    same_checkpoint(open_checkpoint(src), serial)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forked_open_checkpoint_of_a_hostile_case_answers_as_the_serial_one(forking, fixture_dir, tmp_path, name: str) -> None:
+    from ckpt_tool.errors import CkptToolError
+
+    src = make_broken(tmp_path / name, name, fixture_dir("fp4")) / "src"
+    outcomes = []
+    for forked in (True, False):
+        try:
+            outcomes.append(open_checkpoint(src, forked=forked))
+        except CkptToolError as exc:
+            outcomes.append((type(exc), str(exc)))
+    if isinstance(outcomes[1], tuple):
+        assert outcomes[0] == outcomes[1]
+    else:
+        same_checkpoint(*outcomes)
+
+
+def test_convert_with_forked_headers_writes_the_same_bytes(forking, fixture_dir, tmp_path, capsys, monkeypatch) -> None:
+    from cli_helpers import snapshot
+
+    import ckpt_tool.source as source
+
+    answered = []
+    real = source.read_shards_forked
+    monkeypatch.setattr(source, "read_shards_forked", lambda *a, **k: answered.append(real(*a, **k)) or answered[-1])
+    src = fixture_dir("fp4-2mtp")
+    assert run_cli(capsys, "convert", src, tmp_path / "forked", "--tp", "2")[0] == 0
+    assert answered and answered[0] is not None, "convert did not read its headers with helpers"
+    monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
+    assert run_cli(capsys, "convert", src, tmp_path / "serial", "--tp", "2")[0] == 0
+    written = [snapshot(tmp_path / out) for out in ("forked", "serial")]
+    tensors = [{p: h for p, h in w.items() if p.endswith((".safetensors", ".index.json"))} for w in written]
+    assert tensors[0] and tensors[0] == tensors[1]
 
 
 # --- the fork helpers -------------------------------------------------------------------------------
@@ -201,7 +260,7 @@ def test_a_refused_fork_leaves_the_work_to_this_process(forking, fixture_dir, mo
 
     src = str(fixture_dir("fp4"))
     monkeypatch.setattr(os, "fork", no_fork)
-    alone = _inspect_forked(src)
+    alone = inspect_forked(src)
     monkeypatch.setenv("CKPT_TOOL_NO_FORK", "1")
     assert alone is not None and alone == inspect_local(src)
 
