@@ -183,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in ins:
             r.pop("stdout", None)
         code = (
-            "import sys,time; t=time.perf_counter(); from pathlib import Path; from ckpt_tool.source import open_checkpoint; "
-            "from ckpt_tool.inspect import inspect_tensors; c=open_checkpoint(Path(sys.argv[1]), need_config=False); "
-            "r=inspect_tensors(sys.argv[1], c.tensors, c.config, c.config_error); print(time.perf_counter()-t)"
+            "import sys,time; t=time.perf_counter(); from ckpt_tool.inspect import inspect_local; "
+            "r=inspect_local(sys.argv[1]); print(time.perf_counter()-t)"
         )
         inproc = [float(subprocess.run([py, "-c", code, str(full)], capture_output=True, text=True, cwd=REPO).stdout) for _ in range(len(ins))]
         results["inspect"] = {
