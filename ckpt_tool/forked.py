@@ -35,7 +35,9 @@ def can_fork() -> bool:
         return False
     threading = sys.modules.get("threading")
     if threading is not None and threading.active_count() > 1:
-        return False  # a lock held by another thread at fork time stays held in the child forever
+        return False  # a lock held by another Python thread at fork time stays held in the child forever
+    # (native threads, such as an OpenMP pool torch may have started, do not matter: a child only parses
+    # JSON and runs no library code of theirs, and glibc's malloc is made safe across fork)
     return usable_cpus() > 1
 
 
