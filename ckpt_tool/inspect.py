@@ -153,7 +153,7 @@ def inspect_tensors(
     """
     with gc_paused():
         shards = list(shards) if shards is not None else []
-        if sum(len(h.tensors) for h in shards) == len(tensors):
+        if sum(len(h.names) for h in shards) == len(tensors):
             tallies = [tally_file(h.file, h.names, h.dtypes, h.dtype_totals) for h in shards]
         else:  # hub metadata: no parsed shards; group the tensors by file
             by_file: dict[str, dict[str, TensorInfo]] = {}
