@@ -33,7 +33,6 @@ app = typer.Typer(
 )
 
 
-
 def _plain_argument_help() -> None:
     """typer 0.29 shows a required argument as ``{SRC}`` in usage and ``SRC <str>`` in help; plain ``SRC`` reads
     as every other CLI does. (Options carry explicit metavars; choices show as ``<a|b>``.)"""

@@ -83,7 +83,7 @@ def read_shards_forked(
             if sorted(set(weight_map.values())) != files:
                 return None  # the serial path reads the files the index names, and says which are missing
             early = on_index(config, weight_map) if on_index is not None else None
-            indexed = index_digest(weight_map)
+            indexed = index_digest(weight_map, files)
             done = _take(root, files, queue, read, None)
             for child in children:
                 theirs = child.result()
@@ -115,7 +115,7 @@ def placement_digest(file: str, names: Iterable[str]) -> int:
     return _file_key(file) * sum(map(hash, names))
 
 
-def index_digest(weight_map: dict[str, str]) -> int:
+def index_digest(weight_map: dict[str, str], files: Iterable[str] | None = None) -> int:
     """Sum over tensors of ``hash(tensor) * key(file)``: equal to the sum of :func:`placement_digest` over
     the shards (with equal counts) when the index places every stored tensor where it is stored, without
     looking up in the index 145k names that other processes parsed.
@@ -127,9 +127,10 @@ def index_digest(weight_map: dict[str, str]) -> int:
     an input can be built for; with a fixed PYTHONHASHSEED this path is not used
     (:func:`hashes_keyed_at_random`). (A sum of ``hash((tensor, file))`` is not enough: tuple hashing is
     nearly additive, and a swap cancelled out in about one case in four.) A tensor stored in two files
-    shows up in the counts: the index places it once.
+    shows up in the counts: the index places it once. ``files``: the index's files, when already known
+    (every value of ``weight_map`` must be among them).
     """
-    keys = {file: _file_key(file) for file in set(weight_map.values())}
+    keys = {file: _file_key(file) for file in (set(weight_map.values()) if files is None else files)}
     return sum(map(mul, map(hash, weight_map), map(keys.__getitem__, weight_map.values())))
 
 

@@ -21,7 +21,6 @@ __all__ = ["INDEX_NAME", "Checkpoint", "load_config", "open_checkpoint", "resolv
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Checkpoint:
     """A validated source checkpoint: every tensor's file, dtype, shape and byte range."""
