@@ -49,9 +49,9 @@ _plain_argument_help()
 
 
 def _target_choices() -> type[Enum]:
-    from .rules import PROFILES
+    from .profiles import known_names
 
-    return Enum("Target", {name: name for name in ("auto", *PROFILES)}, type=str)  # type: ignore[return-value]
+    return Enum("Target", {name: name for name in ("auto", *known_names())}, type=str)  # type: ignore[return-value]
 
 
 Target = _target_choices()
@@ -181,7 +181,7 @@ def convert(
     only: Annotated[Literal["model", "mtp"] | None, typer.Option("--only", help="Write only the target model or only the MTP draft.")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
     workers: Annotated[int | None, typer.Option("--workers", min=1, metavar="K", help="Output files written (and hashed) in parallel (default: one per CPU core, at most 8, while that many are pending); each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = None,
-    target: Annotated[Target, typer.Option("--target", help="Engine profile: auto (the installed vLLM's, else the newest) or one of 'ckpt-tool profiles'.")] = Target("auto"),  # type: ignore[valid-type]
+    target: Annotated[Target, typer.Option("--target", help="Engine profile: auto (the installed vLLM's; the newest for no vLLM or a newer one than any verified, with a warning) or one of 'ckpt-tool profiles'.")] = Target("auto"),  # type: ignore[valid-type]
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")] = False,
     json_out: JsonOpt = False,
@@ -227,6 +227,10 @@ def convert(
         raise typer.BadParameter("--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize")
     try:
         chosen = resolve_target(target.value)
+        if chosen.warning:
+            from .report import warning_line
+
+            warning_line(chosen.warning)  # before any work: on stderr in --json mode too
         opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=chosen.profile)
         from .convert import parse_ranks, select_files
         from .hub import open_hub_source, parse_hub_ref
@@ -247,7 +251,7 @@ def convert(
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if as_json:
-                doc = json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note})
+                doc = json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning})
                 print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
             else:
                 render_plan(plan)
@@ -267,7 +271,7 @@ def convert(
         _fail_user(exc, "convert", as_json, {"out": str(out), "dry_run": dry_run})
     if as_json:
         doc = render_convert_summary(result, as_json=True)
-        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note, dry_run=False)
+        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note, target_warning=chosen.warning, dry_run=False)
         print_json(json_document("convert", doc))
         return
     if finalize:
@@ -350,6 +354,12 @@ def verify(
                                 progress=prog, workers=workers)
     except CkptToolError as exc:
         _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": level})
+    from .target import unverified_warning
+
+    if warning := unverified_warning(report.target):
+        from .report import warning_line
+
+        warning_line(warning)  # on stderr, --json too (its document carries target.verified)
     if junit is not None:
         write_junit(report, junit)
     if github:
@@ -420,17 +430,21 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """List the target profiles (engine parameter layouts) convert can write, and what --target auto picks.
 
     Each profile names the vLLM releases whose own loader it is verified against (the engine test
-    builds vLLM's model classes on CPU and runs its sharded_state loader on converted output).
+    builds each release's model classes on CPU and runs its sharded_state loader on converted output),
+    the vLLM series --target auto picks it for, and its earlier names (aliases) that still work.
+    A vLLM newer than every verified release gets the newest profile with a warning; check such an
+    OUT with `ckpt-tool verify OUT --engine`.
     """
     from .jsondoc import json_document, print_json
-    from .rules import PROFILES
+    from .profiles import PROFILES
     from .target import installed_vllm
 
     installed = installed_vllm()
-    auto, auto_error = _auto_profile()
+    auto = _auto_target()
     docs = [
         {
             "name": p.name,
+            "aliases": list(p.aliases),
             "description": p.description,
             "vllm_verified": list(p.verified),
             "vllm_covers": [f"{c}.x" for c in p.covers],
@@ -440,25 +454,32 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
         for p in PROFILES.values()
     ]
     if _wants_json(json_out, fmt):
-        print_json(json_document("profiles", {"profiles": docs, "installed_vllm": installed, "auto": auto, "auto_error": auto_error}))
+        print_json(json_document("profiles", {"profiles": docs, "installed_vllm": installed, **auto}))
         return
+    width = max(len(d["name"]) for d in docs) + 2
     for d in docs:
         verified = f"verified against vLLM {', '.join(d['vllm_verified'])}" if d["vllm_verified"] else d["verified_by"]
-        typer.echo(f"{d['name']:12s} {verified}\n{'':12s} {d['description']}")
-    typer.echo(f"--target auto: {auto or auto_error} (installed vLLM: {installed or 'none'})")
+        aliases = f" (also: {', '.join(d['aliases'])})" if d["aliases"] else ""
+        typer.echo(f"{d['name']:{width}s}{verified}{aliases}\n{'':{width}s}{d['description']}")
+    picked = auto["auto"] or auto["auto_error"]
+    if auto["auto"] and auto["auto_verified"] is False:
+        picked += f" (NOT verified for vLLM {installed}: check OUT with `ckpt-tool verify OUT --engine`)"
+    typer.echo(f"--target auto: {picked} (installed vLLM: {installed or 'none'})")
 
 
 @app.command()
 @_guarded("env")
 def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """What to paste into a bug report: versions of the tool and its stack, the profile --target auto
-    picks, the HF cache in use, CUDA and Triton's interpreter setting."""
+    picks (and whether it is verified for the installed vLLM), the HF cache in use, CUDA and Triton's
+    interpreter setting."""
     from .jsondoc import json_document, print_json
     from .target import installed_vllm
 
     doc = environment_facts()
-    auto, auto_error = _auto_profile()
-    doc["target_auto"] = auto or f"error: {auto_error}"
+    auto = _auto_target()
+    doc["target_auto"] = auto["auto"] or f"error: {auto['auto_error']}"
+    doc["target_auto_verified"] = auto["auto_verified"]
     doc["installed_vllm"] = installed_vllm()
     if _wants_json(json_out, fmt):
         print_json(json_document("env", doc))
@@ -468,14 +489,16 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
         typer.echo(f"{k:{width}s}  {v if v is not None else '-'}")
 
 
-def _auto_profile() -> tuple[str | None, str | None]:
-    """(the profile --target auto picks here, or None; the reason it picks none)."""
-    from .target import resolve_target
+def _auto_target() -> dict:
+    """What --target auto picks here: ``auto`` (the profile, or None), ``auto_verified`` (whether that
+    profile is verified for the installed vLLM; None with no vLLM), ``auto_error`` (why it picks none)."""
+    from .target import is_verified, resolve_target
 
     try:
-        return resolve_target("auto").profile, None
+        chosen = resolve_target("auto")
     except CkptToolError as exc:
-        return None, str(exc)
+        return {"auto": None, "auto_verified": None, "auto_error": str(exc)}
+    return {"auto": chosen.profile, "auto_verified": is_verified(chosen.profile, chosen.vllm), "auto_error": None}
 
 
 def environment_facts() -> dict:

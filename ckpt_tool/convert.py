@@ -240,7 +240,7 @@ def options_from_manifest(manifest: dict) -> Options:
         moe_parallel=str(o.get("moe_parallel", "tp")),
         only=o.get("only"),
         max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
-        profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),
+        profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),  # an earlier name resolves in Options
     )
 
 
@@ -538,12 +538,20 @@ def _read_journal(path: Path) -> dict | None:
 
 def target_doc(profile: str) -> dict:
     """The engine a conversion targets: its profile, the vLLM releases that profile is verified against,
-    and the vLLM installed where it ran (None: none)."""
-    from .rules import PROFILES
-    from .target import installed_vllm
+    the vLLM installed where it ran (None: none), and whether the profile is verified for that vLLM's
+    series (``verified``: false for a vLLM newer than every verified release; None with no vLLM)."""
+    from .profiles import get_profile
+    from .target import installed_vllm, is_verified
 
-    p = PROFILES[profile]
-    return {"profile": p.name, "vllm_verified": list(p.verified), "vllm_covers": list(p.covers), "installed_vllm": installed_vllm()}
+    p = get_profile(profile)
+    installed = installed_vllm()
+    return {
+        "profile": p.name,
+        "vllm_verified": list(p.verified),
+        "vllm_covers": list(p.covers),
+        "installed_vllm": installed,
+        "verified": is_verified(p.name, installed),
+    }
 
 
 def manifest_doc(plan: Plan, source: dict, fingerprint: str, outputs: dict) -> dict:

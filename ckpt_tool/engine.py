@@ -1,12 +1,12 @@
 """The engine's parameter table: every key, per-rank shape and dtype a target profile's engine holds.
 
-This is the engine's side of the contract, written from the engine's code (vLLM 0.33's
-``nvidia/model.py`` / ``mtp.py`` state_dict after its sharded loader's ``_filter_subtensors``;
-research/vllm_0_33.md), independently of the rule table: verify compares the converted output with it,
+This is the engine's side of the contract, written from the engine's code (vLLM's
+``vllm/models/deepseek_v4/nvidia/model.py`` / ``mtp.py`` state_dict after its sharded loader's
+``_filter_subtensors``, 0.33 and 0.34), independently of the rule table: verify compares the converted output with it,
 so a rule table gone stale against the engine fails verify instead of the engine's start-up. The
 engine test (tests/engine) checks this table against vLLM's own model classes built on CPU.
 
-Shapes follow from config.json alone. vLLM 0.33 gives block-FP8 shared experts whole 128-blocks per
+Shapes follow from config.json alone. vLLM (0.33, 0.34) gives block-FP8 shared experts whole 128-blocks per
 rank, rounding the per-rank count up where the blocks do not divide tp (its loader zero-fills the rest).
 ``attn_sink`` is the one documented prefix: the engine pads its parameter to the attention backend's
 head count (FlashMLA 64/128) and loads the ``H/tp`` real heads into the leading slots; the table lists
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import V4Config
+from .profiles import PROFILES, EngineNames, get_profile
 
 FP8_BLOCK = 128
 MX_BLOCK = 32
@@ -31,45 +32,8 @@ class EngineParam:
     prefix: bool = False  # the engine's parameter is larger; the loader fills this leading slice
 
 
-@dataclass(frozen=True)
-class EngineNames:
-    """Where one engine release keeps the modules whose names move between releases, and its dtypes."""
-
-    compressor: str  # attention compressor of compressed layers
-    gate: str  # router: weight, e_score_correction_bias, tid2eid
-    shared: str  # shared experts: gate_up_proj, down_proj
-    routed: str  # routed experts: w13_*, w2_*
-    tid2eid: str | None  # dtype of the hash table (None: as stored)
-    fp8_expert_linear_scale: str | None  # linear scale dtype when experts are fp8 (None: as stored)
-    fp4_expert_linear_scale: str | None  # ... when experts are fp4
-    shared_pad: bool = False  # block-FP8 shared experts get cdiv(blocks, tp) 128-blocks a rank (zero-padded)
-
-
-ENGINES: dict[str, EngineNames] = {
-    # vLLM 0.33.0: the MoE module's aliases win _filter_subtensors; Fp8 linear scales are float32 unless the
-    # checkpoint has fp4 experts (DeepseekV4FP8Config.is_scale_e8m0).
-    "vllm-0.33": EngineNames(
-        compressor="attn.compressor",
-        gate="ffn.experts.gate",
-        shared="ffn.experts._shared_experts._layer",
-        routed="ffn.experts.routed_experts",
-        tid2eid="I32",
-        fp8_expert_linear_scale="F32",
-        fp4_expert_linear_scale="F8_E8M0",
-        shared_pad=True,
-    ),
-    # the seed loader (shared/seeds): module names as the seed's DeepseekV4 model declares them; it copies
-    # scales and the hash table in their stored dtypes.
-    "vllm-seed": EngineNames(
-        compressor="attn.mla_attn.compressor",
-        gate="ffn.gate",
-        shared="ffn.shared_experts",
-        routed="ffn.experts",
-        tid2eid=None,
-        fp8_expert_linear_scale=None,
-        fp4_expert_linear_scale=None,
-    ),
-}
+# Each profile's engine names and dtypes, from its module in ckpt_tool.profiles (the one place per layout).
+ENGINES: dict[str, EngineNames] = {name: p.engine for name, p in PROFILES.items()}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -168,7 +132,7 @@ class _Table:
 
 def engine_params(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp") -> dict[str, EngineParam]:
     """Every parameter one rank of ``component`` (model | mtp) holds under ``profile`` (the same set on every rank)."""
-    t = _Table(cfg, ENGINES[profile], tp, moe_parallel == "ep")
+    t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
     D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
     if component == "model":

@@ -23,11 +23,11 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     "convert": (
         "dry_run", "out", "options", "files_written", "files_skipped", "tensors", "tensor_count", "bytes", "total_bytes",
         "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
-        "warnings", "not_selected", "partial", "finalized", "target_note",
+        "warnings", "not_selected", "partial", "finalized", "target_note", "target_warning",
     ),
-    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage"),
+    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage", "target"),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
-    "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),
+    "profiles": ("profiles", "installed_vllm", "auto", "auto_verified", "auto_error"),
     "env": (),  # free-form facts (versions), see cli.environment_facts
 }
 

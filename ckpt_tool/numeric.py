@@ -35,6 +35,7 @@ from .config import V4Config
 from .errors import CheckpointError
 from .format import ShardHeader, TensorInfo, read_shard_header
 from .plan import Plan
+from .profiles import PROFILES, EngineNames
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
 from .tensor_rows import RowReader, release_freed_memory, source_info
@@ -79,48 +80,44 @@ SOURCE_LINEARS = {
     "shared.w3": "ffn.shared_experts.w3",
 }
 
-# Converted side, profile vllm-seed ({S} = num_hidden_layers + i). Written out independently of
-# the rule table so a wrong rule cannot make both sides agree.
-CONVERTED_TENSORS = {
-    "vllm-seed": {
+def converted_tensor_names(engine: EngineNames) -> dict[str, str]:
+    """Converted side: role -> engine name in one MTP layer ({S} = num_hidden_layers + i), from the profile's
+    engine names (where the router, shared and routed experts live). Never read from the rule table, so a
+    wrong rule cannot make both sides agree; tests/test_profile_consistency.py holds these names to the
+    engine table of every profile."""
+    blk, ffn = "model.layers.{S}.mtp_block", "model.layers.{S}.mtp_block.{part}"
+    gate, shared = ffn.format(S="{S}", part=engine.gate), ffn.format(S="{S}", part=engine.shared)
+    return {
         "enorm": "model.layers.{S}.enorm.weight",
         "hnorm": "model.layers.{S}.hnorm.weight",
         "norm": "model.layers.{S}.shared_head.norm.weight",
         "hc_head_fn": "model.layers.{S}.hc_head_fn",
         "hc_head_base": "model.layers.{S}.hc_head_base",
         "hc_head_scale": "model.layers.{S}.hc_head_scale",
-        "attn_norm": "model.layers.{S}.mtp_block.attn_norm.weight",
-        "ffn_norm": "model.layers.{S}.mtp_block.ffn_norm.weight",
-        "q_norm": "model.layers.{S}.mtp_block.attn.q_norm.weight",
-        "kv_norm": "model.layers.{S}.mtp_block.attn.kv_norm.weight",
-        "attn_sink": "model.layers.{S}.mtp_block.attn.attn_sink",
-        "gate.weight": "model.layers.{S}.mtp_block.ffn.gate.weight",
-        "gate.bias": "model.layers.{S}.mtp_block.ffn.gate.e_score_correction_bias",
-        **{f"hc_{p}_{t}": f"model.layers.{{S}}.mtp_block.hc_{p}_{t}" for p in ("attn", "ffn") for t in ("fn", "base", "scale")},
+        "attn_norm": f"{blk}.attn_norm.weight",
+        "ffn_norm": f"{blk}.ffn_norm.weight",
+        "q_norm": f"{blk}.attn.q_norm.weight",
+        "kv_norm": f"{blk}.attn.kv_norm.weight",
+        "attn_sink": f"{blk}.attn.attn_sink",
+        "gate.weight": f"{gate}.weight",
+        "gate.bias": f"{gate}.e_score_correction_bias",
+        **{f"hc_{p}_{t}": f"{blk}.hc_{p}_{t}" for p in ("attn", "ffn") for t in ("fn", "base", "scale")},
         "embed": "model.embed_tokens.weight",
         "head": "model.layers.{S}.shared_head.head.weight",
-        # linears: (weight name, scale name)
+        # linears: base names of (weight, scale)
         "e_proj": "model.layers.{S}.e_proj",
         "h_proj": "model.layers.{S}.h_proj",
-        "fused_wqa_wkv": "model.layers.{S}.mtp_block.attn.fused_wqa_wkv",
-        "wq_b": "model.layers.{S}.mtp_block.attn.wq_b",
-        "wo_a": "model.layers.{S}.mtp_block.attn.wo_a",
-        "wo_b": "model.layers.{S}.mtp_block.attn.wo_b",
-        "gate_up_proj": "model.layers.{S}.mtp_block.ffn.shared_experts.gate_up_proj",
-        "down_proj": "model.layers.{S}.mtp_block.ffn.shared_experts.down_proj",
-        "experts": "model.layers.{S}.mtp_block.ffn.experts",
+        "fused_wqa_wkv": f"{blk}.attn.fused_wqa_wkv",
+        "wq_b": f"{blk}.attn.wq_b",
+        "wo_a": f"{blk}.attn.wo_a",
+        "wo_b": f"{blk}.attn.wo_b",
+        "gate_up_proj": f"{shared}.gate_up_proj",
+        "down_proj": f"{shared}.down_proj",
+        "experts": ffn.format(S="{S}", part=engine.routed),
     }
-}
-# Profile vllm-0.33: vLLM 0.33's sharded_state keys (the MoE module's aliases of router and shared
-# experts, RoutedExperts) — research/vllm_0_33.md.
-CONVERTED_TENSORS["vllm-0.33"] = {
-    **CONVERTED_TENSORS["vllm-seed"],
-    "gate.weight": "model.layers.{S}.mtp_block.ffn.experts.gate.weight",
-    "gate.bias": "model.layers.{S}.mtp_block.ffn.experts.gate.e_score_correction_bias",
-    "gate_up_proj": "model.layers.{S}.mtp_block.ffn.experts._shared_experts._layer.gate_up_proj",
-    "down_proj": "model.layers.{S}.mtp_block.ffn.experts._shared_experts._layer.down_proj",
-    "experts": "model.layers.{S}.mtp_block.ffn.experts.routed_experts",
-}
+
+
+CONVERTED_TENSORS: dict[str, dict[str, str]] = {name: converted_tensor_names(p.engine) for name, p in PROFILES.items()}
 
 
 def _gemm_by_tiles(x: torch.Tensor, rows: int, inp: int, align: int, tile, gemm) -> torch.Tensor:

@@ -32,7 +32,8 @@ from . import conversions
 from .completeness import count_by_index, require_complete
 from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo, gc_paused
-from .rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split, indexable
+from .profiles import DEFAULT_PROFILE, PROFILES, canonical_name
+from .rules import MATERIALIZE, Rule, Split, indexable
 
 GiB = 1024**3
 FP8_BLOCK = 128
@@ -53,6 +54,10 @@ class Options:
     only: str | None = None  # None | "model" | "mtp"
     max_shard_size: int = 5 * GiB
     profile: str = DEFAULT_PROFILE
+
+    def __post_init__(self) -> None:
+        # a profile's earlier name (an alias) means the profile: manifests and plans record the current name
+        object.__setattr__(self, "profile", canonical_name(self.profile))
 
     def as_dict(self) -> dict:
         return {

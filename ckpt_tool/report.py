@@ -361,6 +361,10 @@ def github_summary(report) -> None:
         "|---|---:|---:|---|",
         f"| {report.level} | {passed}/{len(report.checks)} | {len(report.failures)} | {_coverage_text(doc.get('coverage'))} |",
     ]
+    from .target import unverified_warning
+
+    if warning := unverified_warning(report.target):
+        lines += ["", f"> ⚠️ {warning}"]
     if report.numeric:
         lines += ["", "| layer | logits max rel | logits cosine | hidden max rel | top-1 | top-5 | ok |", "|---|---:|---:|---:|---:|---:|---|"]
         for n in report.numeric:

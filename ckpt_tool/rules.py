@@ -1,4 +1,7 @@
-"""The name mapping, as data: one table of rules per target profile.
+"""The name mapping, as data: the base table of rules every target profile starts from.
+
+What one engine release does differently (renamed modules, parameter dtypes, zero padding) is a
+profile's data, one module per profile in :mod:`ckpt_tool.profiles`.
 
 A rule maps one or more source tensors (DeepSeek's names, with placeholders ``{layer}``, ``{mtp}``,
 ``{expert}``) to one output tensor (the engine's parameter name, with those placeholders and
@@ -21,7 +24,6 @@ writes ``2^(b-127)`` as F32 (E8M0 scales landing in a float32 parameter — the 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -233,129 +235,6 @@ def vllm_seed_rules(expert_dtype: str) -> list[Rule]:
     # compress ratio is hard-coded 1 for MTP layers: no compressor / indexer in the MTP block
     rules += _block_rules(m, f"{S}.mtp_block", expert_dtype, "mtp", with_compressor=False)
     return [_compiled(r) for r in rules]
-
-
-@dataclass(frozen=True)
-class ConvertOverride:
-    """A profile's dtype for targets whose base name ends with ``.{tail}`` (only for ``expert_dtype``, if set)."""
-
-    tail: str
-    convert: str
-    expert_dtype: str | None = None
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A target profile, as data: the base rule table plus what this engine release does differently.
-
-    ``renames`` map a run of whole dot-separated segments of a target name to another (first entry
-    found in the name wins, applied once). ``converts`` change the element conversion of targets by
-    their base-name tail. ``pads`` are runs of whole segments of a source name whose rules' TP split the
-    engine zero-pads to whole quantization blocks per rank (where the blocks do not divide tp) instead
-    of refusing it. ``covers`` are the vLLM ``major.minor`` series ``--target auto`` picks this profile
-    for; ``verified`` names the exact releases whose own loader the engine test runs. A new vLLM
-    release whose layout changes is one more entry in ``PROFILES`` (and one engine-test parameter).
-    """
-
-    name: str
-    description: str
-    build: Callable[[str], list[Rule]]  # the base rule table, by expert_dtype
-    renames: tuple[tuple[str, str], ...] = ()
-    converts: tuple[ConvertOverride, ...] = ()
-    pads: tuple[str, ...] = ()
-    covers: tuple[str, ...] = ()
-    verified: tuple[str, ...] = ()
-    verified_by: str = ""
-    notes: tuple[str, ...] = ()
-
-    def rules(self, expert_dtype: str) -> list[Rule]:
-        out = []
-        for rule in self.build(expert_dtype):
-            rule = override_convert(rule, self.converts, expert_dtype)
-            if any(_segment_run(src, run) >= 0 for src in rule.sources for run in self.pads):
-                rule = replace(rule, pad=True)
-            out.append(rename_target(rule, self.renames))
-        return out
-
-
-def _segment_run(name: str, run: str) -> int:
-    """Index in ``name`` where the whole-segment run ``run`` starts, or -1."""
-    return f".{name}.".find(f".{run}.")  # the leading dot shifts by one: the index is the run's start in name
-
-
-def rename_target(rule: Rule, renames: tuple[tuple[str, str], ...]) -> Rule:
-    """``rule`` with the first whole-segment run of its target found in ``renames`` replaced."""
-    if rule.target is None:
-        return rule
-    for run, new in renames:
-        at = _segment_run(rule.target, run)
-        if at >= 0:
-            return replace(rule, target=rule.target[:at] + new + rule.target[at + len(run) :])
-    return rule
-
-
-def override_convert(rule: Rule, converts: tuple[ConvertOverride, ...], expert_dtype: str) -> Rule:
-    if rule.target is None:
-        return rule
-    for c in converts:
-        if (c.expert_dtype in (None, expert_dtype)) and (rule.target == c.tail or rule.target.endswith("." + c.tail)):
-            return replace(rule, convert=c.convert)
-    return rule
-
-
-# vLLM 0.33.0 (vllm/models/deepseek_v4/nvidia/{model,mtp}.py; research/vllm_0_33.md). Its MoE module
-# holds the router and the shared experts a second time; the sharded loader keeps the alias that
-# sorts first (`ffn.experts.*`) of each pair of state_dict keys sharing storage.
-VLLM_0_33_RENAMES: tuple[tuple[str, str], ...] = (
-    ("attn.mla_attn.compressor", "attn.compressor"),  # DeepseekV4Attention.compressor, no mla_attn wrapper
-    ("ffn.gate", "ffn.experts.gate"),  # FusedMoE(gate=...) alias of DeepseekV4MoE.gate
-    ("ffn.shared_experts", "ffn.experts._shared_experts._layer"),  # FusedMoE shared-experts runner alias
-    ("ffn.experts", "ffn.experts.routed_experts"),  # RoutedExperts inside FusedMoE
-)
-VLLM_0_33_CONVERTS: tuple[ConvertOverride, ...] = (
-    ConvertOverride("ffn.gate.tid2eid", "int_to_i32", why="hash table parameter is int32 (int64 only with MegaMoE)"),
-    ConvertOverride(
-        "weight_scale_inv", "e8m0_to_f32", expert_dtype="fp8",
-        why="with fp8 experts every block-FP8 linear's scale parameter is float32 (E8M0 params exist only for fp4-expert checkpoints)",
-    ),
-)
-# DeepseekV4MLP / load_weights (and the MTP's): block-FP8 shared experts get cdiv(blocks, tp) blocks a rank, the
-# checkpoint's weights and scales zero-padded on the intermediate dim (w1/w3 rows, w2 columns) before the even
-# TP split, so trailing ranks hold zeros (not under sequence parallelism, which ckpt-tool does not target).
-VLLM_0_33_PADS: tuple[str, ...] = ("shared_experts",)
-
-PROFILES: dict[str, Profile] = {
-    p.name: p
-    for p in (
-        Profile(
-            "vllm-seed",
-            "the seed loader: vLLM DeepSeek V4 + DeepSeekV4MTP.load_weights of an older vLLM (ffn.gate.*, "
-            "attn.mla_attn.compressor.*, ffn.experts.w13_weight; tid2eid and scales in their stored dtypes)",
-            vllm_seed_rules,
-            verified_by="the seed loader's code (shared/seeds); matches no released vLLM's sharded_state loader",
-        ),
-        Profile(
-            "vllm-0.33",
-            "vLLM 0.33 DeepseekV4ForCausalLM / DeepSeekV4MTP (nvidia/): --load-format sharded_state keys "
-            "(ffn.experts.routed_experts.*, ffn.experts.gate.*, ffn.experts._shared_experts._layer.*, "
-            "attn.compressor.*), int32 tid2eid, float32 linear scales for fp8-expert checkpoints",
-            vllm_seed_rules,
-            VLLM_0_33_RENAMES,
-            VLLM_0_33_CONVERTS,
-            VLLM_0_33_PADS,
-            covers=("0.33",),
-            verified=("0.33.0",),
-            verified_by="vLLM's own model classes and ShardedStateLoader.load_weights, built on CPU (tests/engine)",
-            notes=(
-                "attn_sink is written with the H/tp real heads; the engine pads its parameter to the attention "
-                "backend's head count (FlashMLA 64/128, FlashInfer 8..128) with -inf and the sharded loader copies "
-                "the prefix, warning about the shape once per layer",
-            ),
-        ),
-    )
-}
-DEFAULT_PROFILE = "vllm-0.33"  # the newest: what --target auto picks when no vLLM is installed
 
 
 # What the MTP draft model needs that a checkpoint may lack (the released V4-Flash has no MTP

@@ -45,6 +45,9 @@ class VerifyReport:
     numeric: list[dict] = field(default_factory=list)
     # numeric coverage: {"checked", "total", "percent", "components": {comp: {"checked", "total", "percent"}}}
     coverage: dict | None = None
+    # the manifest's target: profile, the vLLM releases it is verified against, the vLLM installed at convert
+    # time and whether the profile is verified for it ("verified": false is repeated as a warning)
+    target: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,6 +75,7 @@ class VerifyReport:
             "passed": [c.name for c in self.checks if c.ok],
             "numeric": self.numeric,
             "coverage": self.coverage,
+            "target": self.target,
         }
 
 

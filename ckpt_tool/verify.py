@@ -78,6 +78,7 @@ def verify(
         report.add(Check("manifest", False, f"{manifest_path}: conversion is not complete; rerun convert to finish it", file=str(manifest_path)))
         return report
     report.add(Check("manifest", True))
+    report.target = manifest.get("target")
 
     try:
         ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)

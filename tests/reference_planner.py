@@ -26,7 +26,8 @@ from ckpt_tool.completeness import require_complete
 from ckpt_tool.errors import PlanError
 from ckpt_tool.format import DTYPE_BITS, TensorInfo
 from ckpt_tool.plan import pad_note  # the note's wording; which sizes pad is worked out here
-from ckpt_tool.rules import DEFAULT_PROFILE, MATERIALIZE, PROFILES, Rule, Split
+from ckpt_tool.profiles import DEFAULT_PROFILE, PROFILES
+from ckpt_tool.rules import MATERIALIZE, Rule, Split
 
 GiB = 1024**3
 FP8_BLOCK = 128

@@ -134,7 +134,7 @@ def test_help_shows_plain_metavars_and_every_choice(capsys) -> None:
     text = convert_help + verify_help
     assert "{SRC}" not in text and "<str>" not in text and "<int range>" not in text and "<path>" not in text
     assert "Usage: ckpt-tool convert [OPTIONS] SRC OUT" in convert_help
-    for choices in ("<tp|ep>", "<model|mtp>", "<auto|vllm-seed|vllm-0.33>", "<table|json>"):
+    for choices in ("<tp|ep>", "<model|mtp>", "<auto|vllm-seed|vllm-0.33+|vllm-0.33>", "<table|json>"):
         assert choices in convert_help, choices
     for choices in ("<structure|values|numeric>", "<auto|triton|torch>", "<auto|cpu|cuda>"):
         assert choices in verify_help, choices
@@ -296,9 +296,9 @@ def test_env_prints_what_a_bug_report_needs(capsys, monkeypatch) -> None:
     assert code == 0 and doc["command"] == "env" and doc["ok"] is True
     for key in ("ckpt_tool", "python", "torch", "triton", "safetensors", "huggingface_hub", "installed_vllm", "target_auto", "hf_hub_cache"):
         assert key in doc, key
-    assert doc["target_auto"] == "vllm-0.33" and doc["installed_vllm"] is None
+    assert doc["target_auto"] == "vllm-0.33+" and doc["installed_vllm"] is None
     code, text, _ = run_cli(capsys, "env")
-    assert code == 0 and "target_auto" in text and "vllm-0.33" in text
+    assert code == 0 and "target_auto" in text and "vllm-0.33+" in text
 
 
 def test_fixture_list_needs_no_out() -> None:

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from ckpt_tool import rules
+from ckpt_tool import profiles
+from ckpt_tool.profiles import vllm_0_33_plus
 from ckpt_tool.config import V4Config
 from ckpt_tool.convert import convert
 from ckpt_tool.engine import engine_params
@@ -20,7 +21,7 @@ from fixtures.make import GOOD_VARIANTS
 CASES = [(v, tp, moe) for v in GOOD_VARIANTS for tp, moe in ((1, "tp"), (2, "tp"), (4, "ep"))]
 
 
-@pytest.mark.parametrize("profile", ["vllm-0.33", "vllm-seed"])
+@pytest.mark.parametrize("profile", ["vllm-0.33+", "vllm-seed"])
 @pytest.mark.parametrize("variant,tp,moe", CASES, ids=[f"{v}-tp{t}-{m}" for v, t, m in CASES])
 def test_every_rank_matches_the_engine_table(fixture_dir, tmp_path, variant, tp, moe, profile) -> None:
     src = fixture_dir(variant)
@@ -32,13 +33,13 @@ def test_every_rank_matches_the_engine_table(fixture_dir, tmp_path, variant, tp,
 
 
 def _stale(monkeypatch, **changes) -> None:
-    p = rules.PROFILES["vllm-0.33"]
-    monkeypatch.setitem(rules.PROFILES, "vllm-0.33", replace(p, **changes))
+    p = profiles.PROFILES["vllm-0.33+"]
+    monkeypatch.setitem(profiles.PROFILES, "vllm-0.33+", replace(p, **changes))
 
 
 def test_a_profile_missing_a_rename_fails_verify_naming_the_tensor(fixture_dir, tmp_path, monkeypatch) -> None:
     src = fixture_dir("fp4")
-    _stale(monkeypatch, renames=tuple(r for r in rules.VLLM_0_33_RENAMES if r[0] != "ffn.experts"))
+    _stale(monkeypatch, renames=tuple(r for r in vllm_0_33_plus.RENAMES if r[0] != "ffn.experts"))
     convert(src, tmp_path / "out", Options(tp=2))
     report = verify(tmp_path / "out", src, level="structure")
     failed = {c.name: c for c in report.failures}
@@ -51,7 +52,7 @@ def test_a_profile_missing_a_rename_fails_verify_naming_the_tensor(fixture_dir, 
 
 def test_a_profile_writing_the_wrong_dtype_fails_verify(fixture_dir, tmp_path, monkeypatch) -> None:
     src = fixture_dir("fp8-e8m0")
-    _stale(monkeypatch, converts=tuple(c for c in rules.VLLM_0_33_CONVERTS if c.convert != "e8m0_to_f32"))
+    _stale(monkeypatch, converts=tuple(c for c in vllm_0_33_plus.CONVERTS if c.convert != "e8m0_to_f32"))
     convert(src, tmp_path / "out", Options(tp=1))
     report = verify(tmp_path / "out", src, level="structure")
     problems = [p for c in report.failures for p in c.details["problems"]]
@@ -67,11 +68,11 @@ def test_engine_table_of_v4_flash_dimensions() -> None:
         "moe_intermediate_size": 2048, "num_hash_layers": 3, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
         "hc_mult": 4, "rms_norm_eps": 1e-6,
     })
-    mtp = engine_params(cfg, "vllm-0.33", "mtp", 8, "ep")
+    mtp = engine_params(cfg, "vllm-0.33+", "mtp", 8, "ep")
     r = "model.layers.43.mtp_block.ffn.experts.routed_experts"
     assert mtp[f"{r}.w13_weight"].shape == (32, 4096, 2048) and mtp[f"{r}.w13_weight"].dtype == "U8"
     assert mtp["model.layers.43.mtp_block.attn.attn_sink"].shape == (8,) and mtp["model.layers.43.mtp_block.attn.attn_sink"].prefix
-    model = engine_params(cfg, "vllm-0.33", "model", 8, "tp")
+    model = engine_params(cfg, "vllm-0.33+", "model", 8, "tp")
     assert model["model.layers.0.ffn.experts.gate.tid2eid"].dtype == "I32"
     assert "model.layers.2.attn.indexer.wq_b.weight" in model and "model.layers.3.attn.indexer.wq_b.weight" not in model
     assert model["model.layers.3.ffn.experts.routed_experts.w2_weight"].shape == (256, 4096, 128)

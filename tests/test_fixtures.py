@@ -288,13 +288,13 @@ def test_pad_variants_split_everywhere_but_at_their_shared_experts(fixture_dir, 
         assert cfg.moe_intermediate_size // 128 == 3
         with pytest.raises(PlanError, match=r"shared_experts\.w[123]\.(weight|scale)'"):
             plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-seed"))
-        plan = plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33"))
+        plan = plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33+"))
         padded = {t.name.split(".ffn.")[-1] for f in plan.files for t in f.tensors if t.padding}
         assert padded == {f"experts._shared_experts._layer.{n}" for n in (
             "gate_up_proj.weight", "gate_up_proj.weight_scale_inv", "down_proj.weight", "down_proj.weight_scale_inv")}
     ck = open_checkpoint(fixture_dir("fp8-e8m0-pad"))
     with pytest.raises(PlanError, match=r"ffn\.experts\.0\.w1\.(weight|scale)'.*choose"):
-        plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel="tp", profile="vllm-0.33"))
+        plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel="tp", profile="vllm-0.33+"))
 
 
 # ---------------------------------------------------------------------------------------------

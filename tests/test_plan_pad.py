@@ -27,7 +27,7 @@ SRC = "layers.0.ffn.shared_experts."
 E8M0_ZERO_AS_F32 = struct.pack("<I", 0x00400000)  # 2^-127
 
 
-def shared_tensors(variant_dir: Path, tp: int, moe: str = "ep", profile: str = "vllm-0.33") -> dict[int, dict[str, OutTensor]]:
+def shared_tensors(variant_dir: Path, tp: int, moe: str = "ep", profile: str = "vllm-0.33+") -> dict[int, dict[str, OutTensor]]:
     ck = open_checkpoint(variant_dir)
     plan = plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel=moe, profile=profile))
     out: dict[int, dict[str, OutTensor]] = {}

@@ -1,9 +1,10 @@
-"""Target profiles: ``vllm-seed`` and ``vllm-0.33`` convert every good fixture and verify; ``--target auto``.
+"""Target profiles: ``vllm-seed`` and ``vllm-0.33+`` convert every good fixture and verify; ``--target auto``.
 
-The expected names and dtypes of ``vllm-0.33`` are computed here from the ``vllm-seed`` output with the
-renames and dtype changes research/vllm_0_33.md lists, written as plain regexes rather than read from
-``ckpt_tool.rules``, so a wrong rule table cannot agree with itself. (That vllm-0.33 is what vLLM 0.33
-loads is proven by vLLM's own loader in tests/engine.)
+The expected names and dtypes of ``vllm-0.33+`` are computed here from the ``vllm-seed`` output with the
+renames and dtype changes vLLM 0.33's code implies (vllm/models/deepseek_v4/nvidia/model.py, sharded_state
+loader), written as plain regexes rather than read from ``ckpt_tool.profiles``, so a wrong rule table cannot
+agree with itself. (That vllm-0.33+ is what vLLM 0.33 and 0.34 load is proven by their own loaders in
+tests/engine.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ckpt_tool.plan import Options
 from ckpt_tool.verify import verify
 from fixtures.make import GOOD_VARIANTS
 
-PROFILE_NAMES = ("vllm-seed", "vllm-0.33")
+PROFILE_NAMES = ("vllm-seed", "vllm-0.33+")
 
 # seed name → vLLM 0.33 sharded_state key; anchored on whole dot-separated segments
 V033 = [
@@ -97,7 +98,7 @@ def test_every_profile_converts_and_verifies(converted, fixture_dir, variant: st
 def test_v033_is_the_seed_layout_renamed_with_engine_dtypes(converted, fixture_dir, variant: str, tp: int) -> None:
     expert_dtype = json.loads((fixture_dir(variant) / "config.json").read_text())["expert_dtype"]
     seed = tensors_of(converted(variant, "vllm-seed", tp))
-    new = tensors_of(converted(variant, "vllm-0.33", tp))
+    new = tensors_of(converted(variant, "vllm-0.33+", tp))
     assert set(seed) == set(new)
     for key, tensors in seed.items():
         expected = {v033_name(n): v033_tensor(n, t, expert_dtype) for n, t in tensors.items()}
@@ -120,7 +121,7 @@ def test_v033_zero_pads_shared_experts_as_vllm_loads_them(fixture_dir, tmp_path,
     src = fixture_dir(variant)
     expert_dtype = json.loads((src / "config.json").read_text())["expert_dtype"]
     out = tmp_path / "out"
-    convert(src, out, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33"))
+    convert(src, out, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33+"))
     blocks_a_rank = -(-3 // tp)  # cdiv(384 / 128, tp): more than 3 / tp, the rest zeros
     for comp in ("model", "mtp"):
         got = read_component(out / comp)
@@ -138,7 +139,7 @@ def test_v033_zero_pads_shared_experts_as_vllm_loads_them(fixture_dir, tmp_path,
 
 
 def test_v033_layout_of_hash_layer_compressor_and_mtp_block(converted) -> None:
-    new = tensors_of(converted("fp4", "vllm-0.33", 1))
+    new = tensors_of(converted("fp4", "vllm-0.33+", 1))
     model, mtp = new[("model", 0)], new[("mtp", 0)]
     assert model["model.layers.0.ffn.experts.gate.tid2eid"].dtype == torch.int32  # hash layer
     assert "model.layers.1.ffn.experts.gate.e_score_correction_bias" in model
@@ -149,30 +150,53 @@ def test_v033_layout_of_hash_layer_compressor_and_mtp_block(converted) -> None:
 
 
 def test_fp8_expert_checkpoints_get_float32_linear_scales(converted) -> None:
-    model = tensors_of(converted("fp8-e8m0", "vllm-0.33", 1))[("model", 0)]
+    model = tensors_of(converted("fp8-e8m0", "vllm-0.33+", 1))[("model", 0)]
     scales = {n: t.dtype for n, t in model.items() if "scale" in n}
     assert scales and set(scales.values()) == {torch.float32}
-    fp4 = tensors_of(converted("fp4", "vllm-0.33", 1))[("model", 0)]
+    fp4 = tensors_of(converted("fp4", "vllm-0.33+", 1))[("model", 0)]
     assert fp4["model.layers.0.attn.wq_b.weight_scale_inv"].dtype == torch.float8_e8m0fnu  # E8M0 params with fp4 experts
 
 
-def test_profiles_command_lists_both_with_verified_versions(capsys) -> None:
+def test_profiles_command_lists_every_profile_with_its_verified_releases_and_aliases(capsys) -> None:
     assert main(["profiles"]) == 0
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.splitlines() if line.strip() and not line.startswith((" ", "--target"))]
     assert listed == list(PROFILE_NAMES)
-    assert "verified against vLLM 0.33.0" in out
+    assert "verified against vLLM 0.33.0, 0.34.0 (also: vllm-0.33)" in out
+    assert "shared/" not in out and "seeds" not in out  # speaks of things a user has
     assert main(["profiles", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in doc["profiles"]] == list(PROFILE_NAMES)
-    assert {p["name"]: p["vllm_verified"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33": ["0.33.0"]}
+    assert {p["name"]: p["vllm_verified"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["0.33.0", "0.34.0"]}
+    assert {p["name"]: p["vllm_covers"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["0.33.x", "0.34.x"]}
+    assert {p["name"]: p["aliases"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["vllm-0.33"]}
 
 
 def test_unknown_target_is_a_usage_error_naming_the_known_ones(fixture_dir, tmp_path, capsys) -> None:
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--target", "vllm-nope"])
     err = capsys.readouterr().err
-    assert code == 2 and "vllm-nope" in err and "vllm-0.33" in err and "vllm-seed" in err
+    assert code == 2 and "vllm-nope" in err and "vllm-0.33+" in err and "vllm-seed" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_earlier_profile_name_still_works_and_the_manifest_records_the_current_one(fixture_dir, tmp_path, capsys) -> None:
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--target", "vllm-0.33"])
+    assert code == 0, capsys.readouterr().err
+    manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
+    assert manifest["profile"] == manifest["options"]["profile"] == manifest["target"]["profile"] == "vllm-0.33+"
+    assert Options(profile="vllm-0.33") == Options(profile="vllm-0.33+")
+
+
+def test_an_out_whose_manifest_names_the_earlier_profile_still_verifies(fixture_dir, tmp_path) -> None:
+    """OUTs written before the rename record ``vllm-0.33``: verify (and resume, unconvert) read it as the profile."""
+    src, out = fixture_dir("fp4"), tmp_path / "out"
+    convert(src, out, Options(tp=2, only="mtp"))
+    path = out / "ckpt-tool.json"
+    manifest = json.loads(path.read_text())
+    manifest["profile"] = manifest["options"]["profile"] = "vllm-0.33"
+    path.write_text(json.dumps(manifest))
+    report = verify(out, src, level="values")
+    assert report.ok, [c.message for c in report.failures]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,29 +209,87 @@ def test_auto_without_vllm_takes_the_newest_profile_and_says_so(fixture_dir, tmp
     err = capsys.readouterr().err
     assert code == 0, err
     notes = [line for line in err.splitlines() if line.startswith("note: ")]
-    assert len(notes) == 1 and "no vLLM installed" in notes[0] and "vllm-0.33" in notes[0]
+    assert len(notes) == 1 and "no vLLM installed" in notes[0] and "vllm-0.33+" in notes[0]
+    assert "warning" not in err
     manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
-    assert manifest["profile"] == "vllm-0.33"
-    assert manifest["target"] == {"profile": "vllm-0.33", "vllm_verified": ["0.33.0"], "vllm_covers": ["0.33"], "installed_vllm": None}
+    assert manifest["profile"] == "vllm-0.33+"
+    assert manifest["target"] == {
+        "profile": "vllm-0.33+", "vllm_verified": ["0.33.0", "0.34.0"], "vllm_covers": ["0.33", "0.34"],
+        "installed_vllm": None, "verified": None,
+    }
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1+cu130"])
-def test_auto_picks_the_profile_covering_the_installed_vllm(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1+cu130", "0.34.0", "0.34.1rc1"])
+def test_auto_picks_the_profile_covering_the_installed_vllm_without_a_word(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
     monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
-    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--json"])
-    assert code == 0, capsys.readouterr().err
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "warning" not in err and "note:" not in err
     manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
-    assert manifest["profile"] == "vllm-0.33" and manifest["target"]["installed_vllm"] == version
+    assert manifest["profile"] == "vllm-0.33+" and manifest["target"]["installed_vllm"] == version
+    assert manifest["target"]["verified"] is True
 
 
-def test_auto_refuses_an_installed_vllm_no_profile_covers(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.34.0")
+@pytest.mark.parametrize("version", ["0.35.0", "0.35.0rc1.dev12+g1234abc", "1.0.0"])
+def test_auto_with_a_newer_vllm_takes_the_newest_profile_with_one_warning_and_marks_it(
+    fixture_dir, tmp_path, capsys, monkeypatch, version: str
+) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
+    src, out = fixture_dir("fp4"), tmp_path / "out"
+    code = main(["convert", str(src), str(out), "--only", "mtp"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1, err
+    assert version in warnings[0] and "not verified" in warnings[0] and "ckpt-tool verify OUT --engine" in warnings[0]
+    manifest = json.loads((out / "ckpt-tool.json").read_text())
+    assert manifest["profile"] == "vllm-0.33+"
+    assert manifest["target"]["verified"] is False and manifest["target"]["installed_vllm"] == version
+
+    # verify repeats the mark: a warning line, and target.verified in its JSON
+    assert main(["verify", str(out), "--source", str(src), "--level", "structure"]) == 0
+    err = capsys.readouterr().err
+    assert sum(line.startswith("warning: ") for line in err.splitlines()) == 1 and version in err
+    assert main(["verify", str(out), "--source", str(src), "--level", "structure", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["target"]["verified"] is False and doc["target"]["installed_vllm"] == version
+    assert "warning: " in captured.err
+
+
+def test_auto_with_a_newer_vllm_in_json_mode_carries_the_warning(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.35.0")
+    code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads(captured.out)
+    assert "0.35.0" in doc["target_warning"] and doc["target_note"] is None
+    assert captured.err.count("warning: ") == 1
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.10.0", "nightly"])
+def test_auto_refuses_an_older_or_unreadable_vllm(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2
-    assert "0.34.0" in err and "vllm-seed" in err and "vllm-0.33" in err and "--target" in err
+    assert version in err and "vllm-seed" in err and "vllm-0.33+" in err and "--target" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_env_and_profiles_say_whether_auto_is_verified_for_the_installed_vllm(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.36.2")
+    assert main(["env", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["target_auto"] == "vllm-0.33+" and doc["target_auto_verified"] is False
+    assert main(["profiles"]) == 0
+    assert "NOT verified for vLLM 0.36.2" in capsys.readouterr().out
+    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.34.0")
+    assert main(["profiles", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["auto"] == "vllm-0.33+" and doc["auto_verified"] is True and doc["auto_error"] is None
 
 
 def test_installed_vllm_is_read_from_package_metadata_without_importing_it(monkeypatch) -> None:

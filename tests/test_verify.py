@@ -50,7 +50,8 @@ from ckpt_tool.convert import convert
 from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from ckpt_tool.format import read_shard_header
-from ckpt_tool.rules import PROFILES, Rule
+from ckpt_tool.profiles import PROFILES
+from ckpt_tool.rules import Rule
 from ckpt_tool.verify import VerifyReport, verify
 from cli_helpers import run_cli
 from fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
@@ -591,7 +592,7 @@ def test_main_layer_corruption_caught_by_numeric_alone(fixture_dir, tmp_path, ci
     assert all(c.ok for c in report.checks if c.name.startswith("numeric:mtp"))  # the MTP layer is untouched
 
 
-def _swapped_fused_rules(monkeypatch, profile: str = "vllm-0.33", where: str = "layers.{layer}.") -> None:
+def _swapped_fused_rules(monkeypatch, profile: str = "vllm-0.33+", where: str = "layers.{layer}.") -> None:
     """Break the rule table on purpose: fuse [wkv; wq_a] instead of [wq_a; wkv] (weight and scale) for the
     layers whose source names start with ``where`` (main layers by default). Convert and verify's values level
     both follow the broken table, so only the numeric level, which names the engine's tensors independently,
