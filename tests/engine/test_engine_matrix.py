@@ -1,10 +1,12 @@
-"""ckpt-tool's ``--target vllm-0.33`` output, loaded by vLLM 0.33.0's own ShardedStateLoader into vLLM 0.33.0's own
-DeepSeek V4 classes (``nvidia/`` model and MTP), must give the very parameters vLLM's stock load of the original
-checkpoint gives, byte for byte, except where the manifest (``OUT/ckpt-tool.json``) lists a deviation.
+"""The engine matrix: for every vLLM release a profile is verified against, ckpt-tool's output for that profile,
+loaded by the release's own ShardedStateLoader into the release's own DeepSeek V4 classes (``nvidia/`` model and
+MTP), must give the very parameters that release's stock load of the original checkpoint gives, byte for byte, on
+every rank of model and draft, except where the manifest (``OUT/ckpt-tool.json``) lists a deviation.
 
-Run: ``pytest -m engine tests/engine -s`` (``-s`` prints timings and the loader warnings that remain). The first
-run installs vLLM 0.33.0 into ``.engine-site`` (tests/engine/install.py); without the wheel the tests fail.
-``ENGINE_TARGET=vllm-seed`` runs the same checks against another ckpt-tool profile.
+Run: ``pytest -m engine tests/engine -s`` (``-s`` prints timings and the loader warnings that remain); one release:
+``-k vllm-0.34.0``. The first run installs each release into ``.engine-site/vllm-<release>/``
+(tests/engine/install.py); without the wheel the tests fail. ``ENGINE_TARGET=vllm-seed`` runs the same checks
+against another ckpt-tool profile than the one verified against the release.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.engine
 
-TARGET = os.environ.get("ENGINE_TARGET", "vllm-0.33")
+
+
+def target_of(release) -> str:
+    """The profile converted for ``release``: the one verified against it, unless ENGINE_TARGET names another."""
+    return os.environ.get("ENGINE_TARGET") or release.profile
+
 
 # (fixture variant, tp, expert parallel)
 CASES = [
@@ -49,8 +56,8 @@ CAST_WARNING = "Attempted to load weight"  # ShardedStateLoader: file dtype != p
 EXPERT_SCALE_SRC = re.compile(r"(^|\.)experts\.\d+\.w[123]\.scale$")
 
 
-def _convert(src: Path, out: Path, tp: int, ep: bool) -> dict:
-    cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), "--tp", str(tp), "--target", TARGET]
+def _convert(src: Path, out: Path, tp: int, ep: bool, target: str) -> dict:
+    cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), "--tp", str(tp), "--target", target]
     if ep:
         cmd += ["--moe-parallel", "ep"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -199,7 +206,7 @@ ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "f
             "uint8": "U8", "int32": "I32", "int64": "I64"}
 
 
-def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool) -> list[str]:
+def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, target: str) -> list[str]:
     """ckpt_tool.engine's table (what verify checks OUT against) vs the keys vLLM's own classes hold, every rank."""
     from ckpt_tool.config import V4Config
     from ckpt_tool.engine import engine_params
@@ -210,7 +217,7 @@ def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool) -> 
         if r["op"] != "sharded-load":
             continue
         comp, rank = r["job"]["component"], r["job"]["rank"]
-        ours = engine_params(cfg, TARGET, comp, tp, "ep" if ep else "tp")
+        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp")
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):
@@ -232,19 +239,20 @@ def _report(title: str, allowed: list[str], warnings_left: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("variant", "tp", "ep"), CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}" for v, t, e in CASES])
-def test_sharded_load_matches_stock_load(variant, tp, ep, fixture_dir, run_worker, tmp_path):
+def test_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
     t0 = time.perf_counter()
+    target = target_of(vllm_release)
     src = fixture_dir(variant)
     config = json.loads((src / "config.json").read_text())
     out = tmp_path / "out"
-    manifest = _convert(src, out, tp, ep)
+    manifest = _convert(src, out, tp, ep, target)
     t_convert = time.perf_counter() - t0
     results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps"))
     t_engine = time.perf_counter() - t0 - t_convert
     problems, allowed, warnings_left = compare(results, tp, manifest, config["num_hidden_layers"])
-    problems += engine_table_problems(results, src, tp, ep)
+    problems += engine_table_problems(results, src, tp, ep, target)
     _report(
-        f"[engine {variant} tp{tp}{' ep' if ep else ''} --target {TARGET}] convert {t_convert:.1f}s, "
+        f"[{vllm_release.id} {variant} tp{tp}{' ep' if ep else ''} --target {target}] convert {t_convert:.1f}s, "
         f"vLLM {t_engine:.1f}s ({len(results)} builds)",
         allowed,
         warnings_left,
@@ -289,7 +297,7 @@ def _patch_saved(variant: str, out: Path, tp: int, stock: dict, num_hidden_layer
 
 
 @pytest.mark.parametrize("variant", list(SELF_TESTS))
-def test_harness_on_vllms_own_sharded_save(variant, fixture_dir, run_worker, tmp_path):
+def test_harness_on_vllms_own_sharded_save(variant, vllm_release, fixture_dir, run_worker, tmp_path):
     """Self-test of the harness, no ckpt-tool involved: what vLLM's own ``ShardedStateLoader.save_model`` writes
     after a stock load loads back warning-free and byte-identical; the two manifest deviations, applied to it,
     are accepted only when the manifest declares them."""
@@ -308,7 +316,7 @@ def test_harness_on_vllms_own_sharded_save(variant, fixture_dir, run_worker, tmp
     assert all(not any(r["precheck"].values()) for r in sharded), [r["precheck"] for r in sharded]
 
     problems, allowed, warnings_left = compare(stock + sharded, tp, manifest, layers)
-    _report(f"[harness self-test {variant}: {change}]", allowed, warnings_left)
+    _report(f"[{vllm_release.id} harness self-test {variant}: {change}]", allowed, warnings_left)
     assert not problems and not warnings_left, (problems, warnings_left)
     if variant == "fp4-mtp-emb":
         assert not allowed
