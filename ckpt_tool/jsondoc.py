@@ -25,7 +25,10 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
         "warnings", "not_selected", "partial", "finalized", "target_note",
     ),
-    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage"),
+    # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
+    # "message": what failed, or why it did not run), passed their names; results is every check in order as
+    # {"name", "status", "message"} (status passed | failed | skipped; only failed ones make ok false).
+    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage"),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),
     "env": (),  # free-form facts (versions), see cli.environment_facts

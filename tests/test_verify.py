@@ -51,6 +51,8 @@ from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from ckpt_tool.format import read_shard_header
 from ckpt_tool.rules import PROFILES, Rule
+from ckpt_tool.report import github_annotations, github_summary, render_verify, write_junit
+from ckpt_tool.verdict import Check, skipped_check
 from ckpt_tool.verify import VerifyReport, verify
 from cli_helpers import run_cli
 from fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
@@ -650,6 +652,59 @@ def test_junit_has_one_testcase_per_check_and_counts_failures(fixture_dir, tmp_p
     assert int(root.get("failures")) == len(failures) > 0
     assert int(root.get("tests")) == len(root.findall(".//testcase"))
     assert any(SINK in (f.get("message") or "") for f in failures)
+
+
+def _three_outcomes() -> VerifyReport:
+    report = VerifyReport("out", "src", "numeric")
+    report.add(Check("manifest", True))
+    report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model)"))
+    report.add(Check("values:model/a.safetensors", False, "tensor 'w': bytes differ", file="model/a.safetensors", tensor="w"))
+    return report
+
+
+def test_each_check_is_passed_failed_or_skipped_and_json_keeps_them_apart() -> None:
+    report = _three_outcomes()
+    assert [c.status for c in report.checks] == ["passed", "skipped", "failed"]
+    assert not report.ok and report.counts() == "1 passed, 1 skipped, 1 failed"
+    doc = report.to_json()
+    assert doc["checks"] == 3 and doc["failed"] == 1 and doc["passed"] == ["manifest"]
+    assert [(c["name"], c["status"], c["message"]) for c in doc["skipped"]] == [
+        ("numeric:mtp-forward", "skipped", "OUT holds no MTP draft (converted with --only model)")]
+    assert [(c["name"], c["status"]) for c in doc["failures"]] == [("values:model/a.safetensors", "failed")]
+    assert [(r["name"], r["status"]) for r in doc["results"]] == [
+        ("manifest", "passed"), ("numeric:mtp-forward", "skipped"), ("values:model/a.safetensors", "failed")]
+    report.checks.pop()
+    assert report.ok  # a skip alone does not fail the gate
+    with pytest.raises(AssertionError):
+        skipped_check("numeric", "")  # a skip says why
+    with pytest.raises(AssertionError):
+        Check("numeric", False, "x", status="skipped")  # a failure is never a skip
+
+
+def test_junit_github_and_the_summary_line_show_skipped_checks(tmp_path, capsys, monkeypatch) -> None:
+    report = _three_outcomes()
+    write_junit(report, tmp_path / "v.xml")
+    root = ET.parse(tmp_path / "v.xml").getroot()
+    suite = root.find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    assert root.get("skipped") == "1"
+    case = {c.get("name"): c for c in suite.findall("testcase")}
+    assert case["numeric:mtp-forward"].find("skipped").get("message").startswith("OUT holds no MTP draft")
+    assert case["numeric:mtp-forward"].find("failure") is None and case["manifest"].find("skipped") is None
+    assert case["values:model/a.safetensors"].find("failure") is not None
+
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))
+    capsys.readouterr()
+    github_summary(report)
+    github_annotations(report)
+    render_verify(report)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| numeric | 3 | 1 | 1 | 1 | - |" in text and "### Skipped" in text
+    assert "- `numeric:mtp-forward`: OUT holds no MTP draft" in text
+    cap = capsys.readouterr()
+    assert "::notice title=ckpt-tool verify numeric%3Amtp-forward skipped::OUT holds no MTP draft" in cap.out
+    assert "verify (numeric): FAIL 1 passed, 1 skipped, 1 failed (3 checks)" in cap.out
+    assert "skipped numeric:mtp-forward: OUT holds no MTP draft" in cap.err
 
 
 def test_github_annotations_on_failure_and_json_stays_clean(fixture_dir, tmp_path, capsys) -> None:
