@@ -38,7 +38,7 @@ from .plan import Plan
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
 from .tensor_rows import RowReader, release_freed_memory, source_info
-from .verdict import Check, Progress, VerifyReport, problems_check
+from .verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +465,7 @@ def check_numeric(
     device: str, tokens: int, seed: int, act: str = "bf16", progress: Progress | None = None,
 ) -> None:
     """The numeric level: every output tensor against the source (linear_check), then the forward of
-    every MTP layer (one check each), then coverage (output tensors checked numerically / all)."""
+    every MTP layer (one check each; skipped when OUT has no MTP draft), then coverage (output tensors checked numerically / all)."""
     from .kernels import resolve_backend
     from .linear_check import check_every_tensor
 
@@ -479,7 +479,7 @@ def check_numeric(
     checked = check_every_tensor(out, plan, ckpt, headers, report, kernels=kernels, device=dev, seed=seed, act=act,
                                  progress=progress, skip_mtp_experts=has_mtp)
     if not has_mtp:
-        report.add(Check("numeric:mtp-forward", True, "skipped: --only model has no MTP layers to run"))
+        report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"))
     inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
     for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
         S = cfg.num_hidden_layers + i

@@ -378,13 +378,17 @@ def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) 
     names = {c.name for c in report.checks}
     assert f"index:{only}" in names and f"index:{other}" not in names
     if only == "mtp":
-        assert len(report.numeric) == 2
-    else:
-        assert report.numeric == [] and any(c.name == "numeric:mtp-forward" and "skipped" in c.message for c in report.checks)
+        assert len(report.numeric) == 2 and report.skipped == []
+    else:  # the MTP forward does not apply: skipped with its reason, not passed
+        assert report.numeric == [] and [(c.name, c.status) for c in report.skipped] == [("numeric:mtp-forward", "skipped")]
+        assert "--only model" in report.skipped[0].message
     assert report.coverage["percent"] == 100.0 and set(report.coverage["components"]) == {only}
     code, stdout, err = cli_verify(capsys, out, src, "--json")
     assert code == 0, err
-    assert json.loads(stdout)["ok"] is True
+    doc = json.loads(stdout)
+    assert doc["ok"] is True and [c["name"] for c in doc["skipped"]] == [c.name for c in report.skipped]
+    assert "numeric:mtp-forward" not in doc["passed"]
+    assert {r["name"]: r["status"] for r in doc["results"]}.get("numeric:mtp-forward") == (None if only == "mtp" else "skipped")
 
 
 # ---------------------------------------------------------------------------------------------
