@@ -28,6 +28,8 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
     # "message": what failed, or why it did not run), passed their names; results is every check in order as
     # {"name", "status", "message"} (status passed | failed | skipped; only failed ones make ok false).
+    # coverage: {"unit", "checked", "total", "percent", "components": {comp: {... "ranks": {rank: {...}}}}}
+    # counted in units actually computed; percent is null when total is 0 (n/a), never 100.
     "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage"),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),

@@ -9,8 +9,9 @@
    safetensors' own slicing (not the writer's gather code), in bounded row blocks.
 3. numeric — every output tensor against the source by the engine's names (linear_check.py: each
    linear through the GEMM kernels, the rest by value), then a forward of every MTP layer with every
-   expert routed (numeric.py); coverage (output tensors checked numerically / all) in the report. It
-   recombines every rank, so on an OUT of some ranks (convert --ranks) it fails, saying what to run instead.
+   expert routed (numeric.py); coverage (units computed / expected, per rank, expert and fused part) in
+   the report. It recombines every rank, so on an OUT of some ranks (convert --ranks) it fails, saying
+   what to run instead.
 
 The levels stack: each runs only when the ones before passed. They share one record
 (ckpt_tool.verdict: Check, VerifyReport, Progress); numeric never imports this module.
