@@ -25,7 +25,16 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
         "warnings", "not_selected", "partial", "finalized", "target_note", "target_warning",
     ),
-    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage", "target"),
+    # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
+    # "message": what failed, or why it did not run), passed their names; results is every check in order as
+    # {"name", "status", "message"} (status passed | failed | skipped; only failed ones make ok false).
+    # coverage: {"unit", "checked", "total", "percent", "components": {comp: {... "ranks": {rank: {...}}}}}
+    # counted in units actually computed; percent is null when total is 0 (n/a), never 100.
+    # target: the manifest's target (profile, vLLM releases it is verified against, the vLLM installed at convert
+    # time, "verified": false when the profile is not verified for it).
+    "verify": (
+        "out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage", "target",
+    ),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_verified", "auto_error"),
     "env": (),  # free-form facts (versions), see cli.environment_facts

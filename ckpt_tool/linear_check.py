@@ -234,6 +234,115 @@ def unit_tensors(u: Unit) -> list[str]:
     return [u.weight] + ([u.scale] if u.scale else [])
 
 
+def unit_label(u: Unit) -> str:
+    """The unit's engine tensor (``[expert j]`` for one routed expert of a stacked tensor)."""
+    return u.name if isinstance(u, ExactUnit) else u.label
+
+
+def unit_parts(u: Unit) -> list[str]:
+    """The source tensors (quantized linears: base names) a unit holds, in order."""
+    return [u.source] if isinstance(u, ExactUnit) else [p.source for p in u.parts]
+
+
+# ---------------------------------------------------------------------------------------------
+# coverage: what was computed
+
+
+class Coverage:
+    """What the numeric level computed, counted in units of one source part of one engine tensor on one rank:
+    a fused weight counts once per part (``fused_wqa_wkv``: wq_a and wkv; ``gate_up_proj``: w1 and w3), a
+    stacked routed-expert tensor once per expert and part (w13: w1 and w3; w2), weight and scale together.
+
+    Expected: every unit of the unit table on every rank the plan writes, plus whatever a rank's header holds
+    that no unit names (a tensor, a stacked expert slot) — nothing can compute those, so they count against
+    coverage. Computed: only what the code that ran a part records (:class:`LinearRunner`, the MTP forward's
+    expert probes via :meth:`credit`), never inferred from names. Nothing to cover is n/a, never 100 %.
+    """
+
+    SHOWN = 50  # units not computed listed by name in the report
+
+    def __init__(self, plan: Plan, headers: dict[str, ShardHeader], units: dict[str, list[Unit]]) -> None:
+        self.units = dict(units)  # the caller may narrow what it runs; what is expected stays
+        self.ranks = {comp: sorted({f.rank for f in plan.files if f.component == comp}) for comp in units}
+        self.computed: dict[str, dict[tuple[str, str], int]] = {comp: {} for comp in units}
+        self.unnamed: dict[str, list[tuple[int, str]]] = {comp: _unnamed(plan, headers, comp, us) for comp, us in units.items()}
+
+    def add(self, component: str, computed: dict[tuple[str, str], int]) -> None:
+        """A runner's record: ``(unit label, source part) -> bits of the ranks computed``."""
+        done = self.computed[component]
+        for key, bits in computed.items():
+            done[key] = done.get(key, 0) | bits
+
+    def credit(self, component: str, records: set[tuple[int, str]]) -> None:
+        """``(rank, source part)`` pairs another computation compared with the source (the MTP forward's expert
+        probes): the unit holding that part counts as computed on that rank."""
+        holders: dict[str, list[str]] = {}
+        for u in self.units[component]:
+            for src in unit_parts(u):
+                holders.setdefault(src, []).append(unit_label(u))
+        done = self.computed[component]
+        for rank, src in records:
+            for label in holders.get(src, ()):
+                done[label, src] = done.get((label, src), 0) | 1 << rank
+
+    def summary(self) -> tuple[dict, list[str]]:
+        """The report's coverage (``checked`` / ``total`` units, ``percent`` or None when there is nothing to
+        cover; per component and rank), and the first :attr:`SHOWN` units not computed, named."""
+        components: dict[str, dict] = {}
+        missed: list[str] = []
+        for comp, units in self.units.items():
+            tally = {r: [0, 0] for r in self.ranks[comp]}  # rank -> [checked, total]
+            done = self.computed[comp]
+            for u in units:
+                label = unit_label(u)
+                for src in unit_parts(u):
+                    bits = done.get((label, src), 0)
+                    for r in u.ranks:
+                        if r not in tally:
+                            continue  # a rank the plan does not write (convert --ranks)
+                        tally[r][1] += 1
+                        if bits >> r & 1:
+                            tally[r][0] += 1
+                        elif len(missed) < self.SHOWN:
+                            missed.append(f"{comp} rank {r}: {label} part {src}")
+            for r, what in self.unnamed[comp]:
+                tally[r][1] += 1
+                if len(missed) < self.SHOWN:
+                    missed.append(f"{comp} rank {r}: {what} (no numeric check computes it)")
+            ranks = {str(r): _tally(c, t) for r, (c, t) in tally.items()}
+            components[comp] = {**_tally(sum(c for c, _ in tally.values()), sum(t for _, t in tally.values())), "ranks": ranks}
+        whole = _tally(sum(c["checked"] for c in components.values()), sum(c["total"] for c in components.values()))
+        return {"unit": "one source part of one engine tensor on one rank", **whole, "components": components}, missed
+
+
+def _tally(checked: int, total: int) -> dict:
+    """``percent`` floored (99.996 % shows 99.99, never 100), None for 0 of 0."""
+    return {"checked": checked, "total": total, "percent": math.floor(10000 * checked / total) / 100 if total else None}
+
+
+def _unnamed(plan: Plan, headers: dict[str, ShardHeader], comp: str, units: list[Unit]) -> list[tuple[int, str]]:
+    """``(rank, what)`` for each tensor in the rank's headers that no unit names, and each stacked expert slot
+    of a named tensor that no unit computes."""
+    named: dict[int, set[str]] = {}
+    slots: dict[tuple[int, str], set[int]] = {}
+    for u in units:
+        for i, r in enumerate(u.ranks):
+            named.setdefault(r, set()).update(unit_tensors(u))
+            if isinstance(u, LinearUnit) and u.expert is not None:
+                for name in unit_tensors(u):
+                    slots.setdefault((r, name), set()).add(u.local[i])
+    found: list[tuple[int, str]] = []
+    for f in plan.files:
+        if f.component != comp or f.relpath not in headers:
+            continue
+        for name, info in headers[f.relpath].tensors.items():
+            if name not in named.get(f.rank, ()):
+                found.append((f.rank, f"{f.relpath}: {name}"))
+            elif (f.rank, name) in slots and info.shape:
+                found += [(f.rank, f"{f.relpath}: {name} slot {k}") for k in range(info.shape[0]) if k not in slots[f.rank, name]]
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # running the units
 
@@ -283,10 +392,16 @@ def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
 
 
 class LinearRunner:
-    """Runs units; keeps the worst disagreement per unit for the report."""
+    """Runs units; keeps the worst disagreement per unit for the report, and in ``computed`` what it ran:
+    ``(unit label, source part) -> bit r set`` once that part's rows on rank r were all compared with the source."""
 
     def __init__(self, sides: _Sides, *, kernels: str, act: str, seed: int) -> None:
         self.sides, self.kernels, self.act, self.seed = sides, kernels, act, seed
+        self.computed: dict[tuple[str, str], int] = {}
+
+    def _done(self, u: Unit, source: str, ranks) -> None:
+        key = (unit_label(u), source)
+        self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
 
     # the two GEMMs: source = torch reference, engine = the kernels
     def _reference(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
@@ -362,6 +477,7 @@ class LinearRunner:
         local_off = 0  # ... and in a column-parallel rank's tensor
         for part in u.parts:
             worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
+            ran: set[int] = set()  # ranks whose rows of the part were compared
 
             def note(holder, ref: torch.Tensor, got: torch.Tensor) -> None:
                 w = worst.setdefault(holder, [0.0, 0.0])
@@ -378,6 +494,7 @@ class LinearRunner:
                         got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
                         if not torch.equal(got, w_src):
                             return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
+                        ran.add(r)
                     continue
                 ref = self._reference(u.kind, x_src, w_src, s_src, f"source {part.source}")
                 del w_src, s_src
@@ -389,15 +506,19 @@ class LinearRunner:
                         y = self._kernel(u.kind, x[:, i * kr : (i + 1) * kr].contiguous(), w, s, f"{u.label} rank {r}")
                         got = y if got is None else got + y
                     note("sum", ref, got)
+                    ran.update(u.ranks)
                 elif u.layout == "col":
                     i = u.ranks.index(owner)
                     local = local_off + a - i * u.share(part.rows)
                     w, s = self._engine_tile(u, owner, slots[owner], local, local + (b - a))
                     note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}"))
+                    ran.add(owner)
                 else:
                     for r in u.ranks:
                         w, s = self._engine_tile(u, r, slots[r], off + a, off + b)
                         note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}"))
+                        ran.add(r)
+            self._done(u, part.source, ran)
             for holder, (d, amax) in worst.items():
                 rel = d / max(amax, 1e-30)
                 if not rel <= LINEAR_MAX_REL:
@@ -413,6 +534,7 @@ class LinearRunner:
                     if y.count_nonzero():
                         return (f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's zero "
                                 f"padding after part {part.source} but compute nonzero output (max |y| {y.abs().max().item():.3g})")
+                    self._done(u, part.source, [r])
             off += part.rows
             local_off += u.share(part.rows) if u.layout == "col" else part.rows
         return None
@@ -428,7 +550,9 @@ class LinearRunner:
             if u.layout == "col":
                 n = src.shape[0] // T
                 want = src[i * n : (i + 1) * n]
-            if tuple(got.shape) != tuple(want.shape) or not _same_values(want, got):
+            same = tuple(got.shape) == tuple(want.shape) and _same_values(want, got)
+            self._done(u, u.source, [r])
+            if not same:
                 return f"tensor {u.name!r} (rank {r}): values differ from source {u.source}"
         return None
 
@@ -446,15 +570,17 @@ def check_every_tensor(
     out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *,
     kernels: str, device: torch.device, seed: int, act: str = "bf16", progress: Progress | None = None,
     skip_mtp_experts: bool = False,
-) -> dict[str, set[tuple[int, str]]]:
-    """Add one check per layer (and one for embed/head) per component; return the (rank, tensor) pairs checked.
+) -> Coverage:
+    """Add one check per layer (and one for embed/head) per component; return the coverage: every unit
+    expected, those run here computed.
 
-    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py)."""
+    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
+    credits them to the coverage); they stay expected."""
     progress = progress or NoProgress()
     opts, cfg = plan.options, plan.config
     components = sorted({f.component for f in plan.files})
-    checked: dict[str, set[tuple[int, str]]] = {}
     plans = {comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors)) for comp in components}
+    coverage = Coverage(plan, headers, plans)
     if skip_mtp_experts and "mtp" in plans:
         plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
     progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
@@ -462,7 +588,6 @@ def check_every_tensor(
         for comp in components:
             sides = _Sides(ckpt, out, plan, headers, comp, reader, device)
             runner = LinearRunner(sides, kernels=kernels, act=act, seed=seed)
-            done = checked.setdefault(comp, set())
             groups: dict[str, list[Unit]] = {}
             for u in plans[comp]:
                 groups.setdefault(u.group, []).append(u)
@@ -476,8 +601,7 @@ def check_every_tensor(
                             msg = f"tensor {unit_tensors(u)[0]!r}: {exc}"
                         if msg:
                             bad.append((msg, unit_tensors(u)[0]))
-                        for r in u.ranks:
-                            done.update((r, name) for name in unit_tensors(u))
                         progress.advance(1, f"{comp} {group}")
                 report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": len(units)}))
-    return checked
+            coverage.add(comp, runner.computed)
+    return coverage

@@ -39,7 +39,7 @@ from .profiles import PROFILES, EngineNames
 from .reference import MTPOutput, compare_outputs, mtp_layer_forward
 from .source import Checkpoint
 from .tensor_rows import RowReader, release_freed_memory, source_info
-from .verdict import Check, Progress, VerifyReport, problems_check
+from .verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 log = logging.getLogger(__name__)
 
@@ -370,10 +370,13 @@ class _ProbedShard:
         return y[:n].reshape(*x.shape[:-1], y.shape[-1])
 
 
-def compare_expert_probes(cfg: V4Config, plan: Plan, source: _ProbedShard, converted: list[_ProbedShard], mtp: int) -> tuple[list[tuple[str, str]], bool]:
+def compare_expert_probes(
+    cfg: V4Config, plan: Plan, source: _ProbedShard, converted: list[_ProbedShard], mtp: int,
+) -> tuple[list[tuple[str, str]], set[tuple[int, str]]]:
     """Each routed expert's probe outputs: the source linear against the ranks recombined (tp: w1/w3 rows
-    concatenated, w2 partial sums added; ep: the owner's). Returns (message, tensor) failures and whether
-    every expert was reached on every rank that holds it."""
+    concatenated, w2 partial sums added; ep: the owner's). Returns (message, tensor) failures and what was
+    compared, for the coverage to credit: ``(rank, source part)`` for each part of each expert whose probe
+    output every side computed, e.g. ``(1, "mtp.0.ffn.experts.5.w3")``."""
     from .linear_check import LINEAR_MAX_REL
 
     opts = plan.options
@@ -381,7 +384,7 @@ def compare_expert_probes(cfg: V4Config, plan: Plan, source: _ProbedShard, conve
     base = CONVERTED_TENSORS[opts.profile]["experts"].format(S=S)
     sfx = "weight_scale" if cfg.expert_dtype == "fp4" else "weight_scale_inv"
     bad: list[tuple[str, str]] = []
-    complete = True
+    compared: set[tuple[int, str]] = set()
     for j in range(cfg.n_routed_experts):
         holders = [c for c in converted if j in c.local_experts]
         for which in ("w1", "w3", "w2"):
@@ -389,8 +392,8 @@ def compare_expert_probes(cfg: V4Config, plan: Plan, source: _ProbedShard, conve
             want = source.outputs.get(role)
             outs = [c.outputs.get(role) for c in holders]
             if want is None or any(o is None for o in outs):
-                complete = False
-                continue
+                continue  # not computed: the coverage counts it missing
+            compared.update((c.rank, f"mtp.{mtp}.ffn.experts.{j}.{which}") for c in holders)
             if which == "w2" or len(holders) == 1:  # row parallel: partial sums added; ep: the owner's
                 pairs = [("ranks summed" if len(outs) > 1 else f"rank {holders[0].rank}", want, torch.stack(outs).sum(0))]
             else:  # column parallel: each rank's output columns are its slice of the source rows
@@ -405,7 +408,7 @@ def compare_expert_probes(cfg: V4Config, plan: Plan, source: _ProbedShard, conve
                             f"mtp.{mtp}.ffn.experts.{j}.{which} disagrees with the source linear: max_rel {rel:.3g} "
                             f"(needs <= {LINEAR_MAX_REL:g})", w))
                 break
-    return bad, complete
+    return bad, compared
 
 
 def run_layer(
@@ -435,34 +438,13 @@ def run_layer(
     return a, b
 
 
-def coverage_summary(plan: Plan, headers: dict[str, ShardHeader], checked: dict[str, set[tuple[int, str]]]) -> tuple[dict, list[str]]:
-    """Output tensors (per rank) checked numerically / all, per component; and the ones not checked."""
-    comps: dict[str, dict] = {}
-    missed: list[str] = []
-    for f in plan.files:
-        h = headers.get(f.relpath)
-        if h is None:
-            continue
-        c = comps.setdefault(f.component, {"checked": 0, "total": 0})
-        for name in h.tensors:
-            c["total"] += 1
-            if (f.rank, name) in checked.get(f.component, set()):
-                c["checked"] += 1
-            else:
-                missed.append(f"{f.relpath}: {name}")
-    for c in comps.values():
-        c["percent"] = round(100 * c["checked"] / c["total"], 2) if c["total"] else 100.0
-    total = sum(c["total"] for c in comps.values())
-    done = sum(c["checked"] for c in comps.values())
-    return {"checked": done, "total": total, "percent": round(100 * done / total, 2) if total else 100.0, "components": comps}, missed
-
-
 def check_numeric(
     out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *, kernels: str,
     device: str, tokens: int, seed: int, act: str = "bf16", progress: Progress | None = None,
 ) -> None:
     """The numeric level: every output tensor against the source (linear_check), then the forward of
-    every MTP layer (one check each), then coverage (output tensors checked numerically / all)."""
+    every MTP layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage:
+    units computed / expected, per rank, expert and fused part)."""
     from .kernels import resolve_backend
     from .linear_check import check_every_tensor
 
@@ -473,10 +455,10 @@ def check_numeric(
     has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
     # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
     # dequantized once per side; everything else by check_every_tensor.
-    checked = check_every_tensor(out, plan, ckpt, headers, report, kernels=kernels, device=dev, seed=seed, act=act,
-                                 progress=progress, skip_mtp_experts=has_mtp)
+    coverage = check_every_tensor(out, plan, ckpt, headers, report, kernels=kernels, device=dev, seed=seed, act=act,
+                                  progress=progress, skip_mtp_experts=has_mtp)
     if not has_mtp:
-        report.add(Check("numeric:mtp-forward", True, "skipped: --only model has no MTP layers to run"))
+        report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"))
     inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
     for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
         S = cfg.num_hidden_layers + i
@@ -491,14 +473,10 @@ def check_numeric(
         except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
             report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
             continue
-        bad, complete = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
-        if complete:
-            experts = CONVERTED_TENSORS[plan.options.profile]["experts"].format(S=S)
-            names = [n for f in plan.files if f.component == "mtp" and f.relpath in headers
-                     for n in headers[f.relpath].tensors if n.startswith(experts + ".")]
-            checked.setdefault("mtp", set()).update((r, n) for r in range(plan.options.tp) for n in names)
+        bad, compared = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
+        coverage.credit("mtp", compared)
         report.add(problems_check(f"numeric:mtp/mtp.{i} (layer {S}) routed experts", f"mtp/mtp.{i} (layer {S})", bad,
-                                  {"experts": cfg.n_routed_experts, "complete": complete}))
+                                  {"experts": cfg.n_routed_experts, "parts_compared": len(compared)}))
         metrics = compare_outputs(a, b)
         bad = within_tolerance(metrics)
         entry = {"layer": S, "mtp": i, "backend": backend, "device": str(dev), "tokens": tokens, "seed": seed,
@@ -508,7 +486,14 @@ def check_numeric(
         msg = "" if not bad else f"layer {S}: converted MTP layer disagrees with the source forward: " + ", ".join(bad)
         report.add(Check(name, not bad, msg, details=entry))
 
-    coverage, missed = coverage_summary(plan, headers, checked)
-    report.coverage = coverage
-    msg = "" if not missed else f"{len(missed)} output tensor(s) not checked numerically, e.g. {missed[0]}"
-    report.add(Check("numeric:coverage", not missed, msg, details=coverage))
+    summary, missed = coverage.summary()
+    report.coverage = summary
+    total, short = summary["total"], summary["total"] - summary["checked"]
+    if not total:
+        report.add(skipped_check("numeric:coverage", "n/a: OUT holds nothing the numeric level computes (0 of 0 units)", details=summary))
+    elif short:
+        report.add(Check("numeric:coverage", False,
+                         f"{short} of {total} units not computed numerically ({summary['percent']} % covered), e.g. {missed[0]}",
+                         details={**summary, "not_computed": missed}))
+    else:
+        report.add(Check("numeric:coverage", True, details=summary))

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .inspect import InspectReport
+from .verdict import FAILED, SKIPPED
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
@@ -295,12 +296,12 @@ def check_line(c) -> str:
 
 
 def render_verify(report) -> None:
-    for c in report.checks:
-        if c.ok:
-            continue
+    for c in report.failures:
         error_line(check_line(c))
     if _quiet["on"]:
         return
+    for c in report.skipped:
+        note_line(f"skipped {check_line(c)}")
     for n in report.numeric:
         out.print(
             f"numeric layer {n['layer']} (mtp.{n['mtp']}, {n['backend']} on {n['device']}, {n['tokens']} tokens): "
@@ -309,23 +310,27 @@ def render_verify(report) -> None:
             f"top1 {n['top1_agreement']:.3f} top5 {n['top5_agreement']:.3f}",
             highlight=False,
         )
-    passed = sum(c.ok for c in report.checks)
+    if report.coverage is not None:
+        out.print(f"numeric coverage: {coverage_text(report.coverage)}", highlight=False)
     verdict = "[green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
-    out.print(f"verify ({report.level}): {verdict} {passed}/{len(report.checks)} checks passed", highlight=False)
+    out.print(f"verify ({report.level}): {verdict} {report.counts()} ({len(report.checks)} checks)", highlight=False)
 
 
 def write_junit(report, path) -> None:
-    """JUnit XML: one testsuite, one testcase per check, a <failure> for each failed one."""
+    """JUnit XML: one testsuite, one testcase per check; a <failure> for each failed one, a <skipped> (with
+    its reason) for each skipped one, both counted on the suite."""
     import xml.etree.ElementTree as ET
 
-    failed = len(report.failures)
-    suites = ET.Element("testsuites", tests=str(len(report.checks)), failures=str(failed), errors="0")
-    suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", tests=str(len(report.checks)), failures=str(failed), errors="0", skipped="0")
+    counts = {"tests": str(len(report.checks)), "failures": str(len(report.failures)), "errors": "0", "skipped": str(len(report.skipped))}
+    suites = ET.Element("testsuites", **counts)
+    suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", **counts)
     for c in report.checks:
         case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{report.level}", name=c.name)
-        if not c.ok:
+        if c.status == FAILED:
             fail = ET.SubElement(case, "failure", message=c.message[:1000], type="VerifyFailure")
             fail.text = "\n".join(c.details.get("problems", [c.message])) if isinstance(c.details, dict) else c.message
+        elif c.status == SKIPPED:
+            ET.SubElement(case, "skipped", message=c.message[:1000]).text = c.message
     ET.ElementTree(suites).write(str(path), encoding="utf-8", xml_declaration=True)
 
 
@@ -337,11 +342,14 @@ def _gh_escape(text: str, prop: bool = False) -> str:
 
 
 def github_annotations(report, json_on_stdout: bool = False) -> None:
-    """GitHub Actions ``::error`` lines: on stdout, or on stderr when --json owns stdout (the runner reads both)."""
+    """GitHub Actions ``::error`` lines, and a ``::notice`` for each skipped check: on stdout, or on stderr when
+    --json owns stdout (the runner reads both)."""
     stream = sys.stderr if json_on_stdout else sys.stdout
-    for c in report.failures:
-        file = f"file={_gh_escape(c.file, True)}," if c.file else ""
-        stream.write(f"::error {file}title={_gh_escape('ckpt-tool verify ' + c.name, True)}::{_gh_escape(c.message)}\n")
+    for kind, checks in (("error", report.failures), ("notice", report.skipped)):
+        for c in checks:
+            file = f"file={_gh_escape(c.file, True)}," if c.file else ""
+            title = _gh_escape(f"ckpt-tool verify {c.name}{' skipped' if kind == 'notice' else ''}", True)
+            stream.write(f"::{kind} {file}title={title}::{_gh_escape(c.message)}\n")
     stream.flush()
 
 
@@ -352,14 +360,13 @@ def github_summary(report) -> None:
     path = os.environ.get("GITHUB_STEP_SUMMARY")
     if not path:
         return
-    doc = report.to_json()
-    passed = sum(c.ok for c in report.checks)
     lines = [
         f"## ckpt-tool verify: {'✅ PASS' if report.ok else '❌ FAIL'}",
         "",
-        "| level | checks passed | failed | numeric coverage |",
-        "|---|---:|---:|---|",
-        f"| {report.level} | {passed}/{len(report.checks)} | {len(report.failures)} | {_coverage_text(doc.get('coverage'))} |",
+        "| level | checks | passed | skipped | failed | numeric coverage |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| {report.level} | {len(report.checks)} | {len(report.passed)} | {len(report.skipped)} | {len(report.failures)} "
+        f"| {coverage_text(report.coverage)} |",
     ]
     from .target import unverified_warning
 
@@ -377,17 +384,21 @@ def github_summary(report) -> None:
         lines += [f"- `{c.name}`: {c.message}" for c in report.failures[:50]]
         if len(report.failures) > 50:
             lines.append(f"- ... and {len(report.failures) - 50} more")
+    if report.skipped:
+        lines += ["", "### Skipped", ""]
+        lines += [f"- `{c.name}`: {c.message}" for c in report.skipped]
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
 
 
-def _coverage_text(coverage) -> str:
+def coverage_text(coverage: dict | None) -> str:
+    """``"328/328 units (100.0 %)"``; ``"n/a (0 of 0)"`` when there was nothing to cover; ``"-"`` when the numeric
+    level did not run."""
     if not coverage:
         return "-"
-    if isinstance(coverage, dict) and "checked" in coverage and "total" in coverage:
-        total = coverage["total"] or 1
-        return f"{coverage['checked']}/{coverage['total']} ({100 * coverage['checked'] / total:.1f} %)"
-    return str(coverage)
+    if not coverage["total"]:
+        return "n/a (0 of 0)"
+    return f"{coverage['checked']}/{coverage['total']} units ({coverage['percent']} %)"
 
 
 class StageProgress:

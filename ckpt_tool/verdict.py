@@ -14,16 +14,36 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
 @dataclass
 class Check:
-    """One verdict, reported as one JUnit testcase."""
+    """One verdict, reported as one JUnit testcase: ``status`` passed, failed or skipped.
+
+    ``ok`` is what the exit code reads: false only for a failure. A skipped check (one that does not apply
+    here, or could not run because an earlier one failed) is ok and says why in ``message``; a check the
+    user asked for that cannot run in full is a failure, not a skip. Build skips with :func:`skipped_check`.
+    """
 
     name: str
     ok: bool
-    message: str = ""
+    message: str = ""  # failed: what is wrong and where; skipped: the reason; passed: usually empty
     file: str | None = None
     tensor: str | None = None
     details: dict = field(default_factory=dict)
+    status: str = ""  # "" = from ok (passed or failed)
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status = PASSED if self.ok else FAILED
+        assert self.status in (PASSED, FAILED, SKIPPED) and (self.status == FAILED) == (not self.ok), (self.status, self.ok)
+        assert self.status != SKIPPED or self.message, f"{self.name}: a skipped check needs its reason"
+
+
+def skipped_check(name: str, reason: str, **fields) -> Check:
+    """A check that did not run, and why (not a failure: the exit code ignores it)."""
+    return Check(name, True, reason, status=SKIPPED, **fields)
 
 
 def problems_check(name: str, where: str, problems: list[tuple[str, str | None]], passed: dict) -> Check:
@@ -55,12 +75,24 @@ class VerifyReport:
 
     @property
     def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok]
+        return [c for c in self.checks if c.status == FAILED]
+
+    @property
+    def passed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == PASSED]
+
+    @property
+    def skipped(self) -> list[Check]:
+        return [c for c in self.checks if c.status == SKIPPED]
+
+    def counts(self) -> str:
+        """``"40 passed, 1 skipped, 0 failed"``: the tally every rendering shows."""
+        return f"{len(self.passed)} passed, {len(self.skipped)} skipped, {len(self.failures)} failed"
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
-        if not check.ok:
-            log.info("verify failure: %s: %s", check.name, check.message)
+        if check.status != PASSED:
+            log.info("verify %s: %s: %s", check.status, check.name, check.message)
         return check
 
     def to_json(self) -> dict:
@@ -72,7 +104,9 @@ class VerifyReport:
             "checks": len(self.checks),
             "failed": len(self.failures),
             "failures": [asdict(c) for c in self.failures],
-            "passed": [c.name for c in self.checks if c.ok],
+            "passed": [c.name for c in self.passed],
+            "skipped": [asdict(c) for c in self.skipped],
+            "results": [{"name": c.name, "status": c.status, "message": c.message} for c in self.checks],
             "numeric": self.numeric,
             "coverage": self.coverage,
             "target": self.target,

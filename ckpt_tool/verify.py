@@ -9,7 +9,9 @@
    safetensors' own slicing (not the writer's gather code), in bounded row blocks.
 3. numeric — every output tensor against the source by the engine's names (linear_check.py: each
    linear through the GEMM kernels, the rest by value), then a forward of every MTP layer with every
-   expert routed (numeric.py); coverage (output tensors checked numerically / all) in the report.
+   expert routed (numeric.py); coverage (units computed / expected, per rank, expert and fused part) in
+   the report. It recombines every rank, so on an OUT of some ranks (convert --ranks) it fails, saying
+   what to run instead.
 
 The levels stack: each runs only when the ones before passed. They share one record
 (ckpt_tool.verdict: Check, VerifyReport, Progress); numeric never imports this module.
@@ -107,12 +109,29 @@ def verify(
     if deep and report.ok:
         check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
     if level == "numeric" and report.ok and manifest.get("ranks") is not None and len(manifest["ranks"]) < opts.tp:
-        report.add(Check("numeric", True, f"skipped: only ranks {manifest['ranks']} of tp={opts.tp} were converted; the forward needs all"))
+        report.add(_numeric_needs_every_rank([int(r) for r in manifest["ranks"]], opts.tp))
     elif level == "numeric" and report.ok:
         from .numeric import check_numeric
 
         check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed, progress=progress)
     return report
+
+
+def _numeric_needs_every_rank(ranks: list[int], tp: int) -> Check:
+    """``--level numeric`` on an OUT of some ranks (``convert --ranks``): asked for, cannot run in full, so a
+    failure that says what to run instead. The numeric level recombines the ranks as the engine does (row-
+    parallel partial sums, the forward over all ranks), and an OUT with a manifest takes no more ranks."""
+    held = ",".join(map(str, ranks))
+    missing = ",".join(str(r) for r in range(tp) if r not in ranks)
+    return Check(
+        "numeric", False,
+        f"--level numeric needs every rank: OUT holds rank(s) {held} of --tp {tp} (converted with --ranks {held}; rank(s) "
+        f"{missing} missing) and the numeric level recombines all ranks as the engine does. Instead, verify this share with "
+        f"--level values (structure and exact values of every file it holds), and for the numeric level convert every rank "
+        f"into one OUT (on one machine, or --shard-index K --shard-count M per machine into a shared OUT, then --finalize) "
+        f"and verify that OUT with --level numeric",
+        details={"ranks": ranks, "tp": tp, "missing": [r for r in range(tp) if r not in ranks]},
+    )
 
 
 def _same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:

@@ -18,6 +18,7 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from ckpt_tool.verify import verify
+from cli_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "2", "--max-shard-size", "300KB"]
@@ -209,16 +210,24 @@ def test_dry_run_shows_only_the_shard(fixture_dir, capsys) -> None:
     assert [f["file"] for f in doc["files"]] == [f.relpath for f in select_files(plan, None, 1, 2)]
 
 
-def test_verify_accepts_a_ranks_subset_and_skips_only_the_numeric_level(fixture_dir, tmp_path) -> None:
-    from ckpt_tool.verify import verify
-
+def test_numeric_on_a_ranks_subset_fails_and_says_what_to_run_instead(fixture_dir, tmp_path, capsys) -> None:
+    """A node's share (--ranks 1,2 of --tp 4) passes --level values; --level numeric was asked for and cannot run
+    without every rank, so it fails (exit 1) naming the ranks held and missing and the commands that do run."""
     src = fixture_dir("fp4")
     out = tmp_path / "ranks"
-    from ckpt_tool.convert import convert as _convert
-    from ckpt_tool.plan import Options as _Options
+    convert(src, out, Options(tp=4), ranks=(1, 2))
 
-    _convert(src, out, _Options(tp=4), ranks=(1, 2))
     report = verify(out, src, level="numeric", kernels="torch", device="cpu")
-    assert report.ok, [c.message for c in report.failures]
-    assert any(c.name == "numeric" and "skipped" in c.message for c in report.checks)
-    assert any(c.name.startswith("values:mtp/model-rank-1") for c in report.checks)
+    assert not report.ok and [c.name for c in report.failures] == ["numeric"]
+    msg = report.failures[0].message
+    assert "rank(s) 1,2 of --tp 4" in msg and "rank(s) 0,3 missing" in msg, msg
+    assert "--level values" in msg and "--shard-index" in msg and "--finalize" in msg, msg
+    assert report.failures[0].details["missing"] == [0, 3]
+    assert any(c.name.startswith("values:mtp/model-rank-1") and c.status == "passed" for c in report.checks)
+    assert report.coverage is None and report.numeric == []  # nothing numeric ran, and nothing says it did
+
+    code, stdout, _ = run_cli(capsys, "verify", out, "--source", src, "--kernels", "torch", "--device", "cpu", "--json")
+    doc = json.loads(stdout)
+    assert code == 1 and doc["ok"] is False and doc["error"] == msg
+    assert "numeric" not in doc["passed"] and [f["status"] for f in doc["failures"]] == ["failed"]
+    assert run_cli(capsys, "verify", out, "--source", src, "--level", "values")[0] == 0

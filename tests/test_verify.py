@@ -45,13 +45,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_tool import numeric, reference
+from ckpt_tool import linear_check, numeric, reference
 from ckpt_tool.convert import convert
+from ckpt_tool.linear_check import LinearUnit
 from ckpt_tool.plan import Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from ckpt_tool.format import read_shard_header
 from ckpt_tool.profiles import PROFILES
 from ckpt_tool.rules import Rule
+from ckpt_tool.report import coverage_text, github_annotations, github_summary, render_verify, write_junit
+from ckpt_tool.verdict import Check, skipped_check
 from ckpt_tool.verify import VerifyReport, verify
 from cli_helpers import run_cli
 from fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
@@ -377,13 +380,17 @@ def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) 
     names = {c.name for c in report.checks}
     assert f"index:{only}" in names and f"index:{other}" not in names
     if only == "mtp":
-        assert len(report.numeric) == 2
-    else:
-        assert report.numeric == [] and any(c.name == "numeric:mtp-forward" and "skipped" in c.message for c in report.checks)
+        assert len(report.numeric) == 2 and report.skipped == []
+    else:  # the MTP forward does not apply: skipped with its reason, not passed
+        assert report.numeric == [] and [(c.name, c.status) for c in report.skipped] == [("numeric:mtp-forward", "skipped")]
+        assert "--only model" in report.skipped[0].message
     assert report.coverage["percent"] == 100.0 and set(report.coverage["components"]) == {only}
     code, stdout, err = cli_verify(capsys, out, src, "--json")
     assert code == 0, err
-    assert json.loads(stdout)["ok"] is True
+    doc = json.loads(stdout)
+    assert doc["ok"] is True and [c["name"] for c in doc["skipped"]] == [c.name for c in report.skipped]
+    assert "numeric:mtp-forward" not in doc["passed"]
+    assert {r["name"]: r["status"] for r in doc["results"]}.get("numeric:mtp-forward") == (None if only == "mtp" else "skipped")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,6 +634,78 @@ def test_broken_rule_table_passes_values_and_fails_numeric(fixture_dir, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------
+# coverage: what was computed, per rank, expert and fused part
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_an_expert_probe_removed_drops_coverage_and_fails_the_check(fixture_dir, tmp_path, monkeypatch, moe) -> None:
+    """Rank 1's probe output of MTP expert 5's w3 thrown away after the forward: that part was not compared on the
+    ranks holding it (tp: both, the ranks' columns are compared together; ep: its owner, rank 1), so coverage
+    counts exactly those units missing, below 100 %, and the coverage check fails naming expert, part and rank."""
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2, moe)
+    j, real = 5, numeric.run_layer
+
+    def forward_losing_one_probe(*args, probes, **kwargs):
+        a, b = real(*args, probes=probes, **kwargs)
+        probes[-1].outputs.pop(f"expert.{j}.w3")  # probes: the source side, then ranks 0 and 1
+        return a, b
+
+    monkeypatch.setattr(numeric, "run_layer", forward_losing_one_probe)
+    report = numeric_gate(out, src)
+    cov = report.coverage
+    holders = ["0", "1"] if moe == "tp" else ["1"]
+    assert cov["total"] - cov["checked"] == len(holders) and cov["percent"] < 100, cov
+    ranks = cov["components"]["mtp"]["ranks"]
+    assert {r for r, c in ranks.items() if c["checked"] < c["total"]} == set(holders), ranks
+    assert cov["components"]["model"]["percent"] == 100.0
+    assert [c.name for c in report.failures] == ["numeric:coverage"]  # nothing compared wrong; something was not compared
+    msg = report.failures[0].message
+    assert f"mtp rank {holders[0]}: {W13}[expert {j}] part mtp.0.ffn.experts.{j}.w3" in msg, msg
+    assert len(report.failures[0].details["not_computed"]) == len(holders)
+
+
+def test_coverage_counts_per_rank_what_the_runner_compared(fixture_dir, tmp_path) -> None:
+    """Main layer 0's attn_sink gone from rank 1's file (the numeric level run alone, without structure): rank 0's
+    slice was compared, rank 1's could not be; coverage is short by exactly that rank's unit."""
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    sink = "model.layers.0.attn.attn_sink"
+    drop_tensor(out, sink, rank=1, comp="model")
+    report = numeric_gate(out, src)
+    ranks = report.coverage["components"]["model"]["ranks"]
+    assert ranks["0"]["checked"] == ranks["0"]["total"] and ranks["1"]["total"] - ranks["1"]["checked"] == 1, ranks
+    assert [c.name for c in report.failures] == ["numeric:model/layers.0", "numeric:coverage"]
+    assert f"model rank 1: {sink} part layers.0.attn.attn_sink" in report.failures[1].message
+
+
+def test_coverage_counts_a_stacked_expert_the_unit_table_forgets(fixture_dir, tmp_path, monkeypatch) -> None:
+    """Expected units do not come from the unit table alone: a table that forgets main layer 1's expert 3 of w2
+    leaves that slot of the rank's w2 tensors (weight and scale, both ranks) counted and not computed."""
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    real = linear_check.tensor_units
+    w2 = "model.layers.1.ffn.experts.routed_experts.w2_weight"
+
+    def forgetful(*args, **kwargs):
+        return [u for u in real(*args, **kwargs) if not (isinstance(u, LinearUnit) and u.weight == w2 and u.expert == 3)]
+
+    monkeypatch.setattr(linear_check, "tensor_units", forgetful)
+    report = numeric_gate(out, src)
+    cov = report.coverage["components"]["model"]
+    assert cov["total"] - cov["checked"] == 4 and cov["percent"] < 100, cov  # w2_weight, w2_weight_scale x 2 ranks
+    fail = next(c for c in report.failures if c.name == "numeric:coverage")
+    assert f"{w2} slot 3 (no numeric check computes it)" in fail.message, fail.message
+
+
+def test_nothing_to_cover_is_n_a_never_100_percent() -> None:
+    assert coverage_text({"checked": 0, "total": 0, "percent": None}) == "n/a (0 of 0)"
+    assert coverage_text(None) == "-"  # the numeric level did not run
+    assert linear_check._tally(0, 0)["percent"] is None
+    assert linear_check._tally(99999, 100000)["percent"] == 99.99  # floored: short of every unit never reads 100
+
+
+# ---------------------------------------------------------------------------------------------
 # reports
 
 
@@ -651,6 +730,59 @@ def test_junit_has_one_testcase_per_check_and_counts_failures(fixture_dir, tmp_p
     assert int(root.get("failures")) == len(failures) > 0
     assert int(root.get("tests")) == len(root.findall(".//testcase"))
     assert any(SINK in (f.get("message") or "") for f in failures)
+
+
+def _three_outcomes() -> VerifyReport:
+    report = VerifyReport("out", "src", "numeric")
+    report.add(Check("manifest", True))
+    report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model)"))
+    report.add(Check("values:model/a.safetensors", False, "tensor 'w': bytes differ", file="model/a.safetensors", tensor="w"))
+    return report
+
+
+def test_each_check_is_passed_failed_or_skipped_and_json_keeps_them_apart() -> None:
+    report = _three_outcomes()
+    assert [c.status for c in report.checks] == ["passed", "skipped", "failed"]
+    assert not report.ok and report.counts() == "1 passed, 1 skipped, 1 failed"
+    doc = report.to_json()
+    assert doc["checks"] == 3 and doc["failed"] == 1 and doc["passed"] == ["manifest"]
+    assert [(c["name"], c["status"], c["message"]) for c in doc["skipped"]] == [
+        ("numeric:mtp-forward", "skipped", "OUT holds no MTP draft (converted with --only model)")]
+    assert [(c["name"], c["status"]) for c in doc["failures"]] == [("values:model/a.safetensors", "failed")]
+    assert [(r["name"], r["status"]) for r in doc["results"]] == [
+        ("manifest", "passed"), ("numeric:mtp-forward", "skipped"), ("values:model/a.safetensors", "failed")]
+    report.checks.pop()
+    assert report.ok  # a skip alone does not fail the gate
+    with pytest.raises(AssertionError):
+        skipped_check("numeric", "")  # a skip says why
+    with pytest.raises(AssertionError):
+        Check("numeric", False, "x", status="skipped")  # a failure is never a skip
+
+
+def test_junit_github_and_the_summary_line_show_skipped_checks(tmp_path, capsys, monkeypatch) -> None:
+    report = _three_outcomes()
+    write_junit(report, tmp_path / "v.xml")
+    root = ET.parse(tmp_path / "v.xml").getroot()
+    suite = root.find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    assert root.get("skipped") == "1"
+    case = {c.get("name"): c for c in suite.findall("testcase")}
+    assert case["numeric:mtp-forward"].find("skipped").get("message").startswith("OUT holds no MTP draft")
+    assert case["numeric:mtp-forward"].find("failure") is None and case["manifest"].find("skipped") is None
+    assert case["values:model/a.safetensors"].find("failure") is not None
+
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))
+    capsys.readouterr()
+    github_summary(report)
+    github_annotations(report)
+    render_verify(report)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| numeric | 3 | 1 | 1 | 1 | - |" in text and "### Skipped" in text
+    assert "- `numeric:mtp-forward`: OUT holds no MTP draft" in text
+    cap = capsys.readouterr()
+    assert "::notice title=ckpt-tool verify numeric%3Amtp-forward skipped::OUT holds no MTP draft" in cap.out
+    assert "verify (numeric): FAIL 1 passed, 1 skipped, 1 failed (3 checks)" in cap.out
+    assert "skipped numeric:mtp-forward: OUT holds no MTP draft" in cap.err
 
 
 def test_github_annotations_on_failure_and_json_stays_clean(fixture_dir, tmp_path, capsys) -> None:
