@@ -25,7 +25,7 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
         "warnings", "not_selected", "partial", "finalized", "target_note",
     ),
-    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage"),
+    "verify": ("out", "source", "level", "checks", "failed", "failures", "passed", "numeric", "coverage", "engine"),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_error"),
     "env": (),  # free-form facts (versions), see cli.environment_facts

@@ -39,12 +39,14 @@ def problems_check(name: str, where: str, problems: list[tuple[str, str | None]]
 @dataclass
 class VerifyReport:
     out: str
-    source: str
+    source: str | None  # None: no --source (only the engine judged OUT)
     level: str
     checks: list[Check] = field(default_factory=list)
     numeric: list[dict] = field(default_factory=list)
     # numeric coverage: {"checked", "total", "percent", "components": {comp: {"checked", "total", "percent"}}}
     coverage: dict | None = None
+    # verify --engine: the vLLM that judged (version, interpreter, ranks), see ckpt_tool.engine_check
+    engine: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,6 +74,7 @@ class VerifyReport:
             "passed": [c.name for c in self.checks if c.ok],
             "numeric": self.numeric,
             "coverage": self.coverage,
+            "engine": self.engine,
         }
 
 

@@ -477,13 +477,17 @@ def storage_key(t) -> tuple:
 
 
 def filter_state_dict(model) -> tuple[dict, dict]:
-    """``(kept, aliases)``: vLLM's own ``ShardedStateLoader._filter_subtensors`` run on ``model.state_dict()``
-    with every storage placed at its own address (:class:`_Placed`), so a meta-built model gives the keys a
-    device-built one gives; ``kept`` maps each kept key to its real tensor, ``aliases`` each dropped key to the
-    kept key whose memory covers it (None if none: an empty tensor)."""
+    """:func:`filter_tensors` of ``model.state_dict()``: what vLLM's sharded_state loader wants from a rank."""
+    return filter_tensors(model.state_dict())
+
+
+def filter_tensors(full: dict) -> tuple[dict, dict]:
+    """``(kept, aliases)``: vLLM's own ``ShardedStateLoader._filter_subtensors`` run on ``full`` with every
+    storage placed at its own address (:class:`_Placed`), so meta tensors give the keys device tensors give;
+    ``kept`` maps each kept key to its real tensor, ``aliases`` each dropped key to the kept key whose memory
+    covers it (None if none: an empty tensor)."""
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    full = model.state_dict()
     bases: dict[tuple, int] = {}
     placed = {}
     for k, t in full.items():
