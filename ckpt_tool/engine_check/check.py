@@ -227,7 +227,7 @@ def run_probe(request: dict, python: str | None = None) -> dict:
             raise EngineError(f"no vLLM to judge with: {python} cannot import vllm; {NO_VLLM_HINT}")
         version = (answer.get("versions") or {}).get("vllm_version", "?")
         raise EngineError(
-            f"vLLM {version} ({python}) cannot be built on this machine: {fatal['message']}; "
-            "this vLLM's classes need more stubs than ckpt_tool/engine_check/vllm_stubs.py has (--debug shows its traceback)"
+            f"vLLM {version} ({python}) cannot be built on this machine: {fatal['message']}; nothing was judged "
+            "(the CPU stubs are ckpt_tool/engine_check/vllm_stubs.py; --debug shows vLLM's traceback)"
         )
     return answer
