@@ -86,7 +86,8 @@ def check_with_vllm(
     report.engine = {
         "vllm_version": versions.get("vllm_version"),
         "vllm_location": versions.get("vllm_location"),
-        "python": versions.get("python"),
+        "python": versions.get("python"),  # the interpreter that ran vLLM (sys.executable there)
+        "engine_python": python or sys.executable,  # as given to --engine-python
         "torch_version": versions.get("torch_version"),
         "stubbed_modules": versions.get("stubbed_modules", []),
         "profile": manifest.get("profile"),
@@ -195,7 +196,9 @@ def _rank_check(out: Path, comp: str, rank: int, files: list[Path], res: dict, a
         else "parameter table only: files too large for a real load here"
     )
     sliced = f"; {len(prefix)} documented slice load(s) ({prefix[0].rsplit('.', 1)[-1]})" if prefix else ""
-    return Check(name, True, f"{where} judged by {vllm} ({cls}): {len(table)} parameters match; {how}{sliced}",
+    others = (details["real_load"] or {}).get("warnings") or []
+    warned = f"; the loader also warned: {others[0]}" + (f" (and {len(others) - 1} more)" if len(others) > 1 else "") if others else ""
+    return Check(name, True, f"{where} judged by {vllm} ({cls}): {len(table)} parameters match; {how}{sliced}{warned}",
                  file=where, details=details)
 
 
