@@ -31,15 +31,32 @@ PATCHED = Path(__file__).resolve().with_name("patched_vllm.py")
 
 # TEMPORARY (lead: replace with the matrix fixture `engine_site` of tests/engine/conftest.py, parametrized over
 # the verified releases, and drop ENGINE_SITES and this module's `engine_site`): the site folders of the vLLM
-# releases under test, os.pathsep-separated in ENGINE_SITES (or one in ENGINE_SITE).
-ENGINE_SITES = [
-    Path(p) for p in (os.environ.get("ENGINE_SITES") or os.environ.get("ENGINE_SITE") or "/tmp/site33:/tmp/site34").split(os.pathsep)
-]
+# releases under test, os.pathsep-separated in ENGINE_SITES (or one in ENGINE_SITE); by default the development
+# machine's /tmp/site33 and /tmp/site34 where they exist, else (a clean clone) the vLLM 0.33.0 site that
+# tests/engine/install.py installs.
+def _sites() -> list[Path | None]:
+    given = os.environ.get("ENGINE_SITES") or os.environ.get("ENGINE_SITE")
+    if given:
+        return [Path(p) for p in given.split(os.pathsep)]
+    return [p for p in (Path("/tmp/site33"), Path("/tmp/site34")) if (p / "vllm").is_dir()] or [None]
 
 
-@pytest.fixture(scope="module", params=ENGINE_SITES, ids=lambda p: p.name)
+ENGINE_SITES = _sites()
+
+
+@pytest.fixture(scope="module", params=ENGINE_SITES, ids=lambda p: p.name if p else "engine-site")
 def engine_site(request) -> Path:
     """TEMPORARY: the site folder of the vLLM release under test (see ENGINE_SITES)."""
+    if request.param is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("ckpt_tool_engine_install", Path(__file__).with_name("install.py"))
+        install = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(install)
+        try:
+            return install.ensure_installed(install.SITE, log=print)
+        except RuntimeError as e:
+            pytest.fail(f"vLLM could not be installed: {e}", pytrace=False)
     site = Path(request.param)
     if not (site / "vllm" / "__init__.py").is_file():
         pytest.fail(f"no vLLM in {site}: set ENGINE_SITES to the site folders of the releases to test", pytrace=False)
