@@ -198,7 +198,8 @@ print(json.dumps({"cpu": cpu, "meta": list(meta), "aliases": aliases, "raises": 
 def test_meta_filter_equals_vllms_own_on_alias_patterns(engine_site, tmp_path) -> None:
     """Shared parameters, views, sub-ranges, overlaps, empty tensors: the kept keys (and their order) on the meta
     device are the ones vLLM's _filter_subtensors keeps on the CPU."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
     proc = subprocess.run([sys.executable, "-c", ALIAS_SCRIPT, str(STUBS), str(engine_site)], capture_output=True,
                           text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
