@@ -302,7 +302,7 @@ def _target_note(note: str | None) -> None:
 @_guarded("verify")
 def verify(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
-    source: Annotated[str, typer.Option("--source", metavar="SRC", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]).")],
+    source: Annotated[str | None, typer.Option("--source", metavar="SRC", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]); needed by every level.")] = None,
     level: Annotated[Literal["structure", "values", "numeric"], typer.Option("--level", help="How far to go; each level includes the ones before.")] = "numeric",
     kernels: Annotated[Literal["auto", "triton", "torch"], typer.Option("--kernels", help="GEMM backend for the converted side.")] = "auto",
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="Where the numeric check runs.")] = "auto",
@@ -313,25 +313,32 @@ def verify(
     fmt: FormatOpt = None,
     junit: Annotated[Path | None, typer.Option("--junit", metavar="FILE", help="Also write a JUnit XML report (one testcase per check).")] = None,
     github: Annotated[bool, typer.Option("--github", help="GitHub Actions: ::error annotations for failures, and a Markdown summary to $GITHUB_STEP_SUMMARY.")] = False,
+    engine: Annotated[bool, typer.Option("--engine", help="Also let vLLM judge OUT: its own model classes built for OUT's config and tp (no GPU), each rank's files held to its sharded_state loader's rules.")] = False,
+    engine_python: Annotated[str | None, typer.Option("--engine-python", metavar="PY", help="--engine: the interpreter of the environment you serve with (default: this one, if it has vLLM).")] = None,
     revision: RevisionOpt = None,
     token: TokenOpt = None,
     cache_dir: CacheDirOpt = None,
 ) -> None:
-    """Prove a converted checkpoint right: structure, exact values, then numbers.
+    """Prove a converted checkpoint right: structure, exact values, then numbers; --engine: as vLLM loads it.
 
     structure: files, names, dtypes, shapes and rank sets exactly as the rules give, each rank against
     the target engine's parameter table; index.json; manifest checksums; serving files. values:
     every output tensor re-derived from the source bytes and compared exactly. numeric: each MTP layer
     run from the source (dequantized torch) and from the converted ranks (fp8-block / MXFP4 kernels,
     ranks combined as a TP engine does), compared within the tolerances printed in the report.
+    engine (--engine, with or without --source): for every rank of OUT/model and OUT/mtp, the vLLM of
+    --engine-python builds its own model classes on the meta device for OUT's config, tp and expert
+    parallelism, and each rank's files must be exactly what its sharded_state loader takes (keys,
+    dtypes, shapes; attn_sink's documented slice); small OUTs are also loaded by that loader.
     Exit 0 when no check fails (a skipped check says why), 1 when one fails or the level asked for cannot
-    run in full (numeric on an OUT of some --ranks), 2 on usage errors.
+    run in full (numeric on an OUT of some --ranks), 2 on usage errors or when no vLLM could judge.
 
     Examples:
 
     \b
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash --level values --json --junit verify.xml
+      ckpt-tool verify ./v4-tp8 --engine --engine-python /opt/serving-venv/bin/python
     """
     from .jsondoc import json_document, print_json
     from .report import render_verify, write_junit, github_annotations, github_summary
@@ -339,22 +346,40 @@ def verify(
 
     as_json = _wants_json(json_out, fmt)
     try:
-        if device == "cuda":
+        if source is None and not engine:
+            raise UsageError("verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT")
+        if engine_python is not None and not engine:
+            raise UsageError("--engine-python names the interpreter --engine runs vLLM with; add --engine")
+        if device == "cuda" and source is not None:
             import torch
 
             if not torch.cuda.is_available():
                 raise UsageError("--device cuda: no CUDA device is available here; use --device cpu (or auto)")
-        from .hub import parse_hub_ref, snapshot_for_verify
+        judged = None
+        if engine:  # first: no vLLM (exit 2) is known before the levels spend their time
+            from .engine_check import check_with_vllm
+            from .verdict import VerifyReport
 
-        ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
-        src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
-        from .report import StageProgress
+            judged = VerifyReport(str(out), source, "engine")
+            check_with_vllm(out, judged, python=engine_python)
+        if source is None:
+            report = judged
+        else:
+            from .hub import parse_hub_ref, snapshot_for_verify
 
-        with StageProgress(enabled=not as_json) as prog:
-            report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed,
-                                progress=prog, workers=workers)
+            ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
+            src_path = snapshot_for_verify(ref, out) if ref is not None else Path(source)
+            from .report import StageProgress
+
+            with StageProgress(enabled=not as_json) as prog:
+                report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed,
+                                    progress=prog, workers=workers)
+            if judged is not None:  # beside the level: the engine's checks follow the level's
+                have = {c.name for c in report.checks}
+                report.checks += [c for c in judged.checks if c.name not in have]
+                report.engine = judged.engine
     except CkptToolError as exc:
-        _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": level})
+        _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": "engine" if source is None else level})
     from .target import unverified_warning
 
     if warning := unverified_warning(report.target):

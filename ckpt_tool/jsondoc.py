@@ -34,6 +34,7 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     # time, "verified": false when the profile is not verified for it).
     "verify": (
         "out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage", "target",
+        "engine",
     ),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_verified", "auto_error"),

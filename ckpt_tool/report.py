@@ -312,8 +312,19 @@ def render_verify(report) -> None:
         )
     if report.coverage is not None:
         out.print(f"numeric coverage: {coverage_text(report.coverage)}", highlight=False)
+    if report.engine:
+        out.print(escape(engine_line(report.engine)), highlight=False)
     verdict = "[green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
     out.print(f"verify ({report.level}): {verdict} {report.counts()} ({len(report.checks)} checks)", highlight=False)
+
+
+def engine_line(engine: dict) -> str:
+    """verify --engine: which vLLM judged, with which interpreter, how many ranks (and how many it loaded for real)."""
+    return (
+        f"engine: vLLM {engine.get('vllm_version')} ({engine.get('python')}) judged {engine.get('ranks')} rank(s) at tp "
+        f"{engine.get('tp')}{' with expert parallel' if engine.get('expert_parallel') else ''}, "
+        f"{engine.get('real_loads')} loaded by its ShardedStateLoader, in {engine.get('seconds')} s"
+    )
 
 
 def write_junit(report, path) -> None:
@@ -325,7 +336,10 @@ def write_junit(report, path) -> None:
     suites = ET.Element("testsuites", **counts)
     suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", **counts)
     for c in report.checks:
-        case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{report.level}", name=c.name)
+        engine = c.name.startswith("engine-vllm:")
+        case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{'engine' if engine else report.level}", name=c.name)
+        if engine and c.ok:  # which vLLM passed it
+            ET.SubElement(case, "system-out").text = c.message
         if c.status == FAILED:
             fail = ET.SubElement(case, "failure", message=c.message[:1000], type="VerifyFailure")
             fail.text = "\n".join(c.details.get("problems", [c.message])) if isinstance(c.details, dict) else c.message
@@ -379,6 +393,12 @@ def github_summary(report) -> None:
                 f"| {n['layer']} (mtp.{n['mtp']}) | {n['logits_max_rel']:.2e} | {n['logits_cosine']:.6f} | {n['hidden_max_rel']:.2e} "
                 f"| {n['top1_agreement']:.3f} | {n['top5_agreement']:.3f} | {'✅' if n.get('ok', True) else '❌'} |"
             )
+    if report.engine:
+        lines += ["", engine_line(report.engine), "", "| component / rank | parameters | loaded by vLLM | ok |", "|---|---:|---|---|"]
+        for c in report.checks:
+            if c.name.startswith("engine-vllm:"):
+                real = "yes" if c.details.get("real_load") is not None else "table only"
+                lines.append(f"| {c.name.partition(':')[2]} | {c.details.get('parameters', '-')} | {real} | {'✅' if c.ok else '❌'} |")
     if report.failures:
         lines += ["", "### Failures", ""]
         lines += [f"- `{c.name}`: {c.message}" for c in report.failures[:50]]

@@ -59,7 +59,7 @@ def problems_check(name: str, where: str, problems: list[tuple[str, str | None]]
 @dataclass
 class VerifyReport:
     out: str
-    source: str
+    source: str | None  # None: no --source (only the engine judged OUT)
     level: str
     checks: list[Check] = field(default_factory=list)
     numeric: list[dict] = field(default_factory=list)
@@ -68,6 +68,8 @@ class VerifyReport:
     # the manifest's target: profile, the vLLM releases it is verified against, the vLLM installed at convert
     # time and whether the profile is verified for it ("verified": false is repeated as a warning)
     target: dict | None = None
+    # verify --engine: the vLLM that judged (version, interpreter, ranks), see ckpt_tool.engine_check
+    engine: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,6 +112,7 @@ class VerifyReport:
             "numeric": self.numeric,
             "coverage": self.coverage,
             "target": self.target,
+            "engine": self.engine,
         }
 
 

@@ -25,342 +25,61 @@ Dump: ``--dump F`` writes the filtered state dict to safetensors file F; the JSO
 and sha256 of the raw bytes of every key. Weight post-processing (``process_weights_after_loading``, which
 repacks for CUDA kernels) is not run: the raw loaded parameters are compared.
 
-What is stubbed, and why (nothing else is changed):
-
-* vLLM's compiled extensions (``vllm._C*``, ``_moe_C``, ``_flashmla*``, flash-attn, ``_deepselect_C``, ...) and
-  the vendored CUDA-only ``vllm.third_party.deep_gemm``: they need CUDA libraries. Stub attributes are objects
-  that raise when called: no kernel runs. ``torch.ops._C`` etc. answer the few capability queries made at import
-  as an SM90 build would, and registering fake (meta) kernels for those absent ops is skipped.
-* ``vllm.platforms.current_platform``: a CudaPlatform answering as an SM90 (H100) GPU whose device type is
-  ``cpu`` (tensors vLLM allocates on "the device" land on CPU).
-* ``torch.cuda.Stream`` / ``torch.cuda.Event`` (constructed by the V4 layers, never used without a forward).
-* vLLM's process groups (world, TP, PP, DP, EP, PCP, DCP): fake GroupCoordinators of the sizes vLLM would make
-  for one node with ``--tensor-parallel-size T`` (EP group = TP ranks, as vLLM builds it), no communication.
-* The model registry's "inspect the model class in a subprocess" is run in-process (the subprocess would not
-  have the stubs).
-* Config: ``kernel_config.enable_jit_warmup = False`` (it only registers TileLang/Triton JIT warmups, which
-  need the CUDA-only ``tilelang``); this does not change any parameter.
+What is stubbed, and why (nothing else is changed): see ``ckpt_tool/engine_check/vllm_stubs.py``, the one module
+that ``ckpt-tool verify --engine`` and this worker share (loaded here by path, as the command's probe loads it).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import importlib.abc
-import importlib.machinery
+import importlib.util
 import json
-import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
-import types
-import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SITE = REPO / ".engine-site"
-
-# Names of what this worker stubs (reported in every result).
-STUBBED_MODULES: list[str] = []
-STUB_CALLS: list[str] = []
-
-# Compiled extensions of the vLLM wheel (need libcudart/libtorch_cuda) and CUDA-only packages.
-STUB_EXACT = (
-    "vllm._C",
-    "vllm._C_stable_libtorch",
-    "vllm._moe_C",
-    "vllm._moe_C_stable_libtorch",
-    "vllm._qutlass_C",
-    "vllm._flashmla_C",
-    "vllm._flashmla_extension_C",
-    "vllm._flashkda_C",
-    "vllm._deepselect_C",
-    "vllm.cumem_allocator",
-    "vllm.fs_io_C",
-    "vllm.spinloop",
-    "vllm.vllm_flash_attn._vllm_fa2_C",
-    "vllm.vllm_flash_attn._vllm_fa3_C",
-)
-STUB_PACKAGES = ("vllm.third_party.deep_gemm",)  # vendored DeepGEMM: imports its CUDA extension at import time
-STUB_OP_NAMESPACES = (
-    "_C",
-    "_moe_C",
-    "_C_cache_ops",
-    "_C_custom_ar",
-    "_rocm_C",
-    "_qutlass_C",
-    "_flashmla_C",
-    "_flashmla_extension_C",
-)
+STUBS_FILE = REPO / "ckpt_tool" / "engine_check" / "vllm_stubs.py"
 
 
-class _Stub:
-    """An attribute of a stubbed extension: attribute access gives more stubs, a call raises."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        STUB_CALLS.append(self._name)
-        raise RuntimeError(f"stubbed CUDA kernel/extension called on CPU: {self._name}")
-
-    def __repr__(self):
-        return f"<stub {self._name}>"
+def _load_stubs():
+    """ckpt_tool/engine_check/vllm_stubs.py by path (it imports only the standard library at module level)."""
+    spec = importlib.util.spec_from_file_location("ckpt_tool_vllm_stubs", STUBS_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-class _StubModule(types.ModuleType):
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"{self.__name__}.{attr}")
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def _match(self, name: str) -> bool:
-        return name in STUB_EXACT or any(name == p or name.startswith(p + ".") for p in STUB_PACKAGES)
-
-    def find_spec(self, name, path=None, target=None):
-        if self._match(name):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        mod = _StubModule(spec.name)
-        mod.__path__ = []
-        STUBBED_MODULES.append(spec.name)
-        return mod
-
-    def exec_module(self, module):
-        pass
-
-
-class _OpsNamespace:
-    """``torch.ops.<ns>`` of a compiled extension that is not loaded.
-
-    Capability queries made while importing/building answer as vLLM's SM90 CUDA build would; any other op is a
-    stub that raises when called.
-    """
-
-    ANSWERS = {
-        "cutlass_scaled_mm_supports_fp8": lambda cap: cap >= 89,
-        "cutlass_scaled_mm_supports_block_fp8": lambda cap: cap >= 90,
-        "cutlass_scaled_mm_supports_fp4": lambda cap: cap >= 100,
-        "cutlass_group_gemm_supported": lambda cap: cap in (90, 100),
-    }
-
-    def __init__(self, ns: str):
-        self._ns = ns
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        if attr in self.ANSWERS:
-            fn = self.ANSWERS[attr]
-
-            def answer(*args, **kwargs):
-                STUB_CALLS.append(f"torch.ops.{self._ns}.{attr} (answered)")
-                return fn(*args, **kwargs)
-
-            return answer
-        return _Stub(f"torch.ops.{self._ns}.{attr}")
-
-
-class _CudaObject:
-    """torch.cuda.Stream / Event stand-in (the CPU build of torch cannot construct them)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Stub(f"torch.cuda.{type(self).__name__}.{attr}")
-
-
-_BOOTED = False
+stubs = _load_stubs()
 _REAL_STDOUT = None
 
 
 def bootstrap(site: Path) -> None:
-    """Make ``import vllm`` (0.33.0 from ``site``) work on a CPU-only machine, stubbing only what needs CUDA."""
-    global _BOOTED
-    if _BOOTED:
-        return
-    site = Path(site)
-    if not (site / "vllm" / "__init__.py").is_file():
-        raise SystemExit(f"vllm is not installed in {site} (run tests/engine/install.py)")
-    sys.path.insert(0, str(site))
-    # The loader's warnings are the result: vLLM must log at INFO, to stderr (stdout carries the JSON answer).
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
-    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "VLLM_CACHE_ROOT" not in os.environ:
-        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
-
-    sys.meta_path.insert(0, _StubFinder())
-
-    import torch
-
-    for ns in STUB_OP_NAMESPACES:
-        setattr(torch.ops, ns, _OpsNamespace(ns))
-    real_register_fake = torch.library.register_fake
-
-    def register_fake(op, *args, **kwargs):
-        if isinstance(op, str) and op.split("::")[0] in STUB_OP_NAMESPACES:
-            return args[0] if args else (lambda fn: fn)
-        return real_register_fake(op, *args, **kwargs)
-
-    torch.library.register_fake = register_fake
-    torch.cuda.Stream = type("Stream", (_CudaObject,), {})
-    torch.cuda.Event = type("Event", (_CudaObject,), {})
-
-    import vllm
-    import vllm.platforms
-    from vllm.platforms import cuda as vllm_cuda
-    from vllm.platforms.interface import DeviceCapability
-
-    class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
-        """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
-
-        device_type = "cpu"
-
-        @classmethod
-        def get_device_capability(cls, device_id: int = 0):
-            return DeviceCapability(major=9, minor=0)
-
-        @classmethod
-        def get_device_name(cls, device_id: int = 0) -> str:
-            return "NVIDIA H100 80GB HBM3"
-
-        @classmethod
-        def get_device_total_memory(cls, device_id: int = 0) -> int:
-            return 80 << 30
-
-        @classmethod
-        def is_fully_connected(cls, physical_device_ids) -> bool:
-            return True
-
-        @classmethod
-        def device_count(cls) -> int:
-            return 8
-
-    vllm.platforms._current_platform = FakeSM90Platform()
-
-    import vllm.model_executor.models.registry as registry
-
-    registry._run_in_subprocess = lambda fn: fn()
-    _BOOTED = True
+    """Make ``import vllm`` (from ``site``) work on a CPU-only machine, stubbing only what needs CUDA."""
+    try:
+        stubs.bootstrap(Path(site))
+    except stubs.EngineUnavailable as e:
+        if e.kind == "no-vllm":
+            raise SystemExit(f"vllm is not installed in {site} (run tests/engine/install.py)") from None
+        raise
 
 
 def _fake_groups(tp: int, rank: int) -> None:
-    import torch
-    import vllm.distributed.parallel_state as ps
-
-    class FakeGroup(ps.GroupCoordinator):
-        def __init__(self, name: str, world: int, rank_in_group: int):  # no torch.distributed, no communicator
-            self.unique_name = name
-            self.world_size = world
-            self.rank_in_group = rank_in_group
-            self.ranks = list(range(world))
-            self.group_ranks = [self.ranks]
-            self.rank = rank_in_group
-            self.local_rank = rank_in_group
-            self.device_index = rank_in_group
-            self.device = torch.device("cpu")
-            self.cpu_group = None
-            self.device_group = None
-            self.use_device_communicator = False
-            self.device_communicator = None
-            self.mq_broadcaster = None
-
-    sizes = {
-        "_WORLD": (tp, rank),
-        "_INNER_DP_WORLD": (1, 0),
-        "_TP": (tp, rank),
-        "_ETP": (tp, rank),
-        "_PP": (1, 0),
-        "_DP": (1, 0),
-        "_EP": (tp, rank),  # vLLM's EP group spans DP x PCP x TP ranks, enabled or not
-        "_PCP": (1, 0),
-        "_DCP": (1, 0),
-    }
-    for attr, (world, r) in sizes.items():
-        setattr(ps, attr, FakeGroup(attr.strip("_").lower(), world, r))
+    stubs.fake_groups(tp, rank)
 
 
 def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str):
-    from vllm.engine.arg_utils import EngineArgs
-
-    with open(Path(config_dir) / "config.json") as fh:
-        n_mtp = int(json.load(fh).get("num_nextn_predict_layers") or 0)
-    args = EngineArgs(
-        model=str(config_dir),
-        tokenizer=str(config_dir),
-        skip_tokenizer_init=True,
-        tensor_parallel_size=tp,
-        enable_expert_parallel=ep,
-        load_format=load_format,
-        max_model_len=1024,
-        kernel_config={"enable_jit_warmup": False},
-        speculative_config=(
-            {"method": "mtp", "model": str(config_dir), "num_speculative_tokens": 1} if n_mtp else None
-        ),
-    )
-    return args.create_engine_config()
+    return stubs.engine_config(config_dir, tp, ep, load_format)
 
 
-class _ModelConfigAt:
-    """The model config with ``model`` pointing at another folder (what vLLM's loader reads the files from)."""
-
-    def __init__(self, base, folder: str):
-        self._base = base
-        self.model = str(folder)
-        self.model_weights = ""
-
-    def __getattr__(self, attr):
-        return getattr(self._base, attr)
-
-
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[dict] = []
-
-    def emit(self, record):
-        try:
-            msg = record.getMessage()
-        except Exception:  # noqa: BLE001
-            msg = str(record.msg)
-        self.records.append({"level": record.levelname, "logger": record.name, "message": msg})
-
-
-@contextlib.contextmanager
-def _capture():
-    handler = _Capture()
-    logger = logging.getLogger("vllm")
-    logger.addHandler(handler)
-    box: dict = {"log": handler.records, "warnings": []}
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield box
-    finally:
-        logger.removeHandler(handler)
-        box["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+_ModelConfigAt = stubs.ModelConfigAt
+_capture = stubs.capture
 
 
 def _exception(e: BaseException) -> dict:
@@ -683,8 +402,8 @@ def _meta() -> dict:
     return {
         "vllm_version": getattr(vllm, "__version__", "?"),
         "torch_version": torch.__version__,
-        "stubbed_modules": sorted(set(STUBBED_MODULES)),
-        "stub_calls": sorted(set(STUB_CALLS)),
+        "stubbed_modules": sorted(set(stubs.STUBBED_MODULES)),
+        "stub_calls": sorted(set(stubs.STUB_CALLS)),
     }
 
 
@@ -741,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         job = {k: v for k, v in vars(args).items() if k not in ("site",)}
         out = run_job(job)
     out["meta"] = _meta()
-    if os.environ["VLLM_CACHE_ROOT"].startswith(tempfile.gettempdir() + "/vllm-cache-"):
-        shutil.rmtree(os.environ["VLLM_CACHE_ROOT"], ignore_errors=True)
+    for cache in stubs.TEMP_CACHE:
+        shutil.rmtree(cache, ignore_errors=True)
     json.dump(out, _REAL_STDOUT, indent=1)
     _REAL_STDOUT.write("\n")
     _REAL_STDOUT.flush()

@@ -1,0 +1,530 @@
+"""Build an installed vLLM's own DeepSeek V4 classes on a machine without a GPU: what must be stubbed, and nothing else.
+
+This file is loaded BY PATH by ``probe.py`` (run with the serving environment's interpreter, which need not have
+ckpt_tool installed) and by ``tests/engine/vllm_worker.py``: it imports only the standard library at module
+level; torch and vllm are imported inside the functions, after :func:`bootstrap`.
+
+What is stubbed, and why:
+
+* vLLM's compiled extensions (``vllm._C*``, ``_moe_C``, ``_flashmla*``, flash-attn, ``_deepselect_C``, ... and any
+  other extension module under ``vllm.``) and the vendored CUDA-only ``vllm.third_party.deep_gemm``: they need
+  CUDA libraries. Stub attributes are objects that raise when called: no kernel runs. ``torch.ops._C`` etc.
+  answer the few capability queries made at import as an SM90 build would, and registering fake (meta) kernels
+  for those absent ops is skipped.
+* ``vllm.platforms.current_platform``: a CudaPlatform answering as an SM90 (H100) GPU whose device type is
+  ``cpu`` (tensors vLLM allocates on "the device" land on CPU).
+* ``torch.cuda.Stream`` / ``torch.cuda.Event`` (constructed by the V4 layers, never used without a forward).
+* vLLM's process groups (world, TP, PP, DP, EP, PCP, DCP): fake GroupCoordinators of the sizes vLLM would make
+  for one node with ``--tensor-parallel-size T`` (EP group = TP ranks, as vLLM builds it), no communication.
+* The model registry's "inspect the model class in a subprocess" is run in-process (the subprocess would not
+  have the stubs).
+* Config: ``kernel_config.enable_jit_warmup = False`` where the release has it (it only registers TileLang/Triton
+  JIT warmups, which need the CUDA-only ``tilelang``); this does not change any parameter.
+
+Every failure to import or build is raised as :class:`EngineUnavailable` naming the stage that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import types
+import warnings
+from pathlib import Path
+
+# Names of what was stubbed (reported with every answer).
+STUBBED_MODULES: list[str] = []
+STUB_CALLS: list[str] = []
+
+# Compiled extensions of the vLLM wheel (need libcudart/libtorch_cuda) and CUDA-only packages. Any other
+# extension module under ``vllm.`` (a newer release's) is stubbed too, see _StubFinder.
+STUB_EXACT = (
+    "vllm._C",
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C",
+    "vllm._moe_C_stable_libtorch",
+    "vllm._qutlass_C",
+    "vllm._flashmla_C",
+    "vllm._flashmla_extension_C",
+    "vllm._flashkda_C",
+    "vllm._deepselect_C",
+    "vllm.cumem_allocator",
+    "vllm.fs_io_C",
+    "vllm.spinloop",
+    "vllm.vllm_flash_attn._vllm_fa2_C",
+    "vllm.vllm_flash_attn._vllm_fa3_C",
+)
+STUB_PACKAGES = ("vllm.third_party.deep_gemm",)  # vendored DeepGEMM: imports its CUDA extension at import time
+STUB_OP_NAMESPACES = (
+    "_C",
+    "_moe_C",
+    "_C_cache_ops",
+    "_C_custom_ar",
+    "_rocm_C",
+    "_qutlass_C",
+    "_flashmla_C",
+    "_flashmla_extension_C",
+)
+
+
+class EngineUnavailable(Exception):
+    """vLLM is absent, or its classes cannot be built on this machine; ``stage`` names the step that failed."""
+
+    def __init__(self, stage: str, message: str, kind: str = "build") -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+        self.kind = kind  # "no-vllm" | "build"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Run a bootstrap/build step; any exception becomes :class:`EngineUnavailable` naming the step."""
+    try:
+        yield
+    except EngineUnavailable:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - vLLM may raise anything (SystemExit, ImportError, ...)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise EngineUnavailable(name, _describe(exc)) from exc
+
+
+class _Stub:
+    """An attribute of a stubbed extension: attribute access gives more stubs, a call raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        STUB_CALLS.append(self._name)
+        raise RuntimeError(f"stubbed CUDA kernel/extension called on CPU: {self._name}")
+
+    def __repr__(self):
+        return f"<stub {self._name}>"
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"{self.__name__}.{attr}")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers imports of vLLM's compiled extensions (listed, or found as an extension module) with stubs."""
+
+    def _match(self, name: str, path) -> bool:
+        if name in STUB_EXACT or any(name == p or name.startswith(p + ".") for p in STUB_PACKAGES):
+            return True
+        if not name.startswith("vllm.") or path is None:
+            return False
+        found = importlib.machinery.PathFinder.find_spec(name, path)
+        return found is not None and isinstance(found.loader, importlib.machinery.ExtensionFileLoader)
+
+    def find_spec(self, name, path=None, target=None):
+        if self._match(name, path):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = _StubModule(spec.name)
+        mod.__path__ = []
+        STUBBED_MODULES.append(spec.name)
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+class _OpsNamespace:
+    """``torch.ops.<ns>`` of a compiled extension that is not loaded.
+
+    Capability queries made while importing/building answer as vLLM's SM90 CUDA build would; any other op is a
+    stub that raises when called.
+    """
+
+    ANSWERS = {
+        "cutlass_scaled_mm_supports_fp8": lambda cap: cap >= 89,
+        "cutlass_scaled_mm_supports_block_fp8": lambda cap: cap >= 90,
+        "cutlass_scaled_mm_supports_fp4": lambda cap: cap >= 100,
+        "cutlass_group_gemm_supported": lambda cap: cap in (90, 100),
+    }
+
+    def __init__(self, ns: str):
+        self._ns = ns
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr in self.ANSWERS:
+            fn = self.ANSWERS[attr]
+
+            def answer(*args, **kwargs):
+                STUB_CALLS.append(f"torch.ops.{self._ns}.{attr} (answered)")
+                return fn(*args, **kwargs)
+
+            return answer
+        return _Stub(f"torch.ops.{self._ns}.{attr}")
+
+
+class _CudaObject:
+    """torch.cuda.Stream / Event stand-in (a CPU machine cannot construct them)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Stub(f"torch.cuda.{type(self).__name__}.{attr}")
+
+
+_BOOTED = False
+TEMP_CACHE: list[str] = []  # VLLM_CACHE_ROOT folders bootstrap made (the caller removes them when done)
+
+
+def bootstrap(site: str | Path | None = None) -> None:
+    """Make ``import vllm`` work on a machine without a GPU, stubbing only what needs CUDA.
+
+    ``site``: a folder holding vllm (put first on ``sys.path``); None: the interpreter's own vllm.
+    Raises :class:`EngineUnavailable` (``kind`` "no-vllm" when there is no vllm to import).
+    """
+    global _BOOTED
+    if _BOOTED:
+        return
+    if site is not None:
+        site = Path(site)
+        if not (site / "vllm" / "__init__.py").is_file():
+            raise EngineUnavailable("find vllm", f"vllm is not installed in {site}", kind="no-vllm")
+        sys.path.insert(0, str(site))
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailable("find vllm", f"no vllm importable by {sys.executable}", kind="no-vllm")
+    # The loader's warnings are part of the result: vLLM logs at INFO, to stderr (stdout carries the answer).
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
+        TEMP_CACHE.append(os.environ["VLLM_CACHE_ROOT"])
+
+    sys.meta_path.insert(0, _StubFinder())
+
+    with stage("import torch"):
+        import torch
+
+    for ns in STUB_OP_NAMESPACES:
+        setattr(torch.ops, ns, _OpsNamespace(ns))
+    real_register_fake = torch.library.register_fake
+
+    def register_fake(op, *args, **kwargs):
+        if isinstance(op, str) and op.split("::")[0] in STUB_OP_NAMESPACES:
+            return args[0] if args else (lambda fn: fn)
+        return real_register_fake(op, *args, **kwargs)
+
+    torch.library.register_fake = register_fake
+    torch.cuda.Stream = type("Stream", (_CudaObject,), {})
+    torch.cuda.Event = type("Event", (_CudaObject,), {})
+
+    with stage("import vllm"):
+        import vllm
+        import vllm.platforms
+
+    with stage("stub vLLM's CUDA platform (vllm.platforms.cuda.CudaPlatformBase as an SM90 GPU on cpu)"):
+        from vllm.platforms import cuda as vllm_cuda
+        from vllm.platforms.interface import DeviceCapability
+
+        class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
+            """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
+
+            device_type = "cpu"
+
+            @classmethod
+            def get_device_capability(cls, device_id: int = 0):
+                return DeviceCapability(major=9, minor=0)
+
+            @classmethod
+            def get_device_name(cls, device_id: int = 0) -> str:
+                return "NVIDIA H100 80GB HBM3"
+
+            @classmethod
+            def get_device_total_memory(cls, device_id: int = 0) -> int:
+                return 80 << 30
+
+            @classmethod
+            def is_fully_connected(cls, physical_device_ids) -> bool:
+                return True
+
+            @classmethod
+            def device_count(cls) -> int:
+                return 8
+
+        vllm.platforms._current_platform = FakeSM90Platform()
+
+    with stage("run vLLM's model registry in-process (vllm.model_executor.models.registry)"):
+        import vllm.model_executor.models.registry as registry
+
+        registry._run_in_subprocess = lambda fn: fn()
+    _BOOTED = True
+
+
+def fake_groups(tp: int, rank: int) -> None:
+    """vLLM's process groups as one node with ``--tensor-parallel-size tp`` would make them, seen from ``rank``."""
+    import torch
+    import vllm.distributed.parallel_state as ps
+
+    class FakeGroup(ps.GroupCoordinator):
+        def __init__(self, name: str, world: int, rank_in_group: int):  # no torch.distributed, no communicator
+            self.unique_name = name
+            self.world_size = world
+            self.rank_in_group = rank_in_group
+            self.ranks = list(range(world))
+            self.group_ranks = [self.ranks]
+            self.rank = rank_in_group
+            self.local_rank = rank_in_group
+            self.device_index = rank_in_group
+            self.device = torch.device("cpu")
+            self.cpu_group = None
+            self.device_group = None
+            self.use_device_communicator = False
+            self.device_communicator = None
+            self.mq_broadcaster = None
+
+    sizes = {
+        "_WORLD": (tp, rank),
+        "_INNER_DP_WORLD": (1, 0),
+        "_TP": (tp, rank),
+        "_ETP": (tp, rank),
+        "_PP": (1, 0),
+        "_DP": (1, 0),
+        "_EP": (tp, rank),  # vLLM's EP group spans DP x PCP x TP ranks, enabled or not
+        "_PCP": (1, 0),
+        "_DCP": (1, 0),
+    }
+    for attr, (world, r) in sizes.items():
+        setattr(ps, attr, FakeGroup(attr.strip("_").lower(), world, r))
+
+
+def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, draft_dir: str | Path | None = None):
+    """vLLM's engine config for ``vllm serve config_dir --tensor-parallel-size tp [--enable-expert-parallel]
+    --load-format load_format --speculative-config '{"method": "mtp", "model": draft_dir}'`` (the speculative
+    config only when config.json has MTP layers; ``draft_dir`` defaults to ``config_dir``)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    with open(Path(config_dir) / "config.json") as fh:
+        n_mtp = int(json.load(fh).get("num_nextn_predict_layers") or 0)
+    kwargs = dict(
+        model=str(config_dir),
+        tokenizer=str(config_dir),
+        skip_tokenizer_init=True,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
+        load_format=load_format,
+        max_model_len=1024,
+        kernel_config={"enable_jit_warmup": False},
+        speculative_config=(
+            {"method": "mtp", "model": str(draft_dir or config_dir), "num_speculative_tokens": 1} if n_mtp else None
+        ),
+    )
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set(kwargs)
+    if "kernel_config" not in fields:  # a release without it has no JIT warmup to switch off
+        kwargs.pop("kernel_config")
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+class ModelConfigAt:
+    """The model config with ``model`` pointing at another folder (what vLLM's loader reads the files from)."""
+
+    def __init__(self, base, folder: str | Path):
+        self._base = base
+        self.model = str(folder)
+        self.model_weights = ""
+
+    def __getattr__(self, attr):
+        return getattr(self._base, attr)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[dict] = []
+
+    def emit(self, record):
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            msg = str(record.msg)
+        self.records.append({"level": record.levelname, "logger": record.name, "message": msg})
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect vLLM's log records and Python warnings: ``box["log"]``, ``box["warnings"]``."""
+    handler = _Capture()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    box: dict = {"log": handler.records, "warnings": []}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield box
+    finally:
+        logger.removeHandler(handler)
+        box["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def component_model_config(cfg, component: str):
+    """The model config vLLM builds (and loads) ``component`` with: the target's, or the MTP draft's."""
+    if component == "model":
+        return cfg.model_config
+    if component == "mtp":
+        if cfg.speculative_config is None:
+            raise ValueError("config.json has no MTP layer (num_nextn_predict_layers is 0)")
+        return cfg.speculative_config.draft_model_config
+    raise ValueError(f"component must be 'model' or 'mtp', got {component!r}")
+
+
+def build_model(cfg, model_config, device: str, model_class=None):
+    """The model as vLLM's ``BaseModelLoader.load_model`` creates it: under the model dtype and ``device``.
+
+    ``device="meta"`` allocates nothing for the weights (tensors a module places explicitly land on the
+    platform's device, the CPU here). ``model_class=None``: the class vLLM's registry picks for the config."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(model_config.dtype), torch.device(device):
+        if model_class is None:
+            return initialize_model(vllm_config=cfg, model_config=model_config)
+        return initialize_model(cfg, model_class=model_class, model_config=model_config)
+
+
+class _Placed:
+    """A tensor with the address it would have on the device: what vLLM's ``_filter_subtensors`` reads.
+
+    Meta tensors have no addresses (every storage's ``data_ptr()`` is 0). Each distinct storage (by identity)
+    gets its own base address, far from the others as separate allocations are; a view's ``data_ptr()`` is the
+    base plus its storage offset in bytes, as on a device. Anything else is the tensor's own answer (tensor
+    results, such as ``view(-1)[-1]``, stay placed on the same storage).
+    """
+
+    __slots__ = ("_t", "_base")
+
+    def __init__(self, t, base: int):
+        self._t = t
+        self._base = base
+
+    def data_ptr(self) -> int:
+        return self._base + self._t.storage_offset() * self._t.element_size()
+
+    def untyped_storage(self):
+        return _PlacedStorage(self._base)
+
+    def __getitem__(self, index):
+        return self._wrap(self._t[index])
+
+    def _wrap(self, value):
+        import torch
+
+        return _Placed(value, self._base) if isinstance(value, torch.Tensor) else value
+
+    def __getattr__(self, name):
+        value = getattr(self._t, name)
+        if callable(value):
+            return lambda *a, **k: self._wrap(value(*a, **k))
+        return value
+
+
+class _PlacedStorage:
+    __slots__ = ("_base",)
+
+    def __init__(self, base: int):
+        self._base = base
+
+    def data_ptr(self) -> int:
+        return self._base
+
+
+STORAGE_SPACING = 1 << 44  # 16 TiB between placed storages: no storage is that large
+
+
+def storage_key(t) -> tuple:
+    """Identity of ``t``'s storage (device, the storage object's address): shared by every view of it."""
+    return (str(t.device), t.untyped_storage()._cdata)
+
+
+def filter_state_dict(model) -> tuple[dict, dict]:
+    """:func:`filter_tensors` of ``model.state_dict()``: what vLLM's sharded_state loader wants from a rank."""
+    return filter_tensors(model.state_dict())
+
+
+def filter_tensors(full: dict) -> tuple[dict, dict]:
+    """``(kept, aliases)``: vLLM's own ``ShardedStateLoader._filter_subtensors`` run on ``full`` with every
+    storage placed at its own address (:class:`_Placed`), so meta tensors give the keys device tensors give;
+    ``kept`` maps each kept key to its real tensor, ``aliases`` each dropped key to the kept key whose memory
+    covers it (None if none: an empty tensor)."""
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    bases: dict[tuple, int] = {}
+    placed = {}
+    for k, t in full.items():
+        base = bases.setdefault(storage_key(t), (len(bases) + 1) * STORAGE_SPACING)
+        placed[k] = _Placed(t, base)
+    kept_placed = ShardedStateLoader._filter_subtensors(placed)
+    kept = {k: full[k] for k in kept_placed}
+    spans: dict[tuple, list] = {}
+    for k, t in kept.items():
+        start = t.storage_offset() * t.element_size()
+        spans.setdefault(storage_key(t), []).append((start, start + t.numel() * t.element_size(), k))
+    aliases = {}
+    for k, t in full.items():
+        if k in kept:
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        cover = [kk for a, b, kk in spans.get(storage_key(t), []) if a <= start and end <= b] if t.numel() else []
+        aliases[k] = min(cover) if cover else None
+    return kept, aliases
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def versions() -> dict:
+    """vLLM and torch versions, where vLLM lives, and what was stubbed."""
+    import torch
+    import vllm
+
+    return {
+        "vllm_version": getattr(vllm, "__version__", "?"),
+        "vllm_location": str(Path(vllm.__file__).resolve().parent),
+        "torch_version": torch.__version__,
+        "python": sys.executable,
+        "python_version": ".".join(map(str, sys.version_info[:3])),
+        "stubbed_modules": sorted(set(STUBBED_MODULES)),
+        "stub_calls": sorted(set(STUB_CALLS)),
+    }
