@@ -24,9 +24,10 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 from .config import V4Config
 from .errors import MTP_MISSING_MESSAGE, PlanError
@@ -481,13 +482,26 @@ def tensor_roles(names: list[str], lines: str | None = None) -> list[str]:
 
 
 Kind = tuple[str, str, tuple[int, ...]]  # (role, dtype, shape)
+DtypeShape = tuple[str, tuple[int, ...]]
 
 
-def shape_kinds(names: list[str], dtypes: Iterable[str], shapes: Iterable[tuple[int, ...]], lines: str | None = None) -> set[Kind]:
-    """The distinct (role, dtype, shape) of tensors ``names`` (``dtypes``, ``shapes``: theirs, in order):
-    what :func:`kinds_agree` checks. A few thousand for a V4 checkpoint's 69k tensors, whose routed
-    experts share a handful; plain builtins, so a forked helper can hand them back."""
-    return set(zip(tensor_roles(names, lines), dtypes, shapes))
+def shape_kinds(
+    names: list[str],
+    kinds: Iterable[Hashable],
+    kind_of: Callable[[Any], DtypeShape] | None = None,
+    lines: str | None = None,
+) -> set[Kind]:
+    """The distinct (role, dtype, shape) of tensors ``names``: what :func:`kinds_agree` checks. A few
+    thousand for a V4 checkpoint's 69k tensors, whose routed experts share a handful; plain builtins,
+    so a forked helper can hand them back.
+
+    ``kinds``: each tensor's (dtype, shape), or a key ``kind_of`` turns into one (a parsed header's kind
+    numbers: pairing 69k names with small ints, then looking up the few distinct ones, costs less).
+    """
+    pairs = set(zip(tensor_roles(names, lines), kinds))
+    if kind_of is None:
+        return {(role, dtype, shape) for role, (dtype, shape) in pairs}
+    return {(role, *kind_of(kind)) for role, kind in pairs}
 
 
 def kinds_agree(config: V4Config, kinds: Iterable[Kind]) -> bool:
@@ -576,14 +590,14 @@ def config_disagreement(config: V4Config, tensors: Iterable[TensorInfo]) -> Disa
     return Disagreement(key, info, e, len(found))
 
 
-_DTYPE, _SHAPE = itemgetter(1), itemgetter(2)
+_DTYPE_SHAPE = itemgetter(1, 2)
 
 
 def require_agreement(config: V4Config, tensors: dict[str, TensorInfo]) -> None:
     """Raise PlanError naming the key, a tensor and expected vs actual when a header disagrees with what
     config.json implies. The distinct kinds are checked first; tensors one by one only when one disagrees."""
     infos = tensors.values()
-    if kinds_agree(config, shape_kinds(list(tensors), map(_DTYPE, infos), map(_SHAPE, infos))):
+    if kinds_agree(config, shape_kinds(list(tensors), map(_DTYPE_SHAPE, infos))):
         return
     found = config_disagreement(config, infos)
     if found is not None:

@@ -46,7 +46,7 @@ def test_every_stored_tensor_has_the_shape_and_dtype_its_config_implies(fixture_
     for role, t in zip(roles, ckpt.tensors.values()):
         assert expected[role].agrees(t.dtype, t.shape), (t.name, t.dtype, t.shape, expected[role])
     assert config_disagreement(ckpt.config, ckpt.tensors.values()) is None
-    assert kinds_agree(ckpt.config, shape_kinds(list(ckpt.tensors), (t.dtype for t in ckpt.tensors.values()), (t.shape for t in ckpt.tensors.values())))
+    assert kinds_agree(ckpt.config, shape_kinds(list(ckpt.tensors), [(t.dtype, t.shape) for t in ckpt.tensors.values()]))
     require_agreement(ckpt.config, ckpt.tensors)
 
 
