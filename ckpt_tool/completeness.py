@@ -26,7 +26,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from .config import V4Config
@@ -561,7 +561,8 @@ def _key_value(config: V4Config, key: str, name: str) -> str:
 
 
 def config_disagreement(config: V4Config, tensors: Iterable[TensorInfo]) -> Disagreement | None:
-    """Every tensor config.json implies against what it implies, one by one (in ``tensors``' order).
+    """Every tensor config.json implies against what it implies, one by one, in checkpoint order (file, then
+    offset: the same first tensor whether the headers came from local shards or the hub's metadata).
 
     The key to blame is the one most disagreeing tensors could be explained by: an edited ``hidden_size``
     shows in nearly every tensor, ``num_attention_heads`` in a few per layer that all involve it, while
@@ -570,7 +571,7 @@ def config_disagreement(config: V4Config, tensors: Iterable[TensorInfo]) -> Disa
     then the first seen.
     """
     expected = expected_shapes(config)
-    infos = list(tensors)
+    infos = sorted(tensors, key=_PLACE)
     roles = tensor_roles([t.name for t in infos])
     found: list[tuple[TensorInfo, Expected, tuple[str, ...]]] = []
     for info, role in zip(infos, roles):
@@ -591,6 +592,7 @@ def config_disagreement(config: V4Config, tensors: Iterable[TensorInfo]) -> Disa
 
 
 _DTYPE_SHAPE = itemgetter(1, 2)
+_PLACE = attrgetter("file", "start")
 
 
 def require_agreement(config: V4Config, tensors: dict[str, TensorInfo]) -> None:
