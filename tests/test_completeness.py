@@ -220,3 +220,20 @@ def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_p
     failed = json.loads(out)["failures"]
     assert [c["name"] for c in failed] == ["serving-files:model"]
     assert "tokenizer.json: missing" in failed[0]["message"]
+
+
+@pytest.mark.parametrize("model", ["flash", "pro"])
+def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, monkeypatch) -> None:
+    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes: its config.json must imply them all."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "make_skeleton.py"
+    spec = importlib.util.spec_from_file_location(f"make_skeleton_{model}", path)
+    skeleton = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, skeleton)  # (its dataclasses look their module up)
+    spec.loader.exec_module(skeleton)  # a module of its own: use_pro() changes its constants
+    if model == "pro":
+        skeleton.use_pro()
+    assert skeleton.agrees_with_its_config()
