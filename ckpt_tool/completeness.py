@@ -180,7 +180,8 @@ def _dim(config: V4Config, key: str) -> Dim:
 
 
 def _blocks(config: V4Config) -> tuple[Dim, Dim]:
-    return tuple(Dim(b, (BLOCK_KEY,)) for b in config.weight_block_size)  # type: ignore[return-value]
+    rows, cols = config.weight_block_size
+    return Dim(rows, (BLOCK_KEY,)), Dim(cols, (BLOCK_KEY,))
 
 
 def _fp8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:

@@ -1,7 +1,8 @@
 """Planning a conversion from headers alone: which bytes of which source tensors form every output tensor.
 
 Everything that can be checked without reading tensor bytes is checked here, before any output is
-written: every source tensor matched by exactly one rule (unknown names are an error listing them),
+written: shapes and dtypes that agree with what config.json implies (:mod:`ckpt_tool.completeness`),
+every source tensor matched by exactly one rule (unknown names are an error listing them),
 fused parts that agree, complete expert sets, TP splits that divide at block granularity (or, where the
 profile's engine zero-pads a split to whole blocks per rank, the padded layout), and every MTP layer
 present. The result is a :class:`Plan`: per output file, per tensor, the :class:`Segment` byte gathers
