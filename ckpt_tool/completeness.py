@@ -467,7 +467,7 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
     return roles
 
 
-_EXPERT_INDEX = re.compile(r"\.ffn\.experts\.[0-9]+\.")  # (no literal-only anchoring: twice as fast over 69k names)
+_EXPERT_INDEX = re.compile(r"\.ffn\.experts\.[0-9]+\.")  # any digits: the plain pattern substitutes 69k names ~1.5x faster
 
 
 def tensor_roles(names: list[str], lines: str | None = None) -> list[str]:
@@ -536,7 +536,8 @@ class Disagreement:
         actual = f"{t.dtype} {list(t.shape)}"
         if self.key == EXPERT_DTYPE and t.dtype in STORED_FORMAT and _EXPERT_INDEX.search(t.name):
             actual += f" ({STORED_FORMAT[t.dtype]})"
-        more = f" (and {self.count - 1:,} more tensor{'s' if self.count > 2 else ''} disagree)" if self.count > 1 else ""
+        more = self.count - 1
+        more = f" (and {more:,} more tensor{'s disagree' if more > 1 else ' disagrees'})" if more else ""
         if self.key is None:
             return (
                 f"tensor {t.name!r} in {t.file} is {actual}, but config.json implies {self.expected.describe()}{more}; "
