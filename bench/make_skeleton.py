@@ -4,7 +4,8 @@
     python bench/make_skeleton.py OUT --layers 1           # ... plus main layer 0 (+3.3 GiB per layer)
     python bench/make_skeleton.py OUT --headers-only       # all 43 layers + MTP, 46 shards, ~69k tensors,
                                                            # headers only: data are sparse holes (no disk)
-    python bench/make_skeleton.py --self-check             # names/dtypes/shapes == fixtures.make's specs
+    python bench/make_skeleton.py --self-check             # names/dtypes/shapes == fixtures.make's specs,
+                                                           # and == what ckpt-tool derives from config.json
 
 The tensor set follows fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
 dimensions of research/v4_format.md §1-2. The specs are written out here instead of imported, because
@@ -21,6 +22,7 @@ its full size, so its data read back as zeros without using disk space.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -379,7 +381,8 @@ def self_check() -> int:
     for name in ("VOCAB", "HIDDEN", "HEADS", "HEAD_DIM", "ROPE_DIM", "Q_LORA", "O_GROUPS", "O_LORA", "EXPERTS",
                  "TOPK", "MOE_INTER", "HC", "INDEX_HEADS", "INDEX_HEAD_DIM", "HASH_LAYERS"):
         setattr(fm, name, globals()[name])
-    variant = fm.VARIANTS["fp4"]
+    # the variant carries its own moe_intermediate_size (set when fixtures.make was imported): give it ours
+    variant = dataclasses.replace(fm.VARIANTS["fp4"], moe_inter=MOE_INTER)
     ok = True
     cases = [("layers.0", 0, True), ("layers.2", 4, True), ("layers.3", 128, False), ("layers.5", 4, False)]
     for prefix, ratio, hashed in cases:
@@ -394,7 +397,24 @@ def self_check() -> int:
     cfg = fm.make_config(variant)
     missing = sorted(set(cfg) - set(make_config()))
     print(f"config keys missing vs fixtures: {missing or 'none'}")
+    ok &= agrees_with_its_config()
     return 0 if ok and not missing else 1
+
+
+def agrees_with_its_config() -> bool:
+    """Whether every tensor of the full skeleton has the shape and dtype ckpt-tool derives from its config.json."""
+    from ckpt_tool.completeness import config_disagreement
+    from ckpt_tool.config import V4Config
+    from ckpt_tool.format import TensorInfo
+
+    tensors, offset = [], 0
+    for s in all_specs(NUM_LAYERS):
+        tensors.append(TensorInfo(s.name, s.dtype, s.shape, "skeleton.safetensors", offset, offset + s.nbytes))
+        offset += s.nbytes
+    config = V4Config.from_dict(make_config())
+    found = config_disagreement(config, tensors)
+    print(f"shapes and dtypes ckpt-tool derives from config.json ({len(tensors)} tensors): {'same' if found is None else found.message(config)}")
+    return found is None
 
 
 def main(argv: list[str] | None = None) -> int:

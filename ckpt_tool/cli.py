@@ -143,8 +143,8 @@ def inspect(
     """Header-only look at a checkpoint: files, tensors, dtypes, bytes, quantization, layers, MTP.
 
     Reads only headers (no tensor bytes). Exits 1 if the checkpoint lacks a tensor the engine needs
-    (a main layer, an expert, an MTP layer: the verdict convert gives), the config and stored dtypes
-    disagree, or a file is invalid.
+    (a main layer, an expert, an MTP layer: the verdict convert gives), the config and the stored shapes
+    or dtypes disagree, or a file is invalid.
 
     Examples:
 

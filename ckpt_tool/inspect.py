@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import asdict, dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import itemgetter, not_
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .config import V4Config
-from .completeness import Completeness, check_completeness, count_by_index, layer_indices, name_lines
+from .completeness import (
+    STORED_FORMAT,
+    Completeness,
+    Disagreement,
+    DtypeShape,
+    check_completeness,
+    config_disagreement,
+    count_by_index,
+    kinds_agree,
+    layer_indices,
+    name_lines,
+    shape_kinds,
+)
 from .errors import MTP_MISSING_MESSAGE
 from .fanout import read_shards_forked
 from .format import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
@@ -75,7 +87,8 @@ class ShardTally(NamedTuple):
 
     A plain tuple of builtins, so a forked helper can hand it back through ``marshal``. The four
     ``dtype -> tensors`` maps split ``.weight`` and ``.scale`` tensors into routed experts and the rest
-    (linears), each dtype in the order first seen.
+    (linears), each dtype in the order first seen. ``shape_kinds`` holds the file's distinct (role, dtype,
+    shape): what config.json's implied shapes and dtypes are checked on without a record per tensor.
     """
 
     file: str
@@ -87,14 +100,23 @@ class ShardTally(NamedTuple):
     first_expert_weight: dict[str, str]  # dtype -> its first routed-expert weight (what a quant problem cites)
     layers: list[int]  # main layers with any tensor here
     mtp: dict[int, int]  # MTP index -> tensors
+    shape_kinds: set[tuple[str, str, tuple[int, ...]]]  # see completeness.shape_kinds
 
 
 _EXPERTS = ".ffn.experts."
 _QUANT_FIELDS = ("expert_weights", "expert_scales", "linear_weights", "linear_scales")
 
 
-def tally_file(file: str, names: list[str], dtypes: list[str], totals: dict[str, tuple[int, int]]) -> ShardTally:
-    """The :class:`ShardTally` of one file's tensor ``names`` and ``dtypes`` (``totals``: its per-dtype sums).
+def tally_file(
+    file: str,
+    names: list[str],
+    dtypes: list[str],
+    totals: dict[str, tuple[int, int]],
+    kinds: Iterable[Hashable],
+    kind_of: Callable[[Any], DtypeShape] | None = None,
+) -> ShardTally:
+    """The :class:`ShardTally` of one file's tensor ``names`` and ``dtypes`` (``totals``: its per-dtype sums;
+    ``kinds`` and ``kind_of``: their shapes, as :func:`ckpt_tool.completeness.shape_kinds` takes them).
 
     Routed experts are 96 % of a V4 checkpoint's names, so the passes over every name are C-level
     (suffix tests feeding a Counter of dtypes); only the few other names get a Python loop, and the
@@ -121,6 +143,7 @@ def tally_file(file: str, names: list[str], dtypes: list[str], totals: dict[str,
         first_expert_weight={dtype: _first_expert_weight(names, dtypes, dtype) for dtype in expert_weights},
         layers=sorted(layer_indices(names, lines=lines)),
         mtp=count_by_index(names, "mtp.", lines=lines),
+        shape_kinds=shape_kinds(names, kinds, kind_of, lines),
     )
 
 
@@ -133,7 +156,13 @@ def _most_common(counts: dict[str, int]) -> str | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-_DTYPE = itemgetter(1)
+_DTYPE, _DTYPE_SHAPE = itemgetter(1), itemgetter(1, 2)
+
+
+def _tally_header(header: ShardHeader) -> ShardTally:
+    """The tally of a parsed header; its tensors' shapes by the header's kind numbers (no record per tensor)."""
+    dtypes, shapes = header.dtypes, header.columns.shapes
+    return tally_file(header.file, header.names, dtypes, header.dtype_totals, header.columns.kinds, lambda i: (dtypes[i], shapes[i]))
 
 
 def inspect_tensors(
@@ -154,13 +183,19 @@ def inspect_tensors(
     with gc_paused():
         shards = list(shards) if shards is not None else []
         if sum(len(h.names) for h in shards) == len(tensors):
-            tallies = [tally_file(h.file, h.names, h.dtypes, h.dtype_totals) for h in shards]
+            tallies = [_tally_header(h) for h in shards]
         else:  # hub metadata: no parsed shards; group the tensors by file
             by_file: dict[str, dict[str, TensorInfo]] = {}
             for name, t in tensors.items():
                 by_file.setdefault(t.file, {})[name] = t
-            tallies = [tally_file(f, list(ts), list(map(_DTYPE, ts.values())), dtype_totals(ts.values())) for f, ts in by_file.items()]
-        return summarize(source, tallies, tensors, config, config_error, whole=whole)
+            tallies = [
+                tally_file(f, list(ts), list(map(_DTYPE, ts.values())), dtype_totals(ts.values()), map(_DTYPE_SHAPE, ts.values()))
+                for f, ts in by_file.items()
+            ]
+        disagreement = None
+        if config is not None and not kinds_agree(config, chain.from_iterable(t.shape_kinds for t in tallies)):
+            disagreement = config_disagreement(config, tensors.values())  # tensor by tensor, to word it
+        return summarize(source, tallies, tensors, config, config_error, whole=whole, disagreement=disagreement)
 
 
 def summarize(
@@ -172,9 +207,11 @@ def summarize(
     *,
     whole: bool = True,
     completeness: Completeness | None = None,
+    disagreement: Disagreement | None = None,
 ) -> InspectReport:
     """The report from per-file tallies (in file order) and every tensor name (for completeness, unless
-    ``completeness`` already holds the verdict on those names)."""
+    ``completeness`` already holds the verdict on those names). ``disagreement``: how the headers disagree
+    with config.json, if they do (:func:`ckpt_tool.completeness.config_disagreement`)."""
     file_count: Counter[str] = Counter()
     file_bytes: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()
@@ -197,7 +234,7 @@ def summarize(
         mtp_counts.update(t.mtp)
 
     expert_dtype = _most_common(quant_counts["expert_weights"])
-    expert_format = {"I8": "fp4", "U8": "fp4", "F8_E4M3": "fp8"}.get(expert_dtype or "", None)
+    expert_format = STORED_FORMAT.get(expert_dtype or "", None)
     quant = QuantScheme(
         linear_weight_dtype="F8_E4M3" if quant_counts["linear_weights"]["F8_E4M3"] else None,
         linear_scale_dtype=_most_common(quant_counts["linear_scales"]),
@@ -215,15 +252,19 @@ def summarize(
     if config_error:
         problems.append(config_error)
     if config is not None:
+        # convert's verdicts, in its order. With a config.json that disagrees with the weights, what else it
+        # implies (tensors missing, another expert format) follows from that one cause: one line, not three
+        if disagreement is not None:
+            problems.append(disagreement.message(config))
         if whole:
             if completeness is None:  # convert's verdict (both components)
                 completeness = check_completeness(config, names, mtp_present=set(mtp_counts))
-            if not completeness.complete:
+            if not completeness.complete and disagreement is None:
                 problems.append(completeness.message(config))
             missing_tensors = completeness.missing_groups
-        else:  # one shard of several: only say which MTP layers it lacks
+        elif disagreement is None:  # one shard of several: only say which MTP layers it lacks
             problems += [MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i) for i in missing]
-        if not quant.consistent:
+        if not quant.consistent and disagreement is None:
             file, name = first_expert_weight[expert_dtype]
             problems.append(
                 f"{file}: tensor {name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
@@ -261,16 +302,19 @@ def inspect_local(src: str) -> InspectReport:
 def inspect_forked(src: str) -> InspectReport | None:
     """The report of a many-shard checkpoint, tallied by forked helpers while this process reads the index
     and checks completeness on its names (:func:`ckpt_tool.fanout.read_shards_forked`); None where only
-    the serial path can answer (it then gives the same report, or words the error)."""
+    the serial path can answer (it then gives the same report, or words the error: a header that
+    disagrees with config.json is worded there, from the per-tensor records these tallies do not keep)."""
     read = read_shards_forked(src, _tally_file_at, need_config=False, wire=tuple, unwire=ShardTally._make, on_index=_completeness)
     if read is None:
+        return None
+    if read.config is not None and not kinds_agree(read.config, chain.from_iterable(t.shape_kinds for t in read.values)):
         return None
     return summarize(src, read.values, read.weight_map, read.config, read.config_error, completeness=read.on_index)
 
 
 def _tally_file_at(root: Path, file: str) -> tuple[ShardTally, list[str]]:
     header = read_shard_header(root / file, file)
-    return tally_file(file, header.names, header.dtypes, header.dtype_totals), header.names
+    return _tally_header(header), header.names
 
 
 def _completeness(config: V4Config | None, names: dict[str, str]) -> Completeness | None:

@@ -1,7 +1,8 @@
 """Planning a conversion from headers alone: which bytes of which source tensors form every output tensor.
 
 Everything that can be checked without reading tensor bytes is checked here, before any output is
-written: every source tensor matched by exactly one rule (unknown names are an error listing them),
+written: shapes and dtypes that agree with what config.json implies (:mod:`ckpt_tool.completeness`),
+every source tensor matched by exactly one rule (unknown names are an error listing them),
 fused parts that agree, complete expert sets, TP splits that divide at block granularity (or, where the
 profile's engine zero-pads a split to whole blocks per rank, the padded layout), and every MTP layer
 present. The result is a :class:`Plan`: per output file, per tensor, the :class:`Segment` byte gathers
@@ -29,7 +30,7 @@ from operator import attrgetter
 
 from .config import V4Config
 from . import conversions
-from .completeness import count_by_index, require_complete
+from .completeness import count_by_index, require_agreement, require_complete
 from .errors import PlanError
 from .format import DTYPE_BITS, TensorInfo, gc_paused
 from .profiles import DEFAULT_PROFILE, PROFILES, canonical_name
@@ -642,7 +643,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
     rules = PROFILES[opts.profile].rules(config.expert_dtype)
 
-    _check_expert_dtype(config, tensors)
+    require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     mtp_present = set(count_by_index(tensors, "mtp."))
     extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
@@ -727,16 +728,6 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         unused_by_selection=tuple(sorted(unused_by_selection)),
         notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
-
-
-def _check_expert_dtype(config: V4Config, tensors: dict[str, TensorInfo]) -> None:
-    want = {"fp4": {"I8", "U8"}, "fp8": {"F8_E4M3"}}[config.expert_dtype]
-    for name, t in tensors.items():
-        if t.dtype not in want and ".ffn.experts." in name and name.endswith(".weight"):
-            raise PlanError(
-                f"{t.file}: tensor {name!r} is {t.dtype} but config.json expert_dtype is {config.expert_dtype!r} "
-                f"(expects {' or '.join(sorted(want))}); fix expert_dtype in config.json to match the stored experts"
-            )
 
 
 def _group_ok(g: _Group, cfg: V4Config) -> bool:

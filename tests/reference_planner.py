@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ckpt_tool.config import V4Config
 from ckpt_tool import conversions
-from ckpt_tool.completeness import require_complete
+from ckpt_tool.completeness import require_agreement, require_complete
 from ckpt_tool.errors import PlanError
 from ckpt_tool.format import DTYPE_BITS, TensorInfo
 from ckpt_tool.plan import pad_note  # the note's wording; which sizes pad is worked out here
@@ -318,7 +318,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
     rules = PROFILES[opts.profile].rules(config.expert_dtype)
 
-    _check_expert_dtype(config, tensors)
+    require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     mtp_present = {int(m.group(1)) for n in tensors if (m := _MTP_RE.match(n))}
     extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
@@ -410,16 +410,6 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         unused_by_selection=tuple(sorted(unused_by_selection)),
         notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
-
-
-def _check_expert_dtype(config: V4Config, tensors: dict[str, TensorInfo]) -> None:
-    want = {"fp4": {"I8", "U8"}, "fp8": {"F8_E4M3"}}[config.expert_dtype]
-    for name, t in tensors.items():
-        if ".ffn.experts." in name and name.endswith(".weight") and t.dtype not in want:
-            raise PlanError(
-                f"{t.file}: tensor {name!r} is {t.dtype} but config.json expert_dtype is {config.expert_dtype!r} "
-                f"(expects {' or '.join(sorted(want))}); fix expert_dtype in config.json to match the stored experts"
-            )
 
 
 def _check_group(g: _Group, cfg: V4Config) -> None:

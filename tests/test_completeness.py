@@ -7,12 +7,23 @@ import shutil
 
 import pytest
 
-from ckpt_tool.completeness import check_completeness, describe_missing, required_tensors
+from ckpt_tool.completeness import (
+    check_completeness,
+    config_disagreement,
+    describe_missing,
+    expected_shapes,
+    kinds_agree,
+    require_agreement,
+    required_tensors,
+    shape_kinds,
+    tensor_roles,
+)
+from ckpt_tool.config import V4Config
 from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
 from ckpt_tool.plan import NO_MTP_NOTE, Options, plan_conversion
 from ckpt_tool.source import open_checkpoint
 from fixtures.broken import S3, drop_tensors
-from fixtures.make import GOOD_VARIANTS
+from fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
 
 from cli_helpers import run_cli, snapshot
 
@@ -24,6 +35,85 @@ def test_required_tensors_are_exactly_what_every_good_fixture_holds(fixture_dir,
     optional = {n for n in ckpt.tensors if n.endswith((".emb.tok_emb.weight", ".head.weight")) and n.startswith("mtp.")}
     assert required == set(ckpt.tensors) - optional
     assert check_completeness(ckpt.config, ckpt.tensors).complete
+
+
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)
+def test_every_stored_tensor_has_the_shape_and_dtype_its_config_implies(fixture_dir, variant: str) -> None:
+    ckpt = open_checkpoint(fixture_dir(variant))
+    expected = expected_shapes(ckpt.config)
+    roles = tensor_roles(list(ckpt.tensors))
+    assert set(roles) <= set(expected)  # every tensor judged, the optional MTP embedding/head too
+    for role, t in zip(roles, ckpt.tensors.values()):
+        assert expected[role].agrees(t.dtype, t.shape), (t.name, t.dtype, t.shape, expected[role])
+    assert config_disagreement(ckpt.config, ckpt.tensors.values()) is None
+    assert kinds_agree(ckpt.config, shape_kinds(list(ckpt.tensors), [(t.dtype, t.shape) for t in ckpt.tensors.values()]))
+    require_agreement(ckpt.config, ckpt.tensors)
+
+
+def test_names_and_shapes_come_from_one_derivation(fixture_dir) -> None:
+    """Every name completeness requires has an expected shape, and routed experts share one per layer."""
+    cfg = open_checkpoint(fixture_dir("fp4")).config
+    required = [n for names in required_tensors(cfg, {"model", "mtp"}).values() for n in names]
+    expected = expected_shapes(cfg)
+    assert set(tensor_roles(required)) == set(expected) - {"mtp.0.emb.tok_emb.weight", "mtp.0.head.weight"}
+    assert tensor_roles(["layers.2.ffn.experts.7.w2.scale", "layers.2.ffn.shared_experts.w2.scale"]) == [
+        "layers.2.ffn.experts.*.w2.scale", "layers.2.ffn.shared_experts.w2.scale"
+    ]
+    assert expected["layers.2.ffn.experts.*.w2.weight"].shape == (256, 512 // 2)  # MXFP4: [hidden, inter/2] int8
+    assert expected["layers.2.ffn.experts.*.w2.scale"].shape == (256, 512 // 32)
+    assert expected["layers.1.attn.compressor.ape"].shape == (4, 2 * 128)  # ratio 4: coff 2
+    assert expected["layers.2.attn.compressor.ape"].shape == (128, 128)  # ratio 128: coff 1
+
+
+# (config key, edited value, the tensor the message names first, the actual shape it names)
+EDITED_KEYS = [
+    ("hidden_size", 640, "embed.weight", "BF16 [512, 256]"),
+    ("n_routed_experts", 16, "layers.0.ffn.gate.weight", "BF16 [8, 256]"),
+    ("n_routed_experts", 4, "layers.0.ffn.gate.weight", "BF16 [8, 256]"),
+    ("moe_intermediate_size", 1024, "layers.0.ffn.shared_experts.w1.weight", "F8_E4M3 [512, 256]"),
+    ("num_attention_heads", 8, "layers.0.attn.wq_b.weight", "F8_E4M3 [512, 256]"),
+    ("head_dim", 256, "layers.0.attn.wq_b.weight", "F8_E4M3 [512, 256]"),
+    ("vocab_size", 1024, "embed.weight", "BF16 [512, 256]"),
+    ("expert_dtype", "fp8", "layers.0.ffn.experts.0.w1.weight", "I8 [512, 128] (fp4)"),
+    ("q_lora_rank", 512, "layers.0.attn.wq_a.weight", "F8_E4M3 [256, 256]"),
+    ("o_groups", 2, "layers.0.attn.wo_a.weight", "F8_E4M3 [512, 128]"),
+    ("n_shared_experts", 2, "layers.0.ffn.shared_experts.w1.weight", "F8_E4M3 [512, 256]"),
+    ("num_experts_per_tok", 4, "layers.0.ffn.gate.tid2eid", "I64 [512, 2]"),
+    ("hc_mult", 2, "layers.0.hc_attn_fn", "F32 [24, 1024]"),
+    ("index_head_dim", 64, "layers.1.attn.indexer.wq_b.weight", "F8_E4M3 [512, 256]"),
+    ("compress_ratios", [0, 128, 4, 0], "layers.1.attn.compressor.wkv.weight", "BF16 [256, 256]"),
+]
+
+
+@pytest.mark.parametrize("key,value,tensor,actual", EDITED_KEYS, ids=[f"{k}={v}" for k, v, *_ in EDITED_KEYS])
+def test_an_edited_config_key_is_named_with_a_tensor_and_expected_vs_actual(fixture_dir, key, value, tensor, actual) -> None:
+    ckpt = open_checkpoint(fixture_dir("fp4"))
+    cfg = V4Config.from_dict({**ckpt.config.raw, key: value})
+    with pytest.raises(PlanError) as err:
+        require_agreement(cfg, ckpt.tensors)
+    line = str(err.value)
+    named = f"{key}[1] 128" if key == "compress_ratios" else f"{key} {value!r}"
+    assert line.startswith(f"{named} in config.json, but tensor {tensor!r} in {ckpt.tensors[tensor].file} is {actual}, not the "), line
+    assert "\n" not in line and f"fix {key}" in line
+    found = config_disagreement(cfg, ckpt.tensors.values())
+    assert found is not None and found.key == key and found.tensor.name == tensor
+    assert (f"(and {found.count - 1} more tensor" in line) == (found.count > 1)  # one line, however many disagree
+
+
+def test_a_disagreement_no_key_explains_names_the_tensor(fixture_dir) -> None:
+    ckpt = open_checkpoint(fixture_dir("fp4"))
+    tensors = dict(ckpt.tensors)
+    t = tensors["layers.1.hc_ffn_scale"]
+    tensors[t.name] = t._replace(shape=(4,))  # hc scales are 3 long whatever the config says
+    found = config_disagreement(ckpt.config, tensors.values())
+    assert found is not None and found.key is None and found.count == 1
+    assert found.message(ckpt.config).startswith(f"tensor 'layers.1.hc_ffn_scale' in {t.file} is F32 [4], but config.json implies F32 [3];")
+
+
+def test_names_config_json_does_not_imply_are_not_judged(fixture_dir) -> None:
+    ckpt = open_checkpoint(fixture_dir("fp4"))
+    extra = ckpt.tensors["layers.0.attn_norm.weight"]._replace(name="layers.7.attn_norm.weight", shape=(3,))
+    assert config_disagreement(ckpt.config, [*ckpt.tensors.values(), extra]) is None
 
 
 def test_layer_kinds_follow_compress_ratio_and_hash_status(fixture_dir) -> None:
@@ -130,3 +220,20 @@ def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_p
     failed = json.loads(out)["failures"]
     assert [c["name"] for c in failed] == ["serving-files:model"]
     assert "tokenizer.json: missing" in failed[0]["message"]
+
+
+@pytest.mark.parametrize("model", ["flash", "pro"])
+def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, monkeypatch) -> None:
+    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes: its config.json must imply them all."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "make_skeleton.py"
+    spec = importlib.util.spec_from_file_location(f"make_skeleton_{model}", path)
+    skeleton = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, skeleton)  # (its dataclasses look their module up)
+    spec.loader.exec_module(skeleton)  # a module of its own: use_pro() changes its constants
+    if model == "pro":
+        skeleton.use_pro()
+    assert skeleton.agrees_with_its_config()

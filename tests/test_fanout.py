@@ -67,6 +67,17 @@ def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_re
     assert forked == inspect_local(src)
 
 
+def test_forked_path_leaves_a_config_the_headers_disagree_with_to_the_serial_path(forking, fixture_copy, capsys, monkeypatch) -> None:
+    """The helpers' tallies keep each shard's distinct shapes, not a record per tensor: enough to tell that
+    something disagrees, and the serial path words which tensor."""
+    src = fixture_copy("fp4")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "hidden_size": 640}))
+    assert inspect_forked(str(src)) is None
+    forked, serial = both_paths(capsys, monkeypatch, src, "--json")
+    assert forked == serial and forked[0] == 1 and "hidden_size 640" in forked[2]
+
+
 def _move(src: Path, name: str, to: str) -> None:
     doc = json.loads((src / INDEX).read_text())
     doc["weight_map"][name] = to

@@ -322,3 +322,44 @@ def test_online_convert_fetches_the_serving_files_into_out_model(fake_hub, tmp_p
     assert code == 0, capsys.readouterr().err
     for name in serving_files():
         assert (tmp_path / "out" / "model" / name).read_bytes() == (fake_hub.src / name).read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# A hub repo whose config.json disagrees with its headers: the verdict a local folder gets
+
+
+def _edited_copy(fixture_dir, tmp_path: Path) -> Path:
+    src = tmp_path / "edited"
+    shutil.copytree(fixture_dir("fp4"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "hidden_size": 320}))
+    return src
+
+
+MISMATCH = "hidden_size 320 in config.json, but tensor 'embed.weight' in model-00001-of-00004.safetensors is BF16 [512, 256]"
+
+
+def test_offline_inspect_and_convert_refuse_a_config_the_headers_disagree_with(fixture_dir, tmp_path) -> None:
+    hf_home = tmp_path / "hf"
+    make_hf_cache(hf_home, _edited_copy(fixture_dir, tmp_path))
+    res = cli(tmp_path, hf_home, "inspect", REPO_ID)
+    assert res.returncode == 1 and MISMATCH in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = cli(tmp_path, hf_home, "convert", REPO_ID, tmp_path / "out")
+    assert res.returncode == 1 and MISMATCH in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_download(monkeypatch, fixture_dir, tmp_path, capsys) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from ckpt_tool.cli import main
+
+    fake = _FakeHub(_edited_copy(fixture_dir, tmp_path), tmp_path / "hf")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: fake)
+    code = main(["convert", REPO_ID, str(tmp_path / "out")])
+    assert code == 1 and MISMATCH in capsys.readouterr().err
+    assert all(not any(p.endswith(".safetensors") for p in d) for d in fake.downloads)
+    assert not (tmp_path / "out").exists()

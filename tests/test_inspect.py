@@ -258,6 +258,53 @@ def test_config_expert_dtype_disagreeing_with_stored_experts_exits_1(fixture_cop
     assert doc["quant"]["config_expert_dtype"] == "fp8" and doc["quant"]["expert_format"] == "fp4"
 
 
+def edit_config(root: Path, **changes: object) -> None:
+    cfg = json.loads((root / "config.json").read_text())
+    cfg.update(changes)
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "key,value,tensor",
+    [("hidden_size", 640, "embed.weight"), ("n_routed_experts", 16, "layers.0.ffn.gate.weight"), ("num_attention_heads", 8, "layers.0.attn.wq_b.weight")],
+)
+def test_a_config_key_the_headers_disagree_with_is_the_verdict(fixture_copy, capsys, key: str, value: object, tensor: str) -> None:
+    root = fixture_copy("fp4")
+    edit_config(root, **{key: value})
+    code, out, err = run_cli(capsys, str(root))
+    assert code == 1 and "verdict: ok" not in out
+    line = one_error_line(err)  # one line, not one per tensor (nor the experts 8..15 a 16-expert config "misses")
+    assert line.startswith(f"error: {key} {value} in config.json, but tensor {tensor!r} in {SHARDS[0]} is ")
+
+    code, out, err = run_cli(capsys, str(root), "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False
+    assert doc["problems"] == [line.removeprefix("error: ")]
+
+
+def test_a_single_shard_is_checked_against_the_config_too(fixture_copy, capsys) -> None:
+    root = fixture_copy("fp4")
+    edit_config(root, vocab_size=1024)
+    code, out, err = run_cli(capsys, str(root / SHARDS[3]), "--json")
+    assert code == 1
+    assert json.loads(out)["problems"] == [one_error_line(err).removeprefix("error: ")]
+    assert f"vocab_size 1024 in config.json, but tensor 'head.weight' in {SHARDS[3]} is BF16 [512, 256]" in err
+
+
+def test_hub_metadata_gets_the_verdict_local_headers_get(fixture_copy) -> None:
+    """Hub metadata has no parsed shards: inspect tallies its tensors instead, and must judge them alike."""
+    from ckpt_tool.inspect import inspect_tensors
+    from ckpt_tool.source import open_checkpoint
+
+    root = fixture_copy("fp4")
+    edit_config(root, moe_intermediate_size=1024)
+    ck = open_checkpoint(root)
+    from_headers = inspect_tensors("x", ck.tensors, ck.config, shards=ck.shards.values())
+    tallied = inspect_tensors("x", ck.tensors, ck.config)
+    assert from_headers == tallied and len(tallied.problems) == 1
+    assert tallied.problems[0].startswith("moe_intermediate_size 1024 in config.json, but tensor 'layers.0.ffn.shared_experts.w1.weight'")
+
+
 def test_inspect_without_config_reports_the_config_problem(fixture_copy, capsys) -> None:
     root = fixture_copy("fp4")
     (root / "config.json").unlink()

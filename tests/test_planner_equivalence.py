@@ -90,7 +90,7 @@ def config(d: dict) -> V4Config:
         "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_nextn_predict_layers": d["mtp"],
         "num_attention_heads": d["heads"], "num_key_value_heads": 1, "head_dim": 128, "qk_rope_head_dim": 64,
         "q_lora_rank": d["q_lora"], "o_groups": d["o_groups"], "o_lora_rank": 128, "n_routed_experts": d["experts"],
-        "n_shared_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": d["inter"],
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": d["inter"],
         "num_hash_layers": d["hash_layers"], "compress_ratios": d["ratios"] + [0] * d["mtp"], "hc_mult": HC,
         "rms_norm_eps": 1e-6, "expert_dtype": d["expert_dtype"], "index_n_heads": 2, "index_head_dim": 128,
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
