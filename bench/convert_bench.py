@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in ins:
             r.pop("stdout", None)
         code = (
-            "import sys,time; t=time.perf_counter(); from ckpt_tool.inspect import inspect_local; "
+            "import sys,time; t=time.perf_counter(); from ckpt_tool.checkpoint.summary import inspect_local; "
             "r=inspect_local(sys.argv[1]); print(time.perf_counter()-t)"
         )
         inproc = [float(subprocess.run([py, "-c", code, str(full)], capture_output=True, text=True, cwd=REPO).stdout) for _ in range(len(ins))]

@@ -4,12 +4,12 @@
     python bench/make_skeleton.py OUT --layers 1           # ... plus main layer 0 (+3.3 GiB per layer)
     python bench/make_skeleton.py OUT --headers-only       # all 43 layers + MTP, 46 shards, ~69k tensors,
                                                            # headers only: data are sparse holes (no disk)
-    python bench/make_skeleton.py --self-check             # names/dtypes/shapes == fixtures.make's specs,
+    python bench/make_skeleton.py --self-check             # names/dtypes/shapes == ckpt_tool.fixtures.make's specs,
                                                            # and == what ckpt-tool derives from config.json
 
-The tensor set follows fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
+The tensor set follows ckpt_tool/fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
 dimensions of research/v4_format.md §1-2. The specs are written out here instead of imported, because
-importing ``fixtures.make`` pulls in torch (~230 MB RSS) and this generator must stay under 200 MB;
+importing ``ckpt_tool.fixtures.make`` pulls in torch (~230 MB RSS) and this generator must stay under 200 MB;
 ``--self-check`` imports it in a separate run and compares the two spec lists for a few layer kinds.
 
 Bytes are random but valid: E8M0 scales in 110..140 (never the NaN code 0xFF), FP8 e4m3 avoiding
@@ -129,7 +129,7 @@ def make_config(num_hidden_layers: int | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Specs (mirror fixtures/make.py; --self-check proves it)
+# Specs (mirror ckpt_tool/fixtures/make.py; --self-check proves it)
 
 DTYPE_SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8}
 
@@ -374,14 +374,14 @@ def make_skeleton(
 
 
 def self_check() -> int:
-    """Compare this module's specs with fixtures.make's (monkeypatched to V4-Flash dims)."""
+    """Compare this module's specs with ckpt_tool.fixtures.make's (monkeypatched to V4-Flash dims)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import fixtures.make as fm
+    import ckpt_tool.fixtures.make as fm
 
     for name in ("VOCAB", "HIDDEN", "HEADS", "HEAD_DIM", "ROPE_DIM", "Q_LORA", "O_GROUPS", "O_LORA", "EXPERTS",
                  "TOPK", "MOE_INTER", "HC", "INDEX_HEADS", "INDEX_HEAD_DIM", "HASH_LAYERS"):
         setattr(fm, name, globals()[name])
-    # the variant carries its own moe_intermediate_size (set when fixtures.make was imported): give it ours
+    # the variant carries its own moe_intermediate_size (set when ckpt_tool.fixtures.make was imported): give it ours
     variant = dataclasses.replace(fm.VARIANTS["fp4"], moe_inter=MOE_INTER)
     ok = True
     cases = [("layers.0", 0, True), ("layers.2", 4, True), ("layers.3", 128, False), ("layers.5", 4, False)]
@@ -403,9 +403,9 @@ def self_check() -> int:
 
 def agrees_with_its_config() -> bool:
     """Whether every tensor of the full skeleton has the shape and dtype ckpt-tool derives from its config.json."""
-    from ckpt_tool.completeness import config_disagreement
-    from ckpt_tool.config import V4Config
-    from ckpt_tool.format import TensorInfo
+    from ckpt_tool.checkpoint.completeness import config_disagreement
+    from ckpt_tool.checkpoint.config import V4Config
+    from ckpt_tool.checkpoint.headers import TensorInfo
 
     tensors, offset = [], 0
     for s in all_specs(NUM_LAYERS):
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", type=float, default=4.0, help="GiB per shard (default 4)")
     p.add_argument("--num-shards", type=int, default=None, help="exactly N shards of about equal size (default 46 with --headers-only)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--self-check", action="store_true", help="compare specs with fixtures.make (imports torch) and exit")
+    p.add_argument("--self-check", action="store_true", help="compare specs with ckpt_tool.fixtures.make (imports torch) and exit")
     p.add_argument("--model", choices=("flash", "pro"), default="flash", help="V4-Flash (default) or V4-Pro dimensions")
     args = p.parse_args(argv)
     if args.model == "pro":

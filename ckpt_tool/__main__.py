@@ -1,3 +1,3 @@
-from .entry import main
+from ckpt_tool.cli.entry import main
 
 raise SystemExit(main())

@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ckpt_tool.cli import main
+from ckpt_tool.cli.entry import main
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:

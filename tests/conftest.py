@@ -11,7 +11,7 @@ import pytest
 # Tests use small tensors: one torch thread avoids oversubscribing the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from fixtures.make import make_checkpoint  # noqa: E402
+from ckpt_tool.fixtures.make import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Reference planner for tests: ``ckpt_tool/plan.py`` as it was before the planner was made fast (issue 13).
+"""Reference planner for tests: ``ckpt_tool/mapping/plan.py`` as it was before the planner was made fast (issue 13).
 
 Straightforward on purpose: every name tried against the rule regexes, every segment built eagerly,
 every check per tensor and per rank. ``tests/test_planner_equivalence.py`` compares the real planner
@@ -20,14 +20,14 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ckpt_tool.config import V4Config
-from ckpt_tool import conversions
-from ckpt_tool.completeness import require_agreement, require_complete
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.mapping import conversions
+from ckpt_tool.checkpoint.completeness import require_agreement, require_complete
 from ckpt_tool.errors import PlanError
-from ckpt_tool.format import DTYPE_BITS, TensorInfo
-from ckpt_tool.plan import pad_note  # the note's wording; which sizes pad is worked out here
-from ckpt_tool.profiles import DEFAULT_PROFILE, PROFILES
-from ckpt_tool.rules import MATERIALIZE, Rule, Split
+from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.mapping.plan import pad_note  # the note's wording; which sizes pad is worked out here
+from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES
+from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split
 
 GiB = 1024**3
 FP8_BLOCK = 128

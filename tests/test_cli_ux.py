@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool import cli, entry
-from ckpt_tool.hub import HubRef, parse_hub_ref
-from ckpt_tool.jsondoc import JSON_FIELDS
+
+from ckpt_tool.cli import common as entry
+from ckpt_tool.checkpoint.hub import HubRef, parse_hub_ref
+from ckpt_tool.cli.jsondoc import JSON_FIELDS
 from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,12 +180,12 @@ def test_piped_dry_run_keeps_whole_tensor_names(fixture_dir, tmp_path) -> None:
 
 
 def test_ctrl_c_says_how_to_resume(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
-    import ckpt_tool.convert
+    import ckpt_tool.output.convert
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt_tool.convert, "convert", interrupted)
+    monkeypatch.setattr(ckpt_tool.output.convert, "convert", interrupted)
     code, _out, err = run_cli(capsys, "convert", fixture_dir("fp4"), tmp_path / "out")
     assert code == 130
     assert stderr_lines(err) == ["error: interrupted; rerun the same command to resume"]
@@ -219,8 +220,8 @@ def test_verify_with_the_wrong_source_says_so_once(fixture_dir, tmp_path, capsys
 
 
 def test_a_failed_structure_check_names_its_file_once() -> None:
-    from ckpt_tool.report import check_line
-    from ckpt_tool.verify import Check
+    from ckpt_tool.cli.render import check_line
+    from ckpt_tool.verify.verdict import Check
 
     c = Check("structure:mtp/x.safetensors", False, "mtp/x.safetensors: sha256 differs")
     assert check_line(c) == "structure: mtp/x.safetensors: sha256 differs"
@@ -290,7 +291,7 @@ def test_junit_has_one_testcase_per_check(fixture_dir, tmp_path, capsys) -> None
 
 
 def test_env_prints_what_a_bug_report_needs(capsys, monkeypatch) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: None)
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: None)
     code, out, _ = run_cli(capsys, "env", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["command"] == "env" and doc["ok"] is True
@@ -302,7 +303,7 @@ def test_env_prints_what_a_bug_report_needs(capsys, monkeypatch) -> None:
 
 
 def test_fixture_list_needs_no_out() -> None:
-    r = subprocess.run([sys.executable, "-m", "fixtures.make", "--list"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool.fixtures.make", "--list"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0 and "fp4-2mtp" in r.stdout
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from ckpt_tool.completeness import (
+from ckpt_tool.checkpoint.completeness import (
     check_completeness,
     config_disagreement,
     describe_missing,
@@ -18,12 +18,12 @@ from ckpt_tool.completeness import (
     shape_kinds,
     tensor_roles,
 )
-from ckpt_tool.config import V4Config
+from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
-from ckpt_tool.plan import NO_MTP_NOTE, Options, plan_conversion
-from ckpt_tool.source import open_checkpoint
-from fixtures.broken import S3, drop_tensors
-from fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
+from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.fixtures.broken import S3, drop_tensors
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
 
 from cli_helpers import run_cli, snapshot
 
@@ -198,7 +198,7 @@ def test_only_model_on_a_checkpoint_with_mtp_materializes_nothing(fixture_dir, t
 
 
 def test_out_model_carries_tokenizer_generation_config_and_chat_template(fixture_dir, tmp_path, capsys) -> None:
-    from fixtures.make import serving_files
+    from ckpt_tool.fixtures.make import serving_files
 
     src = fixture_dir("fp4")
     code, _out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--tp", "2")

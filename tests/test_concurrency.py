@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import LOCK, MANIFEST, OutputLock
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.layout import LOCK, MANIFEST, OutputLock
 from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
 PAUSED_CONVERT = r"""
 import sys, time
 from pathlib import Path
-from ckpt_tool.convert import convert
-from ckpt_tool.plan import Options
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.plan import Options
 
 src, out, ready, go = map(Path, sys.argv[1:5])
 seen = [0]
@@ -162,7 +162,7 @@ def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Pa
 @pytest.mark.parametrize("cpus, pending, expected", [(2, 1, 1), (2, 5, 2), (16, 3, 3), (16, 100, 8), (None, 4, 1)])
 def test_default_workers_use_the_cores_while_files_are_pending(monkeypatch, cpus, pending: int, expected: int) -> None:
     """Without --workers, one file per core is written (and hashed) at once, never more than the ring budget allows."""
-    from ckpt_tool import writer
+    from ckpt_tool.output import writer
 
     monkeypatch.setattr(writer.os, "cpu_count", lambda: cpus)
     assert writer.default_workers(pending) == expected
@@ -175,7 +175,7 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_d
     import threading
 
     from ckpt_tool import convert as conv
-    from ckpt_tool.plan import Options
+    from ckpt_tool.mapping.plan import Options
 
     real, started, lock = conv.write_output_file, [], threading.Lock()
 
@@ -195,7 +195,7 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_d
 
 
 def _cfg_and_tensors(src: Path):
-    from ckpt_tool.source import open_checkpoint
+    from ckpt_tool.checkpoint.source import open_checkpoint
 
     ck = open_checkpoint(src)
     return ck.require_config(), ck.tensors

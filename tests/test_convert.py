@@ -2,7 +2,7 @@
 
 The expectation below is written directly from SPEC.md ("Names", "Tensor parallelism", dtype rules)
 with plain torch on the source tensors (read with ``safetensors.safe_open``); it deliberately does
-not import ``ckpt_tool.rules`` or ``ckpt_tool.plan``, so a wrong rule table cannot agree with itself.
+not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.plan``, so a wrong rule table cannot agree with itself.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tool.convert import convert
-from ckpt_tool.plan import Options
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.plan import Options
 from cli_helpers import run_cli
-from fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, write_safetensors
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, write_safetensors
 
 MTP_MISSING = (
     "MTP speculative decoding layer 3 weights missing from checkpoint. The checkpoint may have been quantized "
@@ -518,8 +518,8 @@ def test_converting_a_copy_of_the_source_elsewhere_gives_the_same_tensor_files(f
 def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(fixture_dir) -> None:
     """--dry-run says where each tensor comes from: under --moe-parallel ep rank r's stack is built from experts
     [r*E/tp, (r+1)*E/tp) only (it listed all E before); under tp every rank reads a slice of every expert."""
-    from ckpt_tool.plan import Options, plan_conversion
-    from ckpt_tool.source import open_checkpoint
+    from ckpt_tool.mapping.plan import Options, plan_conversion
+    from ckpt_tool.checkpoint.source import open_checkpoint
 
     ck = open_checkpoint(fixture_dir("fp4"))
     cfg = ck.require_config()

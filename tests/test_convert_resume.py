@@ -1,6 +1,6 @@
 """An interrupted ``convert`` resumes to byte-identical output.
 
-A small wrapper script runs the real CLI (``ckpt_tool.cli.main``) in a subprocess with one hook
+A small wrapper script runs the real CLI (``ckpt_tool.cli.entry.main``) in a subprocess with one hook
 patched in, which SIGKILLs the process at a chosen point: before the N-th output file, half-way
 through writing a file, just before the manifest is built, or with the manifest's temporary file
 written but not yet renamed. A normal rerun must then resume (skipping the finished files) and
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
+from ckpt_tool.cli.entry import main
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "4", "--max-shard-size", "200KB", "--workers", "1"]  # one file at a time: kill points count files
@@ -33,8 +33,8 @@ WRAPPER = textwrap.dedent(
     """Run ckpt-tool with a SIGKILL planted at one point: argv = MODE N -- CLI ARGS."""
     import json, os, signal, sys
 
-    import ckpt_tool.convert as conv
-    from ckpt_tool.writer import file_size
+    import ckpt_tool.output.convert as conv
+    from ckpt_tool.output.writer import file_size
 
     mode, n = sys.argv[1], int(sys.argv[2])
     argv = sys.argv[4:]
@@ -91,7 +91,7 @@ WRAPPER = textwrap.dedent(
 
         conv._write_json_atomic = atomic
 
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     sys.exit(main(argv))
     '''

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import JOURNAL, MANIFEST
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.layout import JOURNAL, MANIFEST
 from cli_helpers import snapshot
 
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]

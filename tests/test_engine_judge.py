@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.engine_check.judge import HeldTensor, judge_files, judge_load
+from ckpt_tool.verify.engine.judge import HeldTensor, judge_files, judge_load
 from tests.cli_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_verify_needs_a_source_or_the_engine(out_tp2, capsys, args) -> None:
 def test_the_probe_needs_no_ckpt_tool(tmp_path) -> None:
     """The serving environment has no ckpt_tool: probe.py and vllm_stubs.py import only the standard library
     before vllm (here: none, so the answer is 'no-vllm', from a process that cannot import ckpt_tool)."""
-    probe = REPO / "ckpt_tool" / "engine_check" / "probe.py"
+    probe = REPO / "ckpt_tool" / "verify" / "engine" / "probe.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-S", "-I", str(probe)], input=json.dumps({"protocol": 1, "jobs": []}),
                           capture_output=True, text=True, env=env, cwd=tmp_path)

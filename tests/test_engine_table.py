@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from ckpt_tool import profiles
-from ckpt_tool.profiles import vllm_0_33_plus
-from ckpt_tool.config import V4Config
-from ckpt_tool.convert import convert
-from ckpt_tool.engine import engine_params
-from ckpt_tool.plan import Options
-from ckpt_tool.verify import verify
-from fixtures.make import GOOD_VARIANTS
+from ckpt_tool.mapping import profiles
+from ckpt_tool.mapping.profiles import vllm_0_33_plus
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.engine_table import engine_params
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.verify.levels import verify
+from ckpt_tool.fixtures.make import GOOD_VARIANTS
 
 CASES = [(v, tp, moe) for v in GOOD_VARIANTS for tp, moe in ((1, "tp"), (2, "tp"), (4, "ep"))]
 

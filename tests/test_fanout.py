@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-import ckpt_tool.fanout as fanout
-from ckpt_tool.fanout import index_digest, placement_digest
-from ckpt_tool.forked import Child, TaskQueue, can_fork, helpers
-from ckpt_tool.inspect import inspect_forked, inspect_local
-from ckpt_tool.source import open_checkpoint
+import ckpt_tool.checkpoint.forked_read as fanout
+from ckpt_tool.checkpoint.forked_read import index_digest, placement_digest
+from ckpt_tool.checkpoint.forked import Child, TaskQueue, can_fork, helpers
+from ckpt_tool.checkpoint.summary import inspect_forked, inspect_local
+from ckpt_tool.checkpoint.source import open_checkpoint
 from cli_helpers import run_cli
-from fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
-from fixtures.make import VARIANTS
+from ckpt_tool.fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
+from ckpt_tool.fixtures.make import VARIANTS
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="the forked path needs Linux, a spare CPU and hash randomization")
 
@@ -170,7 +170,7 @@ def same_checkpoint(a, b) -> None:
 
 @pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp", "fp8-e8m0-pad"])
 def test_forked_open_checkpoint_gives_the_serial_checkpoint(forking, fixture_dir, monkeypatch, variant: str) -> None:
-    import ckpt_tool.source as source
+    import ckpt_tool.checkpoint.source as source
 
     src = fixture_dir(variant)
     serial = open_checkpoint(src, forked=False)
@@ -198,7 +198,7 @@ def test_forked_open_checkpoint_of_a_hostile_case_answers_as_the_serial_one(fork
 def test_convert_with_forked_headers_writes_the_same_bytes(forking, fixture_dir, tmp_path, capsys, monkeypatch) -> None:
     from cli_helpers import snapshot
 
-    import ckpt_tool.source as source
+    import ckpt_tool.checkpoint.source as source
 
     answered = []
     real = source.read_shards_forked

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tool.config import REQUIRED_KEYS, V4Config
+from ckpt_tool.checkpoint.config import REQUIRED_KEYS, V4Config
 from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.source import open_checkpoint
-from fixtures.make import (
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.fixtures.make import (
     BROKEN_VARIANTS,
     EXPERTS,
     GOOD_VARIANTS,
@@ -280,7 +280,7 @@ def test_pad_variants_split_everywhere_but_at_their_shared_experts(fixture_dir, 
     engine that does not pad refuses them there), every other split dim divides; fp8's 128-block routed
     experts split only with --moe-parallel ep."""
     from ckpt_tool.errors import PlanError
-    from ckpt_tool.plan import Options, plan_conversion
+    from ckpt_tool.mapping.plan import Options, plan_conversion
 
     for variant, moe in (("fp4-pad", "ep"), ("fp8-e8m0-pad", "ep")):
         ck = open_checkpoint(fixture_dir(variant))

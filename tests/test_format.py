@@ -1,4 +1,4 @@
-"""The safetensors header reader (ckpt_tool.format) and the index/shard cross-checks (ckpt_tool.source).
+"""The safetensors header reader (ckpt_tool.checkpoint.headers) and the index/shard cross-checks (ckpt_tool.checkpoint.source).
 
 Files here are built by hand, byte by byte, so every validation rule is hit with exactly one defect.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.format import (
+from ckpt_tool.checkpoint.headers import (
     DTYPE_BITS,
     MAX_HEADER_SIZE,
     ShardHeader,
@@ -25,8 +25,8 @@ from ckpt_tool.format import (
     read_shard_header,
     safe_relative_name,
 )
-from ckpt_tool.source import open_checkpoint
-from fixtures.make import write_safetensors
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.fixtures.make import write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
     from safetensors.torch import save_file
     import torch
 
-    from ckpt_tool.format import _quick_tensors
+    from ckpt_tool.checkpoint.headers import _quick_tensors
 
     lib = tmp_path / "lib.safetensors"
     save_file({"b": torch.zeros(3, 2, dtype=torch.bfloat16), "a": torch.zeros(5, dtype=torch.float8_e4m3fn)}, str(lib), metadata={"format": "pt"})
@@ -710,7 +710,7 @@ def test_fnuz_fp8_files_written_by_safetensors_parse(tmp_path: Path) -> None:
     assert {t.dtype for t in h.tensors.values()} == {"F8_E4M3FNUZ", "F8_E5M2FNUZ"}
 
 
-@pytest.mark.parametrize("module", ["ckpt_tool.format", "ckpt_tool.source", "ckpt_tool.inspect"])
+@pytest.mark.parametrize("module", ["ckpt_tool.checkpoint.headers", "ckpt_tool.checkpoint.source", "ckpt_tool.checkpoint.summary"])
 def test_header_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""Every broken or hostile input of ``fixtures.broken`` through the CLI: one clear line, exit 1, nothing written.
+"""Every broken or hostile input of ``ckpt_tool.fixtures.broken`` through the CLI: one clear line, exit 1, nothing written.
 
 For each case: ``inspect`` and ``convert`` (where meaningful) end with the expected exit code; a
 failure prints exactly ONE ``error:`` line on stderr naming the file and tensor (where there is one)
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import JOURNAL, LOCK, MANIFEST
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.layout import JOURNAL, LOCK, MANIFEST
 from cli_helpers import run_cli, snapshot
-from fixtures.broken import CASE_SPECS, CASES, S1, S4, make_broken, patch_bytes, tensor_offset
+from ckpt_tool.fixtures.broken import CASE_SPECS, CASES, S1, S4, make_broken, patch_bytes, tensor_offset
 
 REPO = Path(__file__).resolve().parents[1]
 # What a failure found while streaming may leave in OUT (relative to OUT); nothing else, nothing final-named.
@@ -129,7 +129,7 @@ def test_case_catalogue_is_big_and_described() -> None:
 
 
 def test_broken_cli_writes_a_case(base: Path, tmp_path: Path) -> None:
-    from fixtures.broken import main as broken_main
+    from ckpt_tool.fixtures.broken import main as broken_main
 
     assert broken_main([str(tmp_path / "c"), "--case", "trailing-bytes", "--base", str(base)]) == 0
     spec = json.loads((tmp_path / "c" / "case.json").read_text())

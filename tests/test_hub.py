@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.config import V4Config
-from ckpt_tool.convert import convert
-from ckpt_tool.hub import SERVING_PATTERNS, allow_patterns, needed_files, parse_hub_ref
-from ckpt_tool.plan import Options
-from ckpt_tool.source import INDEX_NAME
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.output.convert import convert
+from ckpt_tool.checkpoint.hub import SERVING_PATTERNS, allow_patterns, needed_files, parse_hub_ref
+from ckpt_tool.mapping.plan import HubNeeds, Options
+from ckpt_tool.checkpoint.source import INDEX_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "deepseek-ai/Tiny-V4"
@@ -111,20 +111,20 @@ def test_allow_patterns_for_only_mtp_model_and_both(fixture_dir, variant: str) -
     wm = shard_of(src)
     cfg = V4Config.load(src / "config.json")
     every = sorted(set(wm.values()))
-    mtp = needed_files(wm, cfg, Options(only="mtp"))
+    mtp = needed_files(wm, cfg, HubNeeds(Options(only="mtp")))
     assert mtp == expected_mtp_files(src)
     assert len(mtp) < len(every)  # the point: part of the repo
     # --only model still reads the MTP headers (every MTP layer must be present), so: everything
-    assert needed_files(wm, cfg, Options(only="model")) == every
-    assert needed_files(wm, cfg, Options()) == every
-    assert allow_patterns(wm, cfg, Options(only="mtp")) == ["config.json", INDEX_NAME, *mtp]
+    assert needed_files(wm, cfg, HubNeeds(Options(only="model"))) == every
+    assert needed_files(wm, cfg, HubNeeds(Options())) == every
+    assert allow_patterns(wm, cfg, HubNeeds(Options(only="mtp"))) == ["config.json", INDEX_NAME, *mtp]
 
 
 def test_fp4_only_mtp_skips_the_shard_without_mtp_embed_or_head(fixture_dir) -> None:
     src = fixture_dir("fp4")
     wm = shard_of(src)
     cfg = V4Config.load(src / "config.json")
-    mtp = needed_files(wm, cfg, Options(only="mtp", tp=2))
+    mtp = needed_files(wm, cfg, HubNeeds(Options(only="mtp", tp=2)))
     assert wm["embed.weight"] in mtp and wm["head.weight"] in mtp  # materialized from them
     assert wm["layers.1.attn_norm.weight"] not in mtp
 
@@ -223,7 +223,7 @@ def test_cache_missing_a_needed_shard_fails_naming_it(fixture_dir, tmp_path) -> 
 
 
 def test_local_folder_with_a_missing_shard_is_still_an_error(fixture_copy, tmp_path, capsys) -> None:
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     src = fixture_copy("fp4")
     victim = shard_of(src)["layers.1.attn_norm.weight"]
@@ -250,7 +250,7 @@ class _FakeHub:
     def get_safetensors_metadata(self, repo_id, revision=None, **kw):
         from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
 
-        from ckpt_tool.format import read_shard_header
+        from ckpt_tool.checkpoint.headers import read_shard_header
 
         files = {}
         for f in sorted(set(shard_of(self.src).values())):
@@ -282,7 +282,7 @@ def fake_hub(monkeypatch, tmp_path, fixture_dir):
 
 
 def test_online_downloads_only_the_shards_the_plan_needs(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     src = fake_hub.src
     code = main(["convert", REPO_ID, str(tmp_path / "out"), "--only", "mtp", "--tp", "2"])
@@ -295,7 +295,7 @@ def test_online_downloads_only_the_shards_the_plan_needs(fake_hub, tmp_path, cap
 
 
 def test_online_plan_errors_come_before_any_shard_download(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     code = main(["convert", REPO_ID, str(tmp_path / "out"), "--tp", "3"])
     assert code == 1 and "tp=3" in capsys.readouterr().err
@@ -304,7 +304,7 @@ def test_online_plan_errors_come_before_any_shard_download(fake_hub, tmp_path, c
 
 
 def test_online_dry_run_downloads_no_shard(fake_hub, capsys) -> None:
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     code = main(["convert", REPO_ID, "unused", "--tp", "2", "--dry-run", "--json"])
     assert code == 0
@@ -315,8 +315,8 @@ def test_online_dry_run_downloads_no_shard(fake_hub, capsys) -> None:
 
 
 def test_online_convert_fetches_the_serving_files_into_out_model(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli import main
-    from fixtures.make import serving_files
+    from ckpt_tool.cli.entry import main
+    from ckpt_tool.fixtures.make import serving_files
 
     code = main(["convert", REPO_ID, str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err
@@ -353,7 +353,7 @@ def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_do
     import huggingface_hub
     from huggingface_hub import constants
 
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     fake = _FakeHub(_edited_copy(fixture_dir, tmp_path), tmp_path / "hf")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
+from ckpt_tool.cli.entry import main
 from ckpt_tool.errors import MTP_MISSING_MESSAGE
-from fixtures.make import BROKEN_VARIANTS, GOOD_VARIANTS, VARIANTS
+from ckpt_tool.fixtures.make import BROKEN_VARIANTS, GOOD_VARIANTS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -293,8 +293,8 @@ def test_a_single_shard_is_checked_against_the_config_too(fixture_copy, capsys) 
 
 def test_hub_metadata_gets_the_verdict_local_headers_get(fixture_copy) -> None:
     """Hub metadata has no parsed shards: inspect tallies its tensors instead, and must judge them alike."""
-    from ckpt_tool.inspect import inspect_tensors
-    from ckpt_tool.source import open_checkpoint
+    from ckpt_tool.checkpoint.summary import inspect_tensors
+    from ckpt_tool.checkpoint.source import open_checkpoint
 
     root = fixture_copy("fp4")
     edit_config(root, moe_intermediate_size=1024)
@@ -402,7 +402,7 @@ def test_hub_id_with_hf_hub_offline_json_prints_ok_false(tmp_path: Path) -> None
 def test_plain_inspect_json_imports_neither_typer_nor_rich_nor_torch(fixture_dir) -> None:
     src = fixture_dir("fp4")
     code = (
-        "import sys\nfrom ckpt_tool.entry import main\n"
+        "import sys\nfrom ckpt_tool.cli.entry import main\n"
         f"rc = main(['inspect', {str(src)!r}, '--json'])\n"
         "heavy = sorted(m for m in ('typer', 'rich', 'torch', 'click', 'pydantic', 'huggingface_hub') if m in sys.modules)\n"
         "sys.stderr.write(f'rc={rc} heavy={heavy}')\n"
@@ -440,13 +440,13 @@ def test_quick_inspect_path_prints_what_the_typer_path_prints(capsys, monkeypatc
      ["inspect", "--", "a"], ["convert", "a", "b"], ["inspect", "a", "--unknown"]],
 )
 def test_anything_but_a_plain_inspect_goes_to_typer(args: list[str]) -> None:
-    from ckpt_tool.entry import _plain_inspect
+    from ckpt_tool.cli.entry import _plain_inspect
 
     assert _plain_inspect(args) is None
 
 
 def test_plain_inspect_reads_every_option_form() -> None:
-    from ckpt_tool.entry import _plain_inspect
+    from ckpt_tool.cli.entry import _plain_inspect
 
     got = _plain_inspect(["inspect", "--revision=v1", "org/x", "--token", "t", "--cache-dir=/c", "--format", "json"])
     assert got == {"src": "org/x", "as_json": True, "revision": "v1", "token": "t", "cache_dir": "/c"}
@@ -456,8 +456,8 @@ def test_plain_inspect_reads_every_option_form() -> None:
 def test_header_totals_and_a_tensor_tally_give_the_same_report(fixture_dir, variant: str) -> None:
     """inspect sums files and dtypes from the totals the header parse kept (local checkpoints) or by tallying
     every tensor (hub metadata): both must say the same."""
-    from ckpt_tool.inspect import inspect_tensors
-    from ckpt_tool.source import open_checkpoint
+    from ckpt_tool.checkpoint.summary import inspect_tensors
+    from ckpt_tool.checkpoint.source import open_checkpoint
 
     ck = open_checkpoint(fixture_dir(variant))
     from_headers = inspect_tensors("x", ck.tensors, ck.config, shards=ck.shards.values())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ckpt_tool.jsondoc import dumps_sharing
+from ckpt_tool.cli.jsondoc import dumps_sharing
 
 
 def test_dumps_sharing_is_byte_for_byte_json_dumps() -> None:

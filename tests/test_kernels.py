@@ -1,6 +1,6 @@
-"""Quantized GEMM kernels vs the ckpt_tool.quant reference.
+"""Quantized GEMM kernels vs the ckpt_tool.verify.quant reference.
 
-The Triton backend runs in the Triton CPU interpreter here. ``ckpt_tool.kernels`` decorates its
+The Triton backend runs in the Triton CPU interpreter here. ``ckpt_tool.verify.kernels`` decorates its
 kernels on first use and they use only builtin ``triton.language`` ops, so turning the
 interpreter on with ``monkeypatch.setenv("TRITON_INTERPRET", "1")`` works even when triton was
 imported earlier in the session. The ``interp`` fixture imports triton *before* setting the
@@ -26,9 +26,9 @@ import textwrap
 import pytest
 import torch
 
-from ckpt_tool import quant
+from ckpt_tool.verify import quant
 from ckpt_tool.errors import CheckpointError, UsageError
-from ckpt_tool.kernels import _backend, fp8_block_gemm, mxfp4_gemm, resolve_backend
+from ckpt_tool.verify.kernels import _backend, fp8_block_gemm, mxfp4_gemm, resolve_backend
 
 RTOL = 1e-5
 """Allowed error as a fraction of sum_k |x[m, k] * W[n, k]|; float32 accumulation gives ~1e-7."""
@@ -271,9 +271,9 @@ def test_interpreter_set_before_import_and_package_import_is_lazy() -> None:
     script = textwrap.dedent(
         """
         import sys, torch
-        import ckpt_tool.kernels as K
-        assert "triton" not in sys.modules, "importing ckpt_tool.kernels imported triton"
-        from ckpt_tool import quant
+        import ckpt_tool.verify.kernels as K
+        assert "triton" not in sys.modules, "importing ckpt_tool.verify.kernels imported triton"
+        from ckpt_tool.verify import quant
         assert K.resolve_backend("auto", "cpu") == "triton-interpreter"
         w = torch.randn(128, 256)
         x = torch.randn(3, 256)

@@ -8,17 +8,21 @@ import json
 import pytest
 import torch
 
-from ckpt_tool import numeric, quant, reference
-from ckpt_tool.config import V4Config
-from ckpt_tool.convert import convert
-from ckpt_tool.engine import ENGINES, engine_params
-from ckpt_tool.kernels import fp8_block_gemm
-from ckpt_tool.kernels.fp8_gemm import prepare_activation
-from ckpt_tool.linear_check import LinearUnit, tensor_units, unit_tensors
-from ckpt_tool.plan import Options, plan_conversion
-from ckpt_tool.source import open_checkpoint
-from ckpt_tool.tensor_rows import RowReader
-from fixtures.make import EXPERTS
+from ckpt_tool.verify import numeric
+
+from ckpt_tool.verify import quant
+
+from ckpt_tool.verify import reference
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.engine_table import ENGINES, engine_params
+from ckpt_tool.verify.kernels import fp8_block_gemm
+from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
+from ckpt_tool.verify.linear_check import LinearUnit, tensor_units, unit_tensors
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.verify.rows import RowReader
+from ckpt_tool.fixtures.make import EXPERTS
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (4, "ep")]
 
@@ -61,8 +65,8 @@ def test_numeric_level_with_fp8_activations_passes(fixture_dir, tmp_path) -> Non
     src = fixture_dir("fp4")
     out = tmp_path / "out"
     convert(src, out, Options(tp=2))
-    from ckpt_tool.format import read_shard_header
-    from ckpt_tool.verdict import VerifyReport
+    from ckpt_tool.checkpoint.headers import read_shard_header
+    from ckpt_tool.verify.verdict import VerifyReport
 
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(**json.loads((out / "ckpt-tool.json").read_text())["options"]))
@@ -74,7 +78,7 @@ def test_numeric_level_with_fp8_activations_passes(fixture_dir, tmp_path) -> Non
 
 
 def test_route_all_reaches_every_expert_and_keeps_topk_weights() -> None:
-    from fixtures.make import VARIANTS, make_config
+    from ckpt_tool.fixtures.make import VARIANTS, make_config
 
     cfg = V4Config.from_dict(make_config(VARIANTS["fp4"]))
     weights = reference.make_random_layer(cfg, seed=3)
@@ -96,7 +100,7 @@ def test_row_reader_reads_stacked_expert_rows(fixture_dir, tmp_path) -> None:
     idx = json.loads((out / "mtp" / "index.json").read_text())["ranks"]["0"]
     name = next(n for n in idx if n.endswith("w13_weight"))
     path = out / "mtp" / idx[name]
-    from ckpt_tool.format import read_shard_header
+    from ckpt_tool.checkpoint.headers import read_shard_header
 
     info = read_shard_header(path, "x").tensors[name]
     with safe_open(str(path), framework="pt") as fh:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.convert import convert
-from ckpt_tool.plan import Options
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.plan import Options
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_usage_error(fixtur
 
 def test_triton_kernels_without_interpreter_json_reports_the_error(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
     """Same, in-process, with --json: stdout is one JSON document {ok: false, error}, exit 2."""
-    from ckpt_tool.cli import main
+    from ckpt_tool.cli.entry import main
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     src = fixture_dir("fp4")

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.errors import PlanError
-from ckpt_tool.format import TensorInfo
-from ckpt_tool.plan import ZERO, OutFile, OutTensor, Options, Segment, plan_conversion
-from ckpt_tool.source import open_checkpoint
-from ckpt_tool.writer import CHUNK, SourceFiles, write_output_file
+from ckpt_tool.checkpoint.headers import TensorInfo
+from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Options, Segment, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.output.writer import CHUNK, SourceFiles, write_output_file
 from cli_helpers import run_cli
-from fixtures.make import HIDDEN
+from ckpt_tool.fixtures.make import HIDDEN
 
 SHARED = "model.layers.0.ffn.experts._shared_experts._layer."
 SRC = "layers.0.ffn.shared_experts."

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import reference_planner as ref
 from ckpt_tool import plan as fast
-from ckpt_tool.config import V4Config
+from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import CkptToolError
-from ckpt_tool.format import DTYPE_BITS, TensorInfo
-from ckpt_tool.profiles import PROFILES
+from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.mapping.profiles import PROFILES
 
 HC = 4
 MIX = (2 + HC) * HC
@@ -32,7 +32,7 @@ def _linear(prefix: str, out: int, inp: int, sdt: str) -> list[tuple[str, str, t
 
 
 def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The source tensors of one decoder block, as fixtures/make.py lays them out."""
+    """The source tensors of one decoder block, as ckpt_tool/fixtures/make.py lays them out."""
     H, sdt = d["hidden"], d["sdt"]
     s = [(f"{prefix}.attn_norm.weight", "BF16", (H,)), (f"{prefix}.ffn_norm.weight", "BF16", (H,))]
     for part in ("attn", "ffn"):

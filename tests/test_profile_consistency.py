@@ -1,5 +1,5 @@
 """One place per profile: what a profile's rules write, the engine table verify holds OUT against and the
-names numeric verification reads all derive from its module in ``ckpt_tool.profiles``, and agree.
+names numeric verification reads all derive from its module in ``ckpt_tool.mapping.profiles``, and agree.
 
 The rules (renames, converts, pads) and the engine names are two independent statements of one layout; these
 tests hold them equal on every profile, for every good fixture at tp 1/2/4 and under expert parallelism, from
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_tool.engine import ENGINES, engine_params
-from ckpt_tool.numeric import CONVERTED_TENSORS
-from ckpt_tool.plan import Options, plan_conversion
-from ckpt_tool.profiles import (
+from ckpt_tool.mapping.engine_table import ENGINES, engine_params
+from ckpt_tool.verify.numeric import CONVERTED_TENSORS
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.profiles import (
     ALIASES, DEFAULT_PROFILE, PROFILES, canonical_name, get_profile, newest_profile, series_of, verified_releases,
 )  # fmt: skip
-from ckpt_tool.source import open_checkpoint
-from fixtures.make import GOOD_VARIANTS
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.fixtures.make import GOOD_VARIANTS
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "ep"), (2, "ep")]
 

@@ -2,7 +2,7 @@
 
 The expected names and dtypes of ``vllm-0.33+`` are computed here from the ``vllm-seed`` output with the
 renames and dtype changes vLLM 0.33's code implies (vllm/models/deepseek_v4/nvidia/model.py, sharded_state
-loader), written as plain regexes rather than read from ``ckpt_tool.profiles``, so a wrong rule table cannot
+loader), written as plain regexes rather than read from ``ckpt_tool.mapping.profiles``, so a wrong rule table cannot
 agree with itself. (That vllm-0.33+ is what vLLM 0.33 and 0.34 load is proven by their own loaders in
 tests/engine.)
 """
@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import convert
-from ckpt_tool.plan import Options
-from ckpt_tool.verify import verify
-from fixtures.make import GOOD_VARIANTS
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.convert import convert
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.verify.levels import verify
+from ckpt_tool.fixtures.make import GOOD_VARIANTS
 
 PROFILE_NAMES = ("vllm-seed", "vllm-0.33+")
 
@@ -204,7 +204,7 @@ def test_an_out_whose_manifest_names_the_earlier_profile_still_verifies(fixture_
 
 
 def test_auto_without_vllm_takes_the_newest_profile_and_says_so(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: None)
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: None)
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -221,7 +221,7 @@ def test_auto_without_vllm_takes_the_newest_profile_and_says_so(fixture_dir, tmp
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1+cu130", "0.34.0", "0.34.1rc1"])
 def test_auto_picks_the_profile_covering_the_installed_vllm_without_a_word(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: version)
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -235,7 +235,7 @@ def test_auto_picks_the_profile_covering_the_installed_vllm_without_a_word(fixtu
 def test_auto_with_a_newer_vllm_takes_the_newest_profile_with_one_warning_and_marks_it(
     fixture_dir, tmp_path, capsys, monkeypatch, version: str
 ) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: version)
     src, out = fixture_dir("fp4"), tmp_path / "out"
     code = main(["convert", str(src), str(out), "--only", "mtp"])
     err = capsys.readouterr().err
@@ -259,7 +259,7 @@ def test_auto_with_a_newer_vllm_takes_the_newest_profile_with_one_warning_and_ma
 
 
 def test_auto_with_a_newer_vllm_in_json_mode_carries_the_warning(fixture_dir, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.35.0")
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: "0.35.0")
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -270,7 +270,7 @@ def test_auto_with_a_newer_vllm_in_json_mode_carries_the_warning(fixture_dir, tm
 
 @pytest.mark.parametrize("version", ["0.32.1", "0.10.0", "nightly"])
 def test_auto_refuses_an_older_or_unreadable_vllm(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: version)
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: version)
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2
@@ -280,13 +280,13 @@ def test_auto_refuses_an_older_or_unreadable_vllm(fixture_dir, tmp_path, capsys,
 
 
 def test_env_and_profiles_say_whether_auto_is_verified_for_the_installed_vllm(capsys, monkeypatch) -> None:
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.36.2")
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: "0.36.2")
     assert main(["env", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["target_auto"] == "vllm-0.33+" and doc["target_auto_verified"] is False
     assert main(["profiles"]) == 0
     assert "NOT verified for vLLM 0.36.2" in capsys.readouterr().out
-    monkeypatch.setattr("ckpt_tool.target.installed_vllm", lambda: "0.34.0")
+    monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: "0.34.0")
     assert main(["profiles", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["auto"] == "vllm-0.33+" and doc["auto_verified"] is True and doc["auto_error"] is None
@@ -296,7 +296,7 @@ def test_installed_vllm_is_read_from_package_metadata_without_importing_it(monke
     import sys
     from importlib import metadata
 
-    from ckpt_tool.target import installed_vllm
+    from ckpt_tool.mapping.target import installed_vllm
 
     monkeypatch.setattr(metadata, "version", lambda name: "0.33.0" if name == "vllm" else metadata.version(name))
     assert installed_vllm() == "0.33.0"

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ckpt_tool.convert import convert
+from ckpt_tool.output.convert import convert
 from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.format import DTYPE_BITS, MAX_HEADER_SIZE, ShardHeader, _parse_careful, expected_nbytes, parse_header, read_shard_header
-from ckpt_tool.plan import ZERO, Options, plan_conversion
-from ckpt_tool.source import open_checkpoint
+from ckpt_tool.checkpoint.headers import DTYPE_BITS, MAX_HEADER_SIZE, ShardHeader, _parse_careful, expected_nbytes, parse_header, read_shard_header
+from ckpt_tool.mapping.plan import ZERO, Options, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FILE = "p.safetensors"

@@ -1,4 +1,4 @@
-"""Hand-computed checks of the pure-torch quantization reference (ckpt_tool.quant)."""
+"""Hand-computed checks of the pure-torch quantization reference (ckpt_tool.verify.quant)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool import quant
+from ckpt_tool.verify import quant
 from ckpt_tool.errors import CheckpointError
 
 

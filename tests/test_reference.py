@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ckpt_tool.config import V4Config
-from ckpt_tool.reference import (
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.verify.reference import (
     DenseShard,
     MTPOutput,
     RankShard,

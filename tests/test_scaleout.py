@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import convert, parse_ranks, select_files
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.convert import convert, parse_ranks, select_files
 from ckpt_tool.errors import UsageError
-from ckpt_tool.plan import Options, plan_conversion
-from ckpt_tool.source import open_checkpoint
-from ckpt_tool.verify import verify
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.verify.levels import verify
 from cli_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,12 +16,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_tool.cli import main
-from ckpt_tool.convert import MANIFEST, SOURCE_LAYOUT, convert
+from ckpt_tool.cli.entry import main
+from ckpt_tool.output.layout import MANIFEST, SOURCE_LAYOUT
+from ckpt_tool.output.convert import convert
 from ckpt_tool.errors import CheckpointError, OutputError
-from ckpt_tool.plan import Options
-from ckpt_tool.unconvert import unconvert
-from fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.output.unconvert import unconvert
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
 
 KB = 1024
 

@@ -45,19 +45,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_tool import linear_check, numeric, reference
-from ckpt_tool.convert import convert
-from ckpt_tool.linear_check import LinearUnit
-from ckpt_tool.plan import Options, plan_conversion
-from ckpt_tool.source import open_checkpoint
-from ckpt_tool.format import read_shard_header
-from ckpt_tool.profiles import PROFILES
-from ckpt_tool.rules import Rule
-from ckpt_tool.report import coverage_text, github_annotations, github_summary, render_verify, write_junit
-from ckpt_tool.verdict import Check, skipped_check
-from ckpt_tool.verify import VerifyReport, verify
+from ckpt_tool.verify import linear_check
+
+from ckpt_tool.verify import numeric
+
+from ckpt_tool.verify import reference
+from ckpt_tool.output.convert import convert
+from ckpt_tool.verify.linear_check import LinearUnit
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.checkpoint.headers import read_shard_header
+from ckpt_tool.mapping.profiles import PROFILES
+from ckpt_tool.mapping.rules import Rule
+from ckpt_tool.cli.render import coverage_text, github_annotations, github_summary, render_verify, write_junit
+from ckpt_tool.verify.verdict import Check, skipped_check
+from ckpt_tool.verify.levels import verify
+from ckpt_tool.verify.verdict import VerifyReport
 from cli_helpers import run_cli
-from fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
+from ckpt_tool.fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
 
 MANIFEST = "ckpt-tool.json"
 S = MAIN_LAYERS  # engine layer of mtp.0
@@ -881,7 +886,7 @@ def test_values_reads_tensors_spanning_many_read_blocks(fixture_dir, tmp_path, m
     with blocks far smaller than the tensors every tensor spans several, the file's end is a partial block,
     and a good OUT still passes while one flipped byte is named (O_DIRECT and buffered reads alike)."""
     from ckpt_tool import verify as verify_mod
-    from ckpt_tool import writer
+    from ckpt_tool.output import writer
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", block)
     monkeypatch.setattr(writer, "DIRECT_IO", direct == "1")

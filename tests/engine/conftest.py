@@ -1,6 +1,6 @@
 """Engine tests: each verified vLLM release's own classes and loaders, run in a subprocess (tests/engine/vllm_worker.py).
 
-The matrix's columns come from the profiles' data (``ckpt_tool.profiles.verified_releases``): every release a
+The matrix's columns come from the profiles' data (``ckpt_tool.mapping.profiles.verified_releases``): every release a
 profile is verified against is installed into its own site folder from its own pinned requirements file
 (tests/engine/install.py), and every engine test that takes the ``vllm_release`` fixture runs once per release,
 its test id ending in ``vllm-<release>``. Adding a verified release to a profile adds its column; nothing here
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.profiles import verified_releases
+from ckpt_tool.mapping.profiles import verified_releases
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "vllm_worker.py"

@@ -120,9 +120,9 @@ def ensure_installed(release: str, site: Path | None = None, *, force: bool = Fa
 
 
 def verified_releases() -> list[str]:
-    """Every vLLM release a profile is verified against (the matrix's columns), from ckpt_tool.profiles."""
+    """Every vLLM release a profile is verified against (the matrix's columns), from ckpt_tool.mapping.profiles."""
     sys.path.insert(0, str(REPO))
-    from ckpt_tool.profiles import verified_releases as pairs
+    from ckpt_tool.mapping.profiles import verified_releases as pairs
 
     return sorted({release for release, _ in pairs()}, key=lambda v: tuple(int(x) for x in v.split(".")))
 

@@ -26,8 +26,8 @@ import pytest
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "ckpt_tool" / "engine_check" / "probe.py"
-STUBS = REPO / "ckpt_tool" / "engine_check" / "vllm_stubs.py"
+PROBE = REPO / "ckpt_tool" / "verify" / "engine" / "probe.py"
+STUBS = REPO / "ckpt_tool" / "verify" / "engine" / "vllm_stubs.py"
 PATCHED = Path(__file__).resolve().with_name("patched_vllm.py")
 
 # (fixture variant, tp, expert parallel): the cases tests/engine's stock-vs-sharded comparison runs

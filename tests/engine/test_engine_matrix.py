@@ -207,9 +207,9 @@ ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "f
 
 
 def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, target: str) -> list[str]:
-    """ckpt_tool.engine's table (what verify checks OUT against) vs the keys vLLM's own classes hold, every rank."""
-    from ckpt_tool.config import V4Config
-    from ckpt_tool.engine import engine_params
+    """ckpt_tool.mapping.engine_table's table (what verify checks OUT against) vs the keys vLLM's own classes hold, every rank."""
+    from ckpt_tool.checkpoint.config import V4Config
+    from ckpt_tool.mapping.engine_table import engine_params
 
     cfg = V4Config.load(src / "config.json")
     problems = []
@@ -221,12 +221,12 @@ def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, tar
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):
-            problems.append(f"{where}: {k} is {'only in ckpt_tool.engine' if k in ours else 'only in vLLM'}")
+            problems.append(f"{where}: {k} is {'only in ckpt_tool.mapping.engine_table' if k in ours else 'only in vLLM'}")
         for k in sorted(set(ours) & set(vllm)):
             p, (shape, dtype) = ours[k], vllm[k]
             shape_ok = p.shape == shape or (p.prefix and len(shape) == len(p.shape) and all(a <= b for a, b in zip(p.shape, shape)))
             if not shape_ok or (p.dtype is not None and p.dtype != dtype):
-                problems.append(f"{where}: {k}: ckpt_tool.engine says {p.dtype}{list(p.shape)}, vLLM holds {dtype}{list(shape)}")
+                problems.append(f"{where}: {k}: ckpt_tool.mapping.engine_table says {p.dtype}{list(p.shape)}, vLLM holds {dtype}{list(shape)}")
     return problems
 
 

@@ -25,7 +25,7 @@ Dump: ``--dump F`` writes the filtered state dict to safetensors file F; the JSO
 and sha256 of the raw bytes of every key. Weight post-processing (``process_weights_after_loading``, which
 repacks for CUDA kernels) is not run: the raw loaded parameters are compared.
 
-What is stubbed, and why (nothing else is changed): see ``ckpt_tool/engine_check/vllm_stubs.py``, the one module
+What is stubbed, and why (nothing else is changed): see ``ckpt_tool/verify/engine/vllm_stubs.py``, the one module
 that ``ckpt-tool verify --engine`` and this worker share (loaded here by path, as the command's probe loads it).
 """
 
@@ -44,11 +44,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SITE = REPO / ".engine-site"
-STUBS_FILE = REPO / "ckpt_tool" / "engine_check" / "vllm_stubs.py"
+STUBS_FILE = REPO / "ckpt_tool" / "verify" / "engine" / "vllm_stubs.py"
 
 
 def _load_stubs():
-    """ckpt_tool/engine_check/vllm_stubs.py by path (it imports only the standard library at module level)."""
+    """ckpt_tool/verify/engine/vllm_stubs.py by path (it imports only the standard library at module level)."""
     spec = importlib.util.spec_from_file_location("ckpt_tool_vllm_stubs", STUBS_FILE)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

@@ -1,0 +1,169 @@
+"""The DeepSeek V4 model config, as read from a checkpoint's ``config.json``.
+
+Only the keys the converter and the reference forward need are typed here; the whole JSON
+document is kept in ``raw`` so it can be copied to the output unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.errors import CheckpointError
+
+# Keys every V4 config must carry (research/v4_format.md §1) and their Python types.
+REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
+    "vocab_size": int,
+    "hidden_size": int,
+    "num_hidden_layers": int,
+    "num_nextn_predict_layers": int,
+    "num_attention_heads": int,
+    "head_dim": int,
+    "qk_rope_head_dim": int,
+    "q_lora_rank": int,
+    "o_groups": int,
+    "o_lora_rank": int,
+    "n_routed_experts": int,
+    "n_shared_experts": int,
+    "num_experts_per_tok": int,
+    "moe_intermediate_size": int,
+    "num_hash_layers": int,
+    "compress_ratios": list,
+    "hc_mult": int,
+    "rms_norm_eps": (int, float),
+}
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """Typed view of a DeepSeek V4 ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    compress_ratios: tuple[int, ...]
+    hc_mult: int
+    rms_norm_eps: float
+    expert_dtype: str = "fp4"
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    sliding_window: int = 128
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    rope_theta: float = 10000.0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "ue8m0"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """Engine layer index S = num_hidden_layers + i of every MTP layer i."""
+        return [self.num_hidden_layers + i for i in range(self.num_nextn_predict_layers)]
+
+    def compress_ratio(self, layer: int) -> int:
+        """Compress ratio of main layer ``layer`` (0 = sliding window only)."""
+        return int(self.compress_ratios[layer]) if layer < len(self.compress_ratios) else 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> V4Config:
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}; use the model's released config.json")
+        missing = [k for k in REQUIRED_KEYS if k not in raw]
+        if missing:
+            raise CheckpointError(
+                f"{where}: missing required key(s) {', '.join(missing)}; "
+                "a DeepSeek V4 config.json carries them all (see research/v4_format.md §1); use the model's released config.json"
+            )
+        for key, typ in REQUIRED_KEYS.items():
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, typ):
+                expected = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+                raise CheckpointError(
+                    f"{where}: key {key!r} has value {value!r}, expected {expected}; use the model's released config.json"
+                )
+        if raw["num_nextn_predict_layers"] < 0 or raw["num_hidden_layers"] < 0:
+            raise CheckpointError(
+                f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0; use the model's released config.json"
+            )
+        try:
+            return cls._build(raw)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CheckpointError(f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json") from None
+
+    @classmethod
+    def _build(cls, raw: dict[str, Any]) -> V4Config:
+        where = "config.json"
+        expert_dtype = raw.get("expert_dtype", "fp4")
+        if expert_dtype not in ("fp4", "fp8"):
+            raise CheckpointError(
+                f"{where}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'; use the model's released config.json"
+            )
+        quant = raw.get("quantization_config") or {}
+        block = tuple(quant.get("weight_block_size", (128, 128)))
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_nextn_predict_layers=raw["num_nextn_predict_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            head_dim=raw["head_dim"],
+            qk_rope_head_dim=raw["qk_rope_head_dim"],
+            q_lora_rank=raw["q_lora_rank"],
+            o_groups=raw["o_groups"],
+            o_lora_rank=raw["o_lora_rank"],
+            n_routed_experts=raw["n_routed_experts"],
+            n_shared_experts=raw["n_shared_experts"],
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["moe_intermediate_size"],
+            num_hash_layers=raw["num_hash_layers"],
+            compress_ratios=tuple(int(x) for x in raw["compress_ratios"]),
+            hc_mult=raw["hc_mult"],
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            expert_dtype=expert_dtype,
+            hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(raw.get("hc_eps", 1e-6)),
+            sliding_window=int(raw.get("sliding_window", 128)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+            scoring_func=str(raw.get("scoring_func", "sqrtsoftplus")),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            index_n_heads=int(raw.get("index_n_heads", 64)),
+            index_head_dim=int(raw.get("index_head_dim", 128)),
+            weight_block_size=(int(block[0]), int(block[1])),
+            scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
+            raw=raw,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> V4Config:
+        """Read and validate ``config.json`` at ``path``."""
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: config.json not found; the checkpoint folder must contain the model's config.json"
+            )
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
+            from ckpt_tool.checkpoint.headers import json_problem
+
+            raise CheckpointError(f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json") from None
+        return cls.from_dict(raw, where=str(path))

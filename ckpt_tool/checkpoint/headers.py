@@ -1,0 +1,572 @@
+"""The safetensors file format: header parsing and validation, without touching tensor bytes.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of UTF-8 JSON + a byte buffer. The JSON
+maps tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
+buffer) plus an optional ``__metadata__`` string map. We validate the way the Rust reference does,
+and a little more (duplicate keys, leading ``{``, trailing bytes), because the streaming writer
+copies byte ranges straight from these offsets: a header we accept must describe the file exactly.
+
+This module imports neither torch nor numpy: inspect and planning stay fast.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import struct
+from collections import Counter
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain, count, repeat
+from operator import add, itemgetter, sub
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple
+
+from ckpt_tool.errors import CheckpointError, HeaderError
+
+MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
+MAX_INT = 2**64 - 1  # shapes and offsets are u64/usize in the reference; bigger numbers are corrupt
+CORRUPT = "the file is corrupt — download it again"  # what to do about a header we cannot trust
+
+# Bits per element of every dtype safetensors 0.8 knows. Sub-byte dtypes pack along the last dim.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
+
+
+class TensorInfo(NamedTuple):
+    """One tensor as a header describes it. ``start``/``end`` are absolute offsets in ``file``.
+
+    An immutable record like the others, but a NamedTuple rather than a frozen dataclass: a V4
+    checkpoint has 69k-145k of these, and building one costs a third of a frozen dataclass's ``__init__``
+    (the header path is interactive: ``inspect`` in 0.3 s).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # shard file name, relative to the checkpoint root
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Columns(NamedTuple):
+    """A parsed header's per-tensor shapes and offsets as plain lists, in file order: what
+    :attr:`ShardHeader.tensors` is built from, and part of what a forked helper hands back."""
+
+    kinds: list[int]  # each tensor's kind (dtype and shape), a key of ``shapes``
+    shapes: dict[int, tuple[int, ...]]
+    begins: list[int]  # offsets in the data buffer (after the header)
+    ends: list[int]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardHeader:
+    """A validated safetensors header. ``names``, ``dtypes`` and ``tensors`` are in offset (file) order.
+
+    ``tensors`` is built from ``columns`` on first use: inspect needs only the names, dtypes and
+    per-dtype totals, and a record per tensor was a tenth of its time. (Equality is identity.)
+    """
+
+    file: str
+    header_len: int
+    file_size: int
+    metadata: dict[str, str]
+    names: list[str] = field(repr=False)
+    dtypes: list[str] = field(repr=False)
+    columns: Columns = field(repr=False)
+    header_sha256: str = ""
+    dtype_totals: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # dtype -> (tensors, bytes)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        kinds, shapes, begins, ends = self.columns
+        start = self.data_start
+        infos = zip(self.names, self.dtypes, map(shapes.__getitem__, kinds), repeat(self.file),
+                    map(add, begins, repeat(start)), map(add, ends, repeat(start)))
+        with gc_paused():
+            return dict(zip(self.names, map(tuple.__new__, repeat(TensorInfo), infos)))
+
+    def to_wire(self) -> tuple:
+        """This header as builtins only (for ``marshal``); :meth:`from_wire` makes it again."""
+        return (self.file, self.header_len, self.file_size, self.metadata, self.names, self.dtypes, tuple(self.columns),
+                self.header_sha256, self.dtype_totals)
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> ShardHeader:
+        file, header_len, file_size, metadata, names, dtypes, columns, sha, totals = wire
+        return cls(file, header_len, file_size, metadata, names, dtypes, Columns(*columns), sha, totals)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of ``dtype`` and ``shape`` occupies; raises ValueError if bits do not pack to bytes."""
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise ValueError(f"{dtype} tensor of shape {list(shape)} is not a whole number of bytes")
+    return bits // 8
+
+
+def json_problem(exc: BaseException) -> str:
+    """Why ``json.loads`` failed, in words for a user (not Python's advice to raise interpreter limits)."""
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+        return str(exc)
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return "a number has too many digits"  # ValueError from int(): more than sys.get_int_max_str_digits()
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    seen = dict(pairs)  # C speed; the slow search below runs only when a key repeats
+    if len(seen) != len(pairs):
+        keys: set[str] = set()
+        for key, _ in pairs:
+            if key in keys:
+                raise _DuplicateKey(key)
+            keys.add(key)
+    return seen
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+class _Float(Exception):
+    pass
+
+
+def _no_float(text: str) -> float:
+    raise _Float
+
+
+def _loads(text: str, file: str, parse_float=None) -> object:
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_float=parse_float)
+    except _DuplicateKey as dup:
+        raise HeaderError(
+            file, f"key appears twice in a header object; tensor names and entry fields must be unique; {CORRUPT}", tensor=dup.key
+        ) from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over sys.get_int_max_str_digits()
+        raise HeaderError(file, f"header is not valid JSON ({json_problem(exc)}); {CORRUPT}") from None
+
+
+_UNPROVEN = object()
+
+
+_LEAVES = {str, int, float, bool, type(None)}
+
+
+def _members(obj: object) -> int:
+    """Members of every JSON object in ``obj`` (what the text's ``:`` count must equal)."""
+    if type(obj) is dict:
+        if set(map(type, obj.values())) <= _LEAVES:  # a flat map (an index's 69k-entry weight_map): at C speed
+            return len(obj)
+        return len(obj) + sum(_members(v) for v in obj.values() if type(v) is dict or type(v) is list)
+    if type(obj) is list:
+        return sum(_members(v) for v in obj if type(v) is dict or type(v) is list)
+    return 0
+
+
+def _loads_unique(text: str) -> object:
+    """``json.loads`` at C speed when the text provably repeats no key, else ``_UNPROVEN`` (then parse with
+    :func:`_reject_duplicates`, which names the repeat). A repeat hides a member, so the parsed members
+    fall short of the text's colons; a ``:`` inside a string also makes them differ (slow path, no harm)."""
+    doc = json.loads(text)
+    return doc if text.count(":") == _members(doc) else _UNPROVEN
+
+
+@contextmanager
+def gc_paused():
+    """No cyclic garbage collection inside: reading 69k header entries allocates ~300k containers, and
+    the collector's passes over the growing heap took longer than parsing them (2-3x). Nothing built
+    here is cyclic; collection resumes (if it was on) when the block ends."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None = None) -> ShardHeader:
+    """Validate a header's JSON bytes against a file of ``file_size`` bytes.
+
+    ``raw`` is the JSON text (without the 8-byte length prefix). Every violation raises
+    :class:`HeaderError` naming ``file`` and, where there is one, the tensor.
+
+    Two paths accept exactly the same headers: a quick one for the shape every writer emits (plain
+    JSON, tensors in offset order), which gives up at the first thing it does not expect, and the
+    careful one, which then finds the problem and words it.
+    """
+    import hashlib
+
+    header_len = len(raw) if header_len is None else header_len
+    data_start = 8 + header_len
+    with gc_paused():
+        tensors = _quick_tensors(raw, file, data_start, file_size - data_start)
+    if tensors is None:
+        return _parse_careful(raw, file, file_size, header_len)
+    metadata, names, dtypes, columns, totals = tensors
+    return ShardHeader(
+        file=file,
+        header_len=header_len,
+        file_size=file_size,
+        metadata=metadata,
+        names=names,
+        dtypes=dtypes,
+        columns=columns,
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+        dtype_totals=totals,
+    )
+
+
+_DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
+def _quick_tensors(
+    raw: bytes, file: str, data_start: int, buffer_len: int
+) -> tuple[dict[str, str], list[str], list[str], Columns, dict[str, tuple[int, int]]] | None:
+    """(metadata, names, dtypes, columns, dtype totals) of a well-formed header in offset order, or None
+    for anything else.
+
+    Every step is a C-level pass over all entries (``map``, list equality, a Counter-free dict): a
+    per-entry Python loop cost as much as the JSON parse itself. The C JSON parser keeps the last of
+    repeated keys silently; no key repeats, no string holds a ``:`` and no entry nests an object exactly
+    when the text's colons number the members parsed. Each distinct (dtype, shape) gets the full
+    per-tensor checks once; offsets must tile the buffer in the order listed.
+    """
+    try:
+        text = raw.decode("utf-8")
+        if not text.lstrip(" ").startswith("{"):
+            return None
+        doc = json.loads(text, parse_float=_no_float)
+        if type(doc) is not dict:
+            return None
+        metadata = doc.pop("__metadata__", None)
+        members = len(doc)
+        if metadata is not None:
+            if type(metadata) is not dict or not all(type(k) is str and type(v) is str for k, v in metadata.items()):
+                return None
+            members += 1 + len(metadata)
+        names, entries = list(doc), list(doc.values())
+        if set(map(len, entries)) - {3} or text.count(":") != members + 3 * len(entries):
+            return None  # (len() of a non-object entry: a TypeError, or a count that is not 3)
+        dtypes = list(map(_DTYPE, entries))  # KeyError: a field missing; TypeError: not an object
+        shapes = list(map(_SHAPE, entries))
+        keys = list(zip(dtypes, map(tuple, shapes)))
+        offsets = list(map(_OFFSETS, entries))
+        if set(map(len, offsets)) - {2}:
+            return None
+        begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
+        # JSON true/false parse as bools, which equal 1/0 in every comparison below: only ints pass
+        if not set(map(type, chain(begins, ends, chain.from_iterable(shapes)))) <= {int}:
+            return None
+        # (dtype, shape) kinds hashed once: each entry gets its kind's id, the position of the kind's first
+        # tensor (setdefault keeps the first position it was offered); everything per kind is looked up by id
+        kinds: dict[tuple, int] = {}
+        ids = list(map(kinds.setdefault, keys, count()))
+        known = {i: _tensor_entry(file, names[i], entries[i], data_start) for i in kinds.values()}  # full checks, once a kind
+        if (begins[:1] or [0]) != [0] or begins[1:] != ends[:-1] or (ends[-1:] or [0]) != [buffer_len]:
+            return None  # out of offset order, a gap, an overlap, truncated or trailing bytes: worded by the careful path
+        nbytes = {i: info.nbytes for i, info in known.items()}
+        if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, ids)):
+            return None
+        # one dtype string per kind (JSON gives each entry its own): the tallies over 145k dtypes that
+        # inspect and planning do then hash and compare a handful of objects that stay in cache
+        dtypes = list(map({i: dtypes[i] for i in known}.__getitem__, ids))
+        columns = Columns(ids, {i: info.shape for i, info in known.items()}, begins, ends)  # one shape tuple per kind
+        totals: dict[str, tuple[int, int]] = {}
+        for i, n in Counter(ids).items():  # a few dozen kinds: inspect sums these, not 69k tensors
+            have, size = totals.get(dtypes[i], (0, 0))
+            totals[dtypes[i]] = (have + n, size + n * nbytes[i])
+        return dict(metadata or {}), names, dtypes, columns, totals
+    except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
+        return None
+
+
+def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> ShardHeader:
+    """:func:`parse_header`'s exact checks, one tensor at a time, each violation worded."""
+    import hashlib
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(file, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start}); {CORRUPT}") from None
+    if not text.lstrip(" ").startswith("{"):
+        raise HeaderError(file, "header is not a JSON object (does not start with '{'); the file is not safetensors — download it again")
+    try:
+        with gc_paused():
+            doc = _loads(text, file, parse_float=_no_float)
+    except _Float:  # never valid in a header; parsed again as floats so the field checks word the complaint
+        doc = _loads(text, file, parse_float=None)
+        floats = True
+    else:
+        floats = False
+    if not isinstance(doc, dict):
+        raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object; {CORRUPT}")
+
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HeaderError(file, f"__metadata__ must map strings to strings; {CORRUPT}")
+
+    data_start = 8 + header_len
+    buffer_len = file_size - data_start
+    # (dtype, *shape) -> (shape tuple, nbytes) once validated: a V4 shard has a few dozen distinct ones
+    # among ~1500 tensors. JSON true/false and floats equal ints as keys, so a header with those takes the
+    # full checks for every tensor.
+    sizes: dict[tuple, tuple[tuple[int, ...], int]] | None = None if (floats or "true" in text or "false" in text) else {}
+    infos: list[TensorInfo] = []
+    append = infos.append
+    with gc_paused():
+        for name, entry in doc.items():
+            if sizes is not None and type(entry) is dict and len(entry) == 3:
+                dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+                if type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                    try:
+                        key = (dtype, *shape)
+                        known = sizes.get(key)
+                    except TypeError:  # an unhashable shape element: the full checks name it
+                        key, known = None, None
+                    begin, end = offsets
+                    if known is not None and type(begin) is int and type(end) is int and 0 <= begin and end - begin == known[1] and end <= MAX_INT:
+                        append(TensorInfo(name, dtype, known[0], file, data_start + begin, data_start + end))
+                        continue
+                    info = _tensor_entry(file, name, entry, data_start)
+                    if key is not None:
+                        sizes[key] = (info.shape, info.nbytes)
+                    append(info)
+                    continue
+            append(_tensor_entry(file, name, entry, data_start))
+
+    # Contiguous from 0, no gaps, no overlap, buffer used exactly (trailing bytes are rejected too).
+    # Writers emit tensors in offset order: one pass confirms it; otherwise sort and say where it breaks.
+    cursor = data_start
+    in_order = True
+    for info in infos:
+        if info.start != cursor:
+            in_order = False
+            break
+        cursor = info.end
+    if not in_order:
+        infos.sort(key=lambda t: (t.start, t.end))
+        cursor = data_start
+        for info in infos:
+            if info.start != cursor:
+                what = "overlaps the previous tensor" if info.start < cursor else "leaves a gap before it"
+                raise HeaderError(
+                    file,
+                    f"data_offsets start at {info.start - data_start} but the previous tensor ends at "
+                    f"{cursor - data_start}: the tensor {what}; {CORRUPT}",
+                    tensor=info.name,
+                )
+            cursor = info.end
+    used = cursor - data_start
+    if used > buffer_len:
+        last = infos[-1].name if infos else None
+        raise HeaderError(
+            file,
+            f"data ends at byte {cursor} but the file has only {file_size} bytes: the file is truncated "
+            f"({cursor - file_size} bytes missing); download it again",
+            tensor=last,
+        )
+    if used < buffer_len:
+        raise HeaderError(
+            file,
+            f"{buffer_len - used} trailing bytes after the last tensor; the file is not a clean safetensors file — "
+            "download it again",
+        )
+    return ShardHeader(
+        file=file,
+        header_len=header_len,
+        file_size=file_size,
+        metadata=dict(metadata),
+        names=[t.name for t in infos],
+        dtypes=[t.dtype for t in infos],
+        columns=Columns(list(range(len(infos))), {i: t.shape for i, t in enumerate(infos)},
+                        [t.start - data_start for t in infos], [t.end - data_start for t in infos]),
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+        dtype_totals=dtype_totals(infos),
+    )
+
+
+def dtype_totals(infos: Iterable[TensorInfo]) -> dict[str, tuple[int, int]]:
+    """dtype -> (tensor count, bytes) of ``infos``."""
+    totals: dict[str, tuple[int, int]] = {}
+    for t in infos:
+        have, size = totals.get(t.dtype, (0, 0))
+        totals[t.dtype] = (have + 1, size + t.end - t.start)
+    return totals
+
+
+def _small_uints(values: list) -> bool:
+    for v in values:
+        if type(v) is not int or v < 0 or v > MAX_INT:
+            return False
+    return True
+
+
+def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise HeaderError(file, f"header entry is not an object; {CORRUPT}", tensor=name)
+    # this runs ~69k times for a full V4 checkpoint: cheap checks first, details only on failure
+    if len(entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
+        raise HeaderError(
+            file, f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)}); {CORRUPT}", tensor=name
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise HeaderError(
+            file,
+            f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)}); the file is corrupt or newer than this tool — "
+            "download it again or upgrade ckpt-tool",
+            tensor=name,
+        )
+    if type(shape) is not list or not _small_uints(shape):
+        raise HeaderError(file, f"shape {shape!r} is not a list of non-negative integers (below 2^64); {CORRUPT}", tensor=name)
+    if (
+        type(offsets) is not list
+        or len(offsets) != 2
+        or not _small_uints(offsets)
+    ):
+        raise HeaderError(file, f"data_offsets {offsets!r} is not two non-negative integers (below 2^64); {CORRUPT}", tensor=name)
+    begin, end = offsets
+    if math.prod(shape) > MAX_INT:
+        raise HeaderError(file, f"shape has more than 2^64 elements; {CORRUPT}", tensor=name)
+    if end < begin:
+        raise HeaderError(file, f"data_offsets {offsets} end before they begin; {CORRUPT}", tensor=name)
+    try:
+        want = expected_nbytes(dtype, tuple(shape))
+    except ValueError as exc:
+        raise HeaderError(file, f"{exc}; {CORRUPT}", tensor=name) from None
+    if want != end - begin:
+        raise HeaderError(
+            file,
+            f"shape {shape} x {dtype} needs {want} bytes but data_offsets {offsets} hold {end - begin}; {CORRUPT}",
+            tensor=name,
+        )
+    return TensorInfo(name, dtype, tuple(shape), file, data_start + begin, data_start + end)
+
+
+def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
+    """Read and validate the header of the safetensors file at ``path`` (no tensor bytes are read)."""
+    file = file or path.name
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise HeaderError(file, f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length); {CORRUPT}")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_SIZE:
+                raise HeaderError(file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; {CORRUPT}")
+            if 8 + header_len > size:
+                raise HeaderError(
+                    file,
+                    f"header length {header_len} points past the end of the {size}-byte file; "
+                    "the file is truncated or not safetensors — download it again",
+                )
+            raw = fh.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found ({path})") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{file}: is a directory, expected a safetensors file ({path})") from None
+    except PermissionError:
+        raise CheckpointError(f"{file}: permission denied reading {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again") from None
+    return parse_header(raw, file, size, header_len)
+
+
+def safe_relative_name(name: object, where: str) -> str:
+    """Check that an index entry names a file inside the checkpoint folder; return it normalised."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: shard file name {name!r} is not a non-empty string")
+    if "\\" in name or "\x00" in name or name.startswith("/") or PurePosixPath(name).is_absolute():
+        raise CheckpointError(
+            f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder — "
+            "fix the index or download it again"
+        )
+    parts = PurePosixPath(name).parts
+    if not parts or any(p in ("..", ".") for p in parts) or ":" in parts[0]:
+        raise CheckpointError(
+            f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it — fix the index or download it again"
+        )
+    return "/".join(parts)
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """Read ``model.safetensors.index.json``: the tensor → shard file map, with every file name checked."""
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        doc = _loads_unique(text)
+        if doc is _UNPROVEN:
+            doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: index file not found") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read the index ({exc.strerror or exc})") from None
+    except _DuplicateKey as dup:
+        raise CheckpointError(f"{where}: tensor {dup.key!r} appears twice in the index") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
+        raise CheckpointError(f"{where}: not valid JSON ({json_problem(exc)}); download the index again") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: no 'weight_map' object; this is not a safetensors index — download the index again")
+    # 69k entries name ~46 files: validate each distinct file name once (this dominated inspect time).
+    try:
+        clean = all(type(f) is str and safe_relative_name(f, where) == f for f in set(weight_map.values()))
+    except (TypeError, CheckpointError):  # unhashable or unsafe: the loop below names the tensor
+        clean = False
+    if clean:
+        return weight_map  # every value already a clean relative name (keys are JSON strings)
+    checked: dict[object, str] = {}
+    result: dict[str, str] = {}
+    for name, file in weight_map.items():
+        key = file if isinstance(file, str) else repr(file)
+        if key not in checked:
+            checked[key] = safe_relative_name(file, f"{where}: tensor {name!r}")
+        result[str(name)] = checked[key]
+    return result

@@ -1,0 +1,308 @@
+"""Hub repo ids as sources: ``org/name[@revision]`` or ``hf://org/name[@revision]``.
+
+``inspect`` reads headers only: ``HfApi.get_safetensors_metadata`` (HTTP range reads) online, the
+cached snapshot's shard headers offline. ``convert`` (and ``verify --source``) resolve the revision
+to a commit, fetch config.json and the index, read every header, plan — so a bad ``--tp`` or a
+missing MTP layer fails before any shard is fetched — then download only the shards the plan needs
+with ``snapshot_download(allow_patterns=[...])`` into the normal HF cache (``HF_HOME``,
+``HF_TOKEN`` and ``HF_HUB_OFFLINE`` are honoured by huggingface_hub itself; its tqdm bars show the
+download). With ``HF_HUB_OFFLINE=1`` the cached snapshot is used as it is, and a file the
+conversion needs but the cache lacks is named.
+
+``--only mtp`` needs only the shards holding ``mtp.*`` (plus ``embed``/``head`` when they are
+materialized): the checkpoint is then opened from those shards alone (:func:`open_partial`), the
+index still naming every shard. A local folder with a missing shard stays an error
+(:func:`ckpt_tool.checkpoint.source.open_checkpoint`). huggingface_hub is imported lazily so local use never
+pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.errors import CheckpointError
+from ckpt_tool.checkpoint.headers import TensorInfo, read_index, read_shard_header
+from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
+
+_REPO_RE = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
+SMALL_FILES = ("config.json", INDEX_NAME)
+# Non-weight files `vllm serve OUT/model` needs (convert.serving_files copies what the snapshot holds).
+SERVING_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.md", "LICENSE*")
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo_id: str
+    revision: str | None
+    token: str | None = field(default=None, repr=False, compare=False)  # --token (else HF_TOKEN / the login)
+    cache_dir: str | None = field(default=None, compare=False)  # --cache-dir (else HF_HUB_CACHE / HF_HOME)
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}@{self.revision}" if self.revision else self.repo_id
+
+    @property
+    def kw(self) -> dict:
+        """token / cache_dir for huggingface_hub's download functions (only those given)."""
+        return {k: v for k, v in (("token", self.token), ("cache_dir", self.cache_dir)) if v is not None}
+
+
+def _looks_local(src: str) -> str | None:
+    """Why ``src`` (a missing path shaped ``a/b``) is more likely a mistyped local path than a repo id."""
+    if src.startswith(("./", "../", "/", "~")) or src.endswith((".json", ".safetensors")):
+        return "it is written as a path"
+    first = Path(src.split("/", 1)[0])
+    if first.exists():
+        return f"{first}/ exists here"
+    return None
+
+
+def parse_hub_ref(src: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> HubRef | None:
+    """A hub reference if ``src`` is one, else None (a local path).
+
+    ``hf://org/name`` is always the hub. An existing local path always wins. A missing ``org/name``
+    is the hub unless it looks like a local path (its first folder exists here, or it is written as
+    a path): then it is a local path that is missing, and the error says how to mean the hub.
+    ``revision`` (--revision) overrides an ``@rev`` suffix.
+    """
+    explicit = src.startswith("hf://")
+    if not explicit and Path(src).exists():
+        return None
+    m = _REPO_RE.match(src)
+    if not m:
+        return None
+    if not explicit and (why := _looks_local(src)) is not None:
+        raise CheckpointError(
+            f"{src}: no such file or folder ({why}); if you meant the hub repo {m.group(1)}, write hf://{src}"
+        )
+    return HubRef(m.group(1), revision or m.group(2), token, cache_dir)
+
+
+def network_error(ref: HubRef, what: str, exc: Exception) -> CheckpointError:
+    """A hub failure as one line with its fix: network, auth, a wrong name, or offline use."""
+    name = type(exc).__name__
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if name in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError") or "401" in text or "404" in text:
+        fix = "check the repo id and revision, and that your token (--token, HF_TOKEN or `hf auth login`) may read it"
+    else:
+        fix = (
+            "check the network (and HF_ENDPOINT / proxy settings); to work from the HF cache set HF_HUB_OFFLINE=1, "
+            "or pass a local checkpoint folder"
+        )
+    return CheckpointError(f"{ref}: {what} ({name}: {text}); {fix}")
+
+
+def _hf():
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError as exc:  # pragma: no cover - huggingface_hub is a declared dependency
+        raise CheckpointError(f"reading hub repos needs huggingface_hub ({exc})") from None
+    return huggingface_hub, constants
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import."""
+    return bool(_hf()[1].HF_HUB_OFFLINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which files a conversion needs
+
+
+class ConversionNeeds(Protocol):
+    """What a conversion needs from a hub repo, as the planner answers it (``ckpt_tool.mapping.plan.hub_needs``):
+    the hub input asks, it never plans itself."""
+
+    @property
+    def partial(self) -> bool:
+        """Only some shards are read (``--only mtp``): the checkpoint is opened from those alone."""
+        ...
+
+    def sources(self, names: set[str], config: V4Config) -> set[str]:
+        """The source tensors whose bytes the conversion reads, from their names alone."""
+        ...
+
+    def check(self, config: V4Config, tensors: dict[str, TensorInfo]) -> None:
+        """Raise the plan's error for these headers, before any shard is downloaded."""
+        ...
+
+
+def needed_files(weight_map: dict[str, str], config: V4Config, needs: ConversionNeeds) -> list[str]:
+    """Shard files holding a tensor the conversion reads."""
+    return sorted({weight_map[n] for n in needs.sources(set(weight_map), config)})
+
+
+def allow_patterns(weight_map: dict[str, str], config: V4Config, needs: ConversionNeeds) -> list[str]:
+    """``snapshot_download`` allow_patterns for a conversion: config, index and the needed shards."""
+    return [*SMALL_FILES, *needed_files(weight_map, config, needs)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving a snapshot folder
+
+
+def cached_snapshot(ref: HubRef) -> Path:
+    """The snapshot folder of ``ref`` in the local HF cache, without any network access."""
+    hf, constants = _hf()
+    try:
+        folder = hf.snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True, **ref.kw)
+    except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
+        why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
+        raise CheckpointError(
+            f"{ref}: {why}the repo is not in the local HF cache ({ref.cache_dir or constants.HF_HUB_CACHE}) "
+            f"({type(exc).__name__}); unset HF_HUB_OFFLINE to download it, or point at a local folder"
+        ) from None
+    return Path(folder)
+
+
+def _missing(folder: Path, files: list[str]) -> list[str]:
+    return [f for f in files if not (folder / f).is_file()]  # a dangling blob link counts as missing
+
+
+def _read_small(folder: Path, ref: HubRef) -> tuple[V4Config, dict[str, str] | None]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{ref}: config.json is not in the snapshot {folder}")
+    config = V4Config.load(config_path)
+    index = folder / INDEX_NAME
+    return config, (read_index(index) if index.is_file() else None)
+
+
+def _offline_error(ref: HubRef, folder: Path, missing: list[str], what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{ref}: HF_HUB_OFFLINE is set and {len(missing)} file(s) {what} are not in the HF cache "
+        f"(snapshot {folder}): {', '.join(missing)}; unset HF_HUB_OFFLINE to download them"
+    )
+
+
+def metadata_tensors(ref: HubRef, revision: str | None) -> dict[str, TensorInfo]:
+    """Every tensor's header from the hub (HTTP range reads, no download). Offsets are buffer-relative."""
+    hf, _ = _hf()
+    try:
+        meta = hf.HfApi(token=ref.token).get_safetensors_metadata(ref.repo_id, revision=revision)
+    except Exception as exc:  # network, auth, not-a-safetensors-repo
+        raise network_error(ref, "cannot read safetensors headers from the hub", exc) from None
+    tensors: dict[str, TensorInfo] = {}
+    for file, fmeta in meta.files_metadata.items():
+        for name, t in fmeta.tensors.items():
+            begin, end = t.data_offsets
+            tensors[name] = TensorInfo(name, t.dtype, tuple(t.shape), file, begin, end)
+    return tensors
+
+
+def open_partial(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config) -> Checkpoint:
+    """A checkpoint of hub snapshot ``folder`` opened from ``files`` alone, keeping the tensors ``names``.
+
+    The same agreement checks as open_checkpoint, restricted to those shards: each exists and parses,
+    stores exactly the tensors the index maps to it, and no tensor twice.
+    """
+    shards = {}
+    tensors: dict[str, TensorInfo] = {}
+    by_file: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, set()).add(name)
+    for file in files:
+        path = folder / file
+        if not path.is_file():
+            raise CheckpointError(f"{file}: named by {INDEX_NAME} and needed, but missing from {folder}; fetch this file")
+        header = read_shard_header(path, file)
+        stored, mapped = set(header.tensors), by_file.get(file, set())
+        if stored != mapped:
+            extra, absent = sorted(stored - mapped), sorted(mapped - stored)
+            what = f"stores {extra[0]!r} the index does not map to it" if extra else f"lacks {absent[0]!r} the index maps to it"
+            raise CheckpointError(f"{INDEX_NAME}: the index and the shards disagree: {file} {what}")
+        shards[file] = header
+        for name, info in header.tensors.items():
+            if name in names:
+                tensors[name] = info
+    return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards=shards, tensors=tensors)
+
+
+def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = True) -> Checkpoint:
+    """Resolve ``ref`` for a conversion: check the plan from headers, fetch only the needed shards, open.
+
+    ``download=False`` (``--dry-run``) checks from the hub's headers without fetching any shard and
+    returns a checkpoint whose tensors come from those headers (for planning only).
+    """
+    hf, constants = _hf()
+    if constants.HF_HUB_OFFLINE:
+        folder = cached_snapshot(ref)
+        config, weight_map = _read_small(folder, ref)
+        if weight_map is None:  # one-file repo: whatever .safetensors the snapshot holds
+            return open_checkpoint(folder)
+        names = needs.sources(set(weight_map), config)
+        files = sorted({weight_map[n] for n in names})
+        missing = _missing(folder, files)
+        if missing:
+            raise _offline_error(ref, folder, missing, "this conversion needs")
+        return _open(folder, weight_map, files, names, config, needs)
+
+    api = hf.HfApi(token=ref.token)
+    try:
+        commit = api.model_info(ref.repo_id, revision=ref.revision).sha
+    except Exception as exc:
+        raise network_error(ref, "cannot resolve the repo on the hub", exc) from None
+    try:
+        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw))
+    except Exception as exc:
+        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
+    config, weight_map = _read_small(folder, ref)
+    header_tensors = metadata_tensors(ref, commit)
+    if weight_map is None:
+        weight_map = {n: t.file for n, t in header_tensors.items()}
+    names = needs.sources(set(weight_map), config)
+    files = sorted({weight_map[n] for n in names})
+    # plan from the hub's headers first: every plan error comes before a byte is downloaded
+    needs.check(config, {n: header_tensors[n] for n in names if n in header_tensors})
+    if not download:
+        planned = {n: header_tensors[n] for n in names if n in header_tensors}
+        return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned)
+    try:
+        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files], **ref.kw)
+    except Exception as exc:
+        raise network_error(ref, f"downloading {len(files)} shard(s) failed (rerun to resume the download)", exc) from None
+    missing = _missing(folder, files)
+    if missing:
+        raise CheckpointError(f"{ref}: after the download {len(missing)} needed file(s) are still missing from {folder}: {', '.join(missing)}")
+    return _open(folder, weight_map, files, names, config, needs)
+
+
+def _open(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config, needs: ConversionNeeds) -> Checkpoint:
+    if needs.partial:  # part of the repo: open just those shards, keep just those tensors
+        return open_partial(folder, weight_map, files, names, config)
+    return open_checkpoint(folder)  # every shard: exactly the local-folder behaviour
+
+
+def snapshot_for_inspect(ref: HubRef) -> Checkpoint:
+    """Offline ``inspect``: every shard header from the cached snapshot (all shards must be cached)."""
+    folder = cached_snapshot(ref)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        missing = _missing(folder, sorted(set(read_index(index).values())))
+        if missing:
+            raise _offline_error(ref, folder, missing, "named by the index")
+    return open_checkpoint(folder, need_config=False)
+
+
+def hub_headers(ref: HubRef) -> tuple[dict[str, TensorInfo], V4Config | None, str | None]:
+    """Tensor headers and config of a hub repo, without downloading any shard (offline: from the cache)."""
+    hf, constants = _hf()
+    if constants.HF_HUB_OFFLINE:
+        ckpt = snapshot_for_inspect(ref)
+        return ckpt.tensors, ckpt.config, ckpt.config_error
+    tensors = metadata_tensors(ref, ref.revision)
+    config: V4Config | None = None
+    config_error: str | None = None
+    try:
+        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=ref.revision, **ref.kw)
+        config = V4Config.from_dict(json.loads(Path(path).read_text()), where=f"{ref}/config.json")
+    except CheckpointError as exc:
+        config_error = str(exc)
+    except Exception as exc:  # network and hub errors: report, inspect can still show headers
+        config_error = str(network_error(ref, "config.json could not be read", exc))
+    return tensors, config, config_error

@@ -1,0 +1,34 @@
+"""Where a local source's parts are: its folder, index file, shard list and config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:
+    """Find (root folder, index path or None, explicit shard list or None) for a local source."""
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such file or folder")
+    if src.is_dir():
+        index = src / INDEX_NAME
+        return src, (index if index.is_file() else None), None
+    if src.name.endswith(".index.json") or src.suffix == ".json":
+        return src.parent, src, None
+    if src.suffix == ".safetensors":
+        return src.parent, None, [src.name]
+    raise CheckpointError(f"{src}: not a folder, an index .json or a .safetensors file")
+
+
+def load_config(root: Path, *, need_config: bool = True) -> tuple[V4Config | None, str | None]:
+    """(config, None), or with ``need_config=False`` (None, why not) when config.json is absent or bad."""
+    try:
+        return V4Config.load(root / "config.json"), None
+    except CheckpointError as exc:
+        if need_config:
+            raise
+        return None, str(exc)

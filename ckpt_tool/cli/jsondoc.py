@@ -1,0 +1,107 @@
+"""``--json`` output: one document per command, of one shape on success and failure.
+
+Kept apart from :mod:`ckpt_tool.cli.render` (rich) so that ``inspect --json`` runs without importing rich
+or typer: the header path is interactive.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from itertools import chain
+from typing import Any
+
+# --json: one document per command, of one shape on success and failure. Every document starts with
+# these four keys; the command's fields follow, null when the command failed before producing them.
+SCHEMA_VERSION = 1
+JSON_FIELDS: dict[str, tuple[str, ...]] = {
+    "inspect": (
+        "source", "files", "tensor_count", "total_bytes", "dtypes", "dtype_bytes", "quant", "main_layers",
+        "mtp_expected", "mtp_present", "mtp_missing", "mtp_tensor_counts", "config_error", "missing_tensors", "problems",
+    ),
+    "convert": (
+        "dry_run", "out", "options", "files_written", "files_skipped", "tensors", "tensor_count", "bytes", "total_bytes",
+        "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
+        "warnings", "not_selected", "partial", "finalized", "target_note", "target_warning",
+    ),
+    # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
+    # "message": what failed, or why it did not run), passed their names; results is every check in order as
+    # {"name", "status", "message"} (status passed | failed | skipped; only failed ones make ok false).
+    # coverage: {"unit", "checked", "total", "percent", "components": {comp: {... "ranks": {rank: {...}}}}}
+    # counted in units actually computed; percent is null when total is 0 (n/a), never 100.
+    # target: the manifest's target (profile, vLLM releases it is verified against, the vLLM installed at convert
+    # time, "verified": false when the profile is not verified for it).
+    "verify": (
+        "out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage", "target",
+        "engine",
+    ),
+    "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
+    "profiles": ("profiles", "installed_vllm", "auto", "auto_verified", "auto_error"),
+    "env": (),  # free-form facts (versions), see cli.environment_facts
+}
+
+
+def json_document(command: str, body: dict | None = None, *, error: str | None = None) -> dict:
+    """``{"schema_version", "command", "ok", "error", <the command's fields>}``; ``ok`` is false when ``error`` is set."""
+    body = dict(body or {})
+    body.pop("ok", None)
+    fields = JSON_FIELDS[command]
+    if fields:
+        extra = set(body) - set(fields)
+        assert not extra, f"{command} JSON has undocumented fields {sorted(extra)}"
+        body = {k: body.get(k) for k in fields}
+    if command == "inspect" and error is not None and not body.get("problems"):
+        body["problems"] = [error]  # bad input and failed checks both land in problems
+    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": error is None, "error": error, **body}
+
+
+def print_json(doc: Any, *, compact: bool = False) -> None:
+    """One JSON document on stdout (nothing else goes to stdout in --json mode).
+
+    ``compact``: no indentation. indent=2 makes CPython use its pure-Python encoder, and a V4 plan
+    (--dry-run --json: ~30 MB) then takes seconds to print; compact output goes through the C encoder.
+    """
+    print_json_text(json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str))
+
+
+def print_json_text(text: str) -> None:
+    """A JSON document already encoded (see :func:`dumps_sharing`) on stdout."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
+    """``json.dumps(doc, default=str)`` (compact), byte for byte, with each distinct ``key`` list encoded
+    once and spliced into the text. ``lists`` is the path of list-valued keys to the dicts holding
+    ``key``: ``("files", "tensors")`` means every ``doc["files"][i]["tensors"][j][key]``.
+
+    A dry run's plan names each tensor's sources on every rank: of V4-Flash's 23 MB plan at tp 8, 21 MB
+    are sources lists and 2.6 MB of those distinct, and the C encoder spent ~0.1 s encoding them again
+    and again. While the rest is encoded the holders hold null there, and the text is cut at each
+    ``"key": null`` (a quote inside a JSON string is escaped, so a cut can only fall on a holder's key),
+    in document order, which is the order walked here.
+    """
+    holders: list[dict] = [doc]
+    for name in lists:
+        holders = [item for holder in holders for item in holder[name]]
+    texts: dict[int, str] = {}  # id of a list -> its JSON (a plan gives all ranks of a tensor one tuple)
+    by_value: dict[tuple, str] = {}
+    values = [holder[key] for holder in holders]  # kept alive: no id is reused while it counts
+    for value in values:
+        if id(value) not in texts:
+            frozen = tuple(value)
+            if frozen not in by_value:
+                by_value[frozen] = json.dumps(value, default=str)
+            texts[id(value)] = by_value[frozen]
+    try:
+        for holder in holders:
+            holder[key] = None
+        text = json.dumps(doc, default=str)
+    finally:
+        for holder, value in zip(holders, values):
+            holder[key] = value
+    cut = json.dumps(key) + ": "
+    parts = text.split(cut + "null")
+    assert len(parts) == len(holders) + 1, f"{len(parts) - 1} places for {len(holders)} {key} lists"
+    spliced = [cut + texts[id(value)] for value in values]
+    return parts[0] + "".join(chain.from_iterable(zip(spliced, parts[1:])))

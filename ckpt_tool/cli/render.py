@@ -1,0 +1,460 @@
+"""Rendering for people (rich, on stderr/stdout); the JSON documents are in jsondoc. Only the CLI imports this."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ckpt_tool.checkpoint.summary import InspectReport
+from ckpt_tool.verify.verdict import FAILED, SKIPPED
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``| head``): not an error. rich's default exits 1."""
+        from ckpt_tool.cli.common import drop_stdout
+
+        self.quiet = True
+        drop_stdout()
+        raise SystemExit(0)
+
+
+out = _Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+_quiet = {"on": False}
+
+
+def set_quiet(on: bool) -> None:
+    """-q: summaries, notes and progress stay silent; errors, warnings and JSON are still printed."""
+    _quiet["on"] = on
+
+
+def summary_line(message: str) -> None:
+    """A human result line on stdout (silent with -q)."""
+    if not _quiet["on"]:
+        out.print(message, highlight=False, markup=False)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def error_line(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+
+
+def warning_line(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
+
+def note_line(message: str) -> None:
+    if not _quiet["on"]:
+        err.print(f"[cyan]note:[/] {escape(message)}", highlight=False)
+
+
+def _ranges(ids: list[int]) -> str:
+    if not ids:
+        return "-"
+    parts, start, prev = [], ids[0], ids[0]
+    for i in ids[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+def render_inspect(r: InspectReport) -> None:
+    if _quiet["on"]:
+        for p in r.problems:
+            error_line(p)
+        return
+    files = Table(title=f"{escape(r.source)}: {len(r.files)} file(s)", title_justify="left")
+    files.add_column("file")
+    files.add_column("tensors", justify="right")
+    files.add_column("bytes", justify="right")
+    for f in r.files:
+        files.add_row(escape(f.file), str(f.tensors), human_bytes(f.bytes))
+    files.add_row("[bold]total[/]", f"[bold]{r.tensor_count}[/]", f"[bold]{human_bytes(r.total_bytes)}[/]")
+    out.print(files)
+
+    dt = Table(title="dtypes", title_justify="left")
+    dt.add_column("dtype")
+    dt.add_column("tensors", justify="right")
+    dt.add_column("bytes", justify="right")
+    for d, n in r.dtypes.items():
+        dt.add_row(d, str(n), human_bytes(r.dtype_bytes[d]))
+    out.print(dt)
+
+    q = r.quant
+    out.print(
+        f"quantization: linears {q.linear_weight_dtype or '-'} with {q.linear_scale_dtype or '-'} block scales; "
+        f"routed experts {q.expert_weight_dtype or '-'} ({q.expert_format or '-'}) with {q.expert_scale_dtype or '-'} scales; "
+        f"config expert_dtype {q.config_expert_dtype or '-'}",
+        highlight=False,
+    )
+    out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
+    present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
+    out.print(
+        f"MTP layers: expected {', '.join(f'mtp.{i}' for i in r.mtp_expected) or 'none (num_nextn_predict_layers 0)'}; "
+        f"present {present}; missing {', '.join(f'mtp.{i}' for i in r.mtp_missing) or 'none'}",
+        highlight=False,
+    )
+    if r.ok:
+        out.print("[green]verdict: ok[/]")
+    else:
+        for p in r.problems:
+            error_line(p)
+
+
+def _segment_json(s) -> dict:
+    if s.kind == "zero":
+        return {"kind": "zero", "rows": s.row1 - s.row0, "cols": s.col1 - s.col0, "convert": s.convert}
+    doc = {"kind": "source", "src": s.src, "rows": [s.row0, s.row1], "cols": [s.col0, s.col1], "convert": s.convert}
+    return {**doc, "pad": s.pad} if s.pad else doc
+
+
+def _tensor_json(t) -> dict:
+    doc = {"name": t.name, "dtype": t.dtype, "shape": t.shape, "sources": t.sources, "rule": t.rule}  # tuples: JSON arrays
+    if t.padding:  # the engine's zero padding: how the tensor is assembled (other tensors are plain slices)
+        doc.update(padding=t.padding, segments=[_segment_json(s) for s in t.segments])
+    return doc
+
+
+def plan_json(plan) -> dict:
+    """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations;
+    a tensor holding the engine's zero padding also lists its segments (kind ``source`` or ``zero``)."""
+    from ckpt_tool.checkpoint.headers import gc_paused
+
+    with gc_paused():  # ~35k small dicts on top of a heap of plan and headers: GC passes cost 5x the building
+        return _plan_json(plan)
+
+
+def _plan_json(plan) -> dict:
+    return {
+        "options": plan.options.as_dict(),
+        "tensor_count": plan.tensor_count,
+        "total_bytes": plan.total_bytes,
+        "files": [
+            {
+                "file": f.relpath,
+                "rank": f.rank,
+                "bytes": f.data_bytes,
+                "tensors": [_tensor_json(t) for t in f.tensors],
+            }
+            for f in plan.files
+        ],
+        "dropped": plan.dropped,
+        "materialized": plan.materialized,
+        "deviations": list(plan.deviations),
+        "notes": list(plan.notes),
+        "not_selected": len(plan.unused_by_selection),
+    }
+
+
+def render_plan(plan) -> None:
+    if _quiet["on"]:
+        return
+    if not out.is_terminal:  # piped: whole names, one tensor a line (tab-separated), nothing cut at 80 columns
+        _print_plan_plain(plan)
+        return
+    t = Table(title=f"plan: tp={plan.options.tp} moe={plan.options.moe_parallel} only={plan.options.only or 'model+mtp'}", title_justify="left")
+    t.add_column("file")
+    t.add_column("tensors", justify="right")
+    t.add_column("bytes", justify="right")
+    for f in plan.files:
+        t.add_row(escape(f.relpath), str(len(f.tensors)), human_bytes(f.data_bytes))
+    t.add_row("[bold]total[/]", f"[bold]{plan.tensor_count}[/]", f"[bold]{human_bytes(plan.total_bytes)}[/]")
+    out.print(t)
+    rank0 = [f for f in plan.files if f.rank == 0]
+    names = Table(title="rank 0 tensors", title_justify="left")
+    for col in ("output tensor", "dtype", "shape", "from"):
+        names.add_column(col)
+    for f in rank0:
+        for x in f.tensors:
+            src = ", ".join(x.sources[:2]) + (f" (+{len(x.sources) - 2})" if len(x.sources) > 2 else "")
+            names.add_row(escape(x.name), x.dtype, str(list(x.shape)), escape(src))
+    out.print(names)
+    for a, r in plan.materialized.items():
+        out.print(f"materialize {escape(a)} from {escape(r)}", highlight=False)
+    for d in plan.deviations:
+        out.print(f"deviation: {escape(d)}", highlight=False)
+    for n in plan.notes:
+        out.print(f"note: {escape(n)}", highlight=False)
+
+
+def _print_plan_plain(plan) -> None:
+    o = plan.options
+    lines = [f"plan\ttp={o.tp}\tmoe={o.moe_parallel}\tonly={o.only or 'model+mtp'}\tprofile={o.profile}"]
+    lines += [f"file\t{f.relpath}\t{len(f.tensors)}\t{f.data_bytes}" for f in plan.files]
+    lines.append(f"total\t{plan.tensor_count}\t{plan.total_bytes}")
+    for f in plan.files:
+        if f.rank == 0:
+            for x in f.tensors:
+                lines.append(f"tensor\t{x.name}\t{x.dtype}\t{list(x.shape)}\t{','.join(x.sources)}")
+    lines += [f"zero-pad\t{f.relpath}\t{t.name}\t{t.padding}" for f in plan.files for t in f.tensors if t.padding]
+    lines += [f"materialize\t{a}\t{r}" for a, r in plan.materialized.items()]
+    lines += [f"deviation\t{d}" for d in plan.deviations]
+    lines += [f"note\t{n}" for n in plan.notes]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+
+
+class ConvertProgress:
+    """A rich progress bar on stderr (bytes, rate, ETA); silent when stderr is not a terminal, or with -q."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and err.is_terminal and not _quiet["on"]
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> ConvertProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+            self.progress = Progress(
+                TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                console=err, transient=False,
+            )
+            self.progress.__enter__()
+        return self
+
+    def start(self, plan) -> None:
+        if self.progress is not None:
+            from ckpt_tool.output.writer import file_size
+
+            total = sum(file_size(f) for f in plan.files)
+            self.task = self.progress.add_task("convert", total=total)
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.advance(self.task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def render_convert_summary(result, as_json: bool = False):
+    plan = result.plan
+    rate = result.bytes_written / result.seconds / 1e6 if result.seconds else 0.0
+    doc = {
+        "ok": True,
+        "out": str(result.out),
+        "files_written": len(result.written),
+        "files_skipped": len(result.skipped),
+        "tensors": plan.tensor_count,
+        "bytes": plan.total_bytes,
+        "bytes_written": result.bytes_written,
+        "seconds": round(result.seconds, 3),
+        "mb_per_s": round(rate, 1),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "materialized": plan.materialized,
+        "deviations": list(plan.deviations),
+        "notes": list(plan.notes),
+        "warnings": sorted(set(result.warnings)),
+    }
+    for w in doc["warnings"]:
+        warning_line(w)
+    if as_json:
+        return doc
+    if _quiet["on"]:
+        return doc
+    out.print(
+        f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into {escape(str(result.out))}: "
+        f"{len(result.written)} file(s) written, {len(result.skipped)} resumed, {result.seconds:.2f} s, "
+        f"{rate:.1f} MB/s, peak RSS {human_bytes(doc['peak_rss_bytes'])}",
+        highlight=False,
+    )
+    for d in plan.deviations:
+        out.print(f"deviation: {escape(d)}", highlight=False)
+    for n in plan.notes:
+        out.print(f"note: {escape(n)}", highlight=False)
+    return doc
+
+
+def check_line(c) -> str:
+    """``structure:mtp/x.safetensors`` + ``mtp/x.safetensors: sha256 differs`` reads ``structure: mtp/x...: sha256 differs``."""
+    kind, _, where = c.name.partition(":")
+    if where and c.message.startswith(where):
+        return f"{kind}: {c.message}"
+    return f"{c.name}: {c.message}"
+
+
+def render_verify(report) -> None:
+    for c in report.failures:
+        error_line(check_line(c))
+    if _quiet["on"]:
+        return
+    for c in report.skipped:
+        note_line(f"skipped {check_line(c)}")
+    for n in report.numeric:
+        out.print(
+            f"numeric layer {n['layer']} (mtp.{n['mtp']}, {n['backend']} on {n['device']}, {n['tokens']} tokens): "
+            f"logits cos {n['logits_cosine']:.8f} max_rel {n['logits_max_rel']:.2e}; "
+            f"hidden cos {n['hidden_cosine']:.8f} max_rel {n['hidden_max_rel']:.2e}; "
+            f"top1 {n['top1_agreement']:.3f} top5 {n['top5_agreement']:.3f}",
+            highlight=False,
+        )
+    if report.coverage is not None:
+        out.print(f"numeric coverage: {coverage_text(report.coverage)}", highlight=False)
+    if report.engine:
+        out.print(escape(engine_line(report.engine)), highlight=False)
+    verdict = "[green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
+    out.print(f"verify ({report.level}): {verdict} {report.counts()} ({len(report.checks)} checks)", highlight=False)
+
+
+def engine_line(engine: dict) -> str:
+    """verify --engine: which vLLM judged, with which interpreter, how many ranks (and how many it loaded for real)."""
+    return (
+        f"engine: vLLM {engine.get('vllm_version')} ({engine.get('python')}) judged {engine.get('ranks')} rank(s) at tp "
+        f"{engine.get('tp')}{' with expert parallel' if engine.get('expert_parallel') else ''}, "
+        f"{engine.get('real_loads')} loaded by its ShardedStateLoader, in {engine.get('seconds')} s"
+    )
+
+
+def write_junit(report, path) -> None:
+    """JUnit XML: one testsuite, one testcase per check; a <failure> for each failed one, a <skipped> (with
+    its reason) for each skipped one, both counted on the suite."""
+    import xml.etree.ElementTree as ET
+
+    counts = {"tests": str(len(report.checks)), "failures": str(len(report.failures)), "errors": "0", "skipped": str(len(report.skipped))}
+    suites = ET.Element("testsuites", **counts)
+    suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", **counts)
+    for c in report.checks:
+        engine = c.name.startswith("engine-vllm:")
+        case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{'engine' if engine else report.level}", name=c.name)
+        if engine and c.ok:  # which vLLM passed it
+            ET.SubElement(case, "system-out").text = c.message
+        if c.status == FAILED:
+            fail = ET.SubElement(case, "failure", message=c.message[:1000], type="VerifyFailure")
+            fail.text = "\n".join(c.details.get("problems", [c.message])) if isinstance(c.details, dict) else c.message
+        elif c.status == SKIPPED:
+            ET.SubElement(case, "skipped", message=c.message[:1000]).text = c.message
+    ET.ElementTree(suites).write(str(path), encoding="utf-8", xml_declaration=True)
+
+
+def _gh_escape(text: str, prop: bool = False) -> str:
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if prop:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+def github_annotations(report, json_on_stdout: bool = False) -> None:
+    """GitHub Actions ``::error`` lines, and a ``::notice`` for each skipped check: on stdout, or on stderr when
+    --json owns stdout (the runner reads both)."""
+    stream = sys.stderr if json_on_stdout else sys.stdout
+    for kind, checks in (("error", report.failures), ("notice", report.skipped)):
+        for c in checks:
+            file = f"file={_gh_escape(c.file, True)}," if c.file else ""
+            title = _gh_escape(f"ckpt-tool verify {c.name}{' skipped' if kind == 'notice' else ''}", True)
+            stream.write(f"::{kind} {file}title={title}::{_gh_escape(c.message)}\n")
+    stream.flush()
+
+
+def github_summary(report) -> None:
+    """verify --github: a Markdown summary appended to $GITHUB_STEP_SUMMARY (the page people read on a run)."""
+
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return
+    lines = [
+        f"## ckpt-tool verify: {'✅ PASS' if report.ok else '❌ FAIL'}",
+        "",
+        "| level | checks | passed | skipped | failed | numeric coverage |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| {report.level} | {len(report.checks)} | {len(report.passed)} | {len(report.skipped)} | {len(report.failures)} "
+        f"| {coverage_text(report.coverage)} |",
+    ]
+    from ckpt_tool.mapping.target import unverified_warning
+
+    if warning := unverified_warning(report.target):
+        lines += ["", f"> ⚠️ {warning}"]
+    if report.numeric:
+        lines += ["", "| layer | logits max rel | logits cosine | hidden max rel | top-1 | top-5 | ok |", "|---|---:|---:|---:|---:|---:|---|"]
+        for n in report.numeric:
+            lines.append(
+                f"| {n['layer']} (mtp.{n['mtp']}) | {n['logits_max_rel']:.2e} | {n['logits_cosine']:.6f} | {n['hidden_max_rel']:.2e} "
+                f"| {n['top1_agreement']:.3f} | {n['top5_agreement']:.3f} | {'✅' if n.get('ok', True) else '❌'} |"
+            )
+    if report.engine:
+        lines += ["", engine_line(report.engine), "", "| component / rank | parameters | loaded by vLLM | ok |", "|---|---:|---|---|"]
+        for c in report.checks:
+            if c.name.startswith("engine-vllm:"):
+                real = "yes" if c.details.get("real_load") is not None else "table only"
+                lines.append(f"| {c.name.partition(':')[2]} | {c.details.get('parameters', '-')} | {real} | {'✅' if c.ok else '❌'} |")
+    if report.failures:
+        lines += ["", "### Failures", ""]
+        lines += [f"- `{c.name}`: {c.message}" for c in report.failures[:50]]
+        if len(report.failures) > 50:
+            lines.append(f"- ... and {len(report.failures) - 50} more")
+    if report.skipped:
+        lines += ["", "### Skipped", ""]
+        lines += [f"- `{c.name}`: {c.message}" for c in report.skipped]
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def coverage_text(coverage: dict | None) -> str:
+    """``"328/328 units (100.0 %)"``; ``"n/a (0 of 0)"`` when there was nothing to cover; ``"-"`` when the numeric
+    level did not run."""
+    if not coverage:
+        return "-"
+    if not coverage["total"]:
+        return "n/a (0 of 0)"
+    return f"{coverage['checked']}/{coverage['total']} units ({coverage['percent']} %)"
+
+
+class StageProgress:
+    """verify / unconvert progress on stderr: one rich bar per stage (bytes, or tensors), the current file or
+    layer as its description. Only on a terminal (and not with -q or --json); silent otherwise.
+    Implements ckpt_tool.verify.verdict.Progress; thread-safe (rich's Progress locks)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and err.is_terminal and not _quiet["on"]
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> StageProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False,
+            )
+            self.progress.__enter__()
+        return self
+
+    def stage(self, name: str, total: int, unit: str = "B") -> None:
+        if self.progress is not None:
+            if self.task is not None:
+                self.progress.update(self.task, completed=self.progress.tasks[-1].total)
+            self.task = self.progress.add_task("", total=total, stage=name)
+
+    def advance(self, n: int = 1, what: str | None = None) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, advance=n, description=what or "")
+
+    def __call__(self, n: int) -> None:  # the byte-count callable unconvert takes
+        self.advance(n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)

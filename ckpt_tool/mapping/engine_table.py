@@ -1,0 +1,179 @@
+"""The engine's parameter table: every key, per-rank shape and dtype a target profile's engine holds.
+
+This is the engine's side of the contract, written from the engine's code (vLLM's
+``vllm/models/deepseek_v4/nvidia/model.py`` / ``mtp.py`` state_dict after its sharded loader's
+``_filter_subtensors``, 0.33 and 0.34), independently of the rule table: verify compares the converted output with it,
+so a rule table gone stale against the engine fails verify instead of the engine's start-up. The
+engine test (tests/engine) checks this table against vLLM's own model classes built on CPU.
+
+Shapes follow from config.json alone. vLLM (0.33, 0.34) gives block-FP8 shared experts whole 128-blocks per
+rank, rounding the per-rank count up where the blocks do not divide tp (its loader zero-fills the rest).
+``attn_sink`` is the one documented prefix: the engine pads its parameter to the attention backend's
+head count (FlashMLA 64/128) and loads the ``H/tp`` real heads into the leading slots; the table lists
+the ``H/tp`` the file holds and marks it ``prefix``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile
+
+FP8_BLOCK = 128
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class EngineParam:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str | None  # safetensors dtype; None: the engine takes whatever dtype the source stores
+    prefix: bool = False  # the engine's parameter is larger; the loader fills this leading slice
+
+
+# Each profile's engine names and dtypes, from its module in ckpt_tool.mapping.profiles (the one place per layout).
+ENGINES: dict[str, EngineNames] = {name: p.engine for name, p in PROFILES.items()}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Table:
+    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool) -> None:
+        self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
+        self.params: dict[str, EngineParam] = {}
+        fp4 = cfg.expert_dtype == "fp4"
+        self.scale_dtype = names.fp4_expert_linear_scale if fp4 else names.fp8_expert_linear_scale
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: str | None, prefix: bool = False) -> None:
+        self.params[name] = EngineParam(name, tuple(shape), dtype, prefix)
+
+    def linear(self, name: str, out: int, inp: int, split: str | None = None) -> None:
+        """A block-FP8 linear [out, in] with [out/128, in/128] scales, column (dim 0) or row (dim 1) split."""
+        so, si = _cdiv(out, FP8_BLOCK), _cdiv(inp, FP8_BLOCK)
+        if split == "col":
+            out, so = out // self.tp, so // self.tp
+        elif split == "row":
+            inp, si = inp // self.tp, si // self.tp
+        self.add(f"{name}.weight", (out, inp), "F8_E4M3")
+        self.add(f"{name}.weight_scale_inv", (so, si), self.scale_dtype)
+
+    def block(self, p: str, *, ratio: int, hash_layer: bool) -> None:
+        c, n, T = self.cfg, self.n, self.tp
+        D, hc = c.hidden_size, c.hc_mult
+        mix = (2 + hc) * hc
+        self.add(f"{p}.attn_norm.weight", (D,), "BF16")
+        self.add(f"{p}.ffn_norm.weight", (D,), "BF16")
+        for part in ("attn", "ffn"):
+            self.add(f"{p}.hc_{part}_fn", (mix, hc * D), "F32")
+            self.add(f"{p}.hc_{part}_base", (mix,), "F32")
+            self.add(f"{p}.hc_{part}_scale", (3,), "F32")
+        a = f"{p}.attn"
+        H, hd, ql = c.num_attention_heads, c.head_dim, c.q_lora_rank
+        self.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
+        # fused_wqa_wkv: MergedColumnParallelLinear(disable_tp) of wq_a [ql, D] and wkv [hd, D]
+        self.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
+        self.add(f"{a}.fused_wqa_wkv.weight_scale_inv", (_cdiv(ql, FP8_BLOCK) + _cdiv(hd, FP8_BLOCK), _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+        self.add(f"{a}.q_norm.weight", (ql,), "BF16")
+        self.add(f"{a}.kv_norm.weight", (hd,), "BF16")
+        self.linear(f"{a}.wq_b", H * hd, ql, "col")
+        self.linear(f"{a}.wo_a", c.o_groups * c.o_lora_rank, H * hd // c.o_groups, "col")
+        self.linear(f"{a}.wo_b", D, c.o_groups * c.o_lora_rank, "row")
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            cm = f"{p}.{n.compressor}"
+            self.add(f"{cm}.ape", (ratio, coff * hd), "F32")
+            self.add(f"{cm}.fused_wkv_wgate.weight", (2 * coff * hd, D), "BF16")
+            self.add(f"{cm}.norm.weight", (hd,), "BF16")
+        if ratio == 4:
+            ix, ih, ihd = f"{a}.indexer", c.index_n_heads, c.index_head_dim
+            self.linear(f"{ix}.wq_b", ih * ihd, ql)
+            self.add(f"{ix}.weights_proj.weight", (ih, D), "BF16")
+            self.add(f"{ix}.compressor.ape", (4, 2 * ihd), "F32")
+            self.add(f"{ix}.compressor.fused_wkv_wgate.weight", (4 * ihd, D), "BF16")
+            self.add(f"{ix}.compressor.norm.weight", (ihd,), "BF16")
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        g = f"{p}.{n.gate}"
+        self.add(f"{g}.weight", (E, D), "BF16")
+        if hash_layer:
+            self.add(f"{g}.tid2eid", (c.vocab_size, c.num_experts_per_tok), n.tid2eid)
+        else:
+            self.add(f"{g}.e_score_correction_bias", (E,), "F32")
+        if c.n_shared_experts and n.shared_pad:
+            # DeepseekV4MLP: n_local = cdiv(I // block, tp) blocks a rank, intermediate_size = n_local * block * tp;
+            # gate_up_proj = MergedColumnParallelLinear([I_pad] * 2), down_proj = RowParallelLinear(I_pad, D)
+            sh = f"{p}.{n.shared}"
+            n_local = _cdiv(I * c.n_shared_experts // FP8_BLOCK, T)
+            self.add(f"{sh}.gate_up_proj.weight", (2 * n_local * FP8_BLOCK, D), "F8_E4M3")
+            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * n_local, _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.add(f"{sh}.down_proj.weight", (D, n_local * FP8_BLOCK), "F8_E4M3")
+            self.add(f"{sh}.down_proj.weight_scale_inv", (_cdiv(D, FP8_BLOCK), n_local), self.scale_dtype)
+        elif c.n_shared_experts:
+            sh, Ish = f"{p}.{n.shared}", I * c.n_shared_experts
+            # gate_up_proj: MergedColumnParallelLinear of w1 and w3, each split over tp
+            self.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
+            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * _cdiv(Ish, FP8_BLOCK) // T, _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.linear(f"{sh}.down_proj", D, Ish, "row")
+        El, Il = (E // T, I) if self.ep else (E, I // T)
+        r = f"{p}.{n.routed}"
+        if c.expert_dtype == "fp4":  # MXFP4 packed bytes and E8M0 per-32 scales, as uint8
+            self.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
+            self.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // MX_BLOCK), "U8")
+            self.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
+            self.add(f"{r}.w2_weight_scale", (El, D, Il // MX_BLOCK), "U8")
+        else:  # block FP8 with float32 scales
+            self.add(f"{r}.w13_weight", (El, 2 * Il, D), "F8_E4M3")
+            self.add(f"{r}.w13_weight_scale_inv", (El, 2 * Il // FP8_BLOCK, D // FP8_BLOCK), "F32")
+            self.add(f"{r}.w2_weight", (El, D, Il), "F8_E4M3")
+            self.add(f"{r}.w2_weight_scale_inv", (El, D // FP8_BLOCK, Il // FP8_BLOCK), "F32")
+
+
+def engine_params(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp") -> dict[str, EngineParam]:
+    """Every parameter one rank of ``component`` (model | mtp) holds under ``profile`` (the same set on every rank)."""
+    t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
+    D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
+    if component == "model":
+        for layer in range(cfg.num_hidden_layers):
+            t.block(f"model.layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
+        t.add("model.norm.weight", (D,), "BF16")
+        t.add("lm_head.weight", (V // tp, D), "BF16")
+        head = "model"
+        t.add(f"{head}.hc_head_fn", (hc, hc * D), "F32")
+        t.add(f"{head}.hc_head_base", (hc,), "F32")
+        t.add(f"{head}.hc_head_scale", (1,), "F32")
+        return t.params
+    for S in cfg.mtp_layer_ids:  # MTP blocks never compress and are never hash-routed
+        p = f"model.layers.{S}"
+        t.add(f"{p}.enorm.weight", (D,), "BF16")
+        t.add(f"{p}.hnorm.weight", (D,), "BF16")
+        t.linear(f"{p}.e_proj", D, D)
+        t.linear(f"{p}.h_proj", D, D)
+        t.add(f"{p}.hc_head_fn", (hc, hc * D), "F32")
+        t.add(f"{p}.hc_head_base", (hc,), "F32")
+        t.add(f"{p}.hc_head_scale", (1,), "F32")
+        t.add(f"{p}.shared_head.norm.weight", (D,), "BF16")
+        t.add(f"{p}.shared_head.head.weight", (V // tp, D), "BF16")
+        t.block(f"{p}.mtp_block", ratio=0, hash_layer=False)
+    return t.params
+
+
+def compare_with_engine(
+    written: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, EngineParam]
+) -> list[tuple[str, str]]:
+    """(problem, tensor) for every key the engine lacks or misses, and every shape/dtype it would not take."""
+    problems: list[tuple[str, str]] = []
+    for name in sorted(set(written) - set(expected)):
+        problems.append((f"tensor {name!r} is not a parameter of the engine (its loader raises KeyError)", name))
+    for name in sorted(set(expected) - set(written)):
+        problems.append((f"engine parameter {name!r} is missing from the files (its loader raises 'Missing keys')", name))
+    for name in sorted(set(written) & set(expected)):
+        shape, dtype = written[name]
+        want = expected[name]
+        if tuple(shape) != want.shape:
+            problems.append((f"tensor {name!r}: shape {list(shape)}, the engine's parameter takes {list(want.shape)}", name))
+        elif want.dtype is not None and dtype != want.dtype:
+            problems.append((f"tensor {name!r}: dtype {dtype}, the engine's parameter is {want.dtype} (the loader would cast)", name))
+    return problems

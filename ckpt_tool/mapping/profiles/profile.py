@@ -1,0 +1,127 @@
+"""What a target profile is: one engine layout, as data, and the vLLM releases it is verified against.
+
+A profile holds, in one place, every statement ckpt-tool makes about one engine layout:
+
+- how the base rule table (:mod:`ckpt_tool.mapping.rules`) changes for it: target renames, dtype conversions,
+  splits the engine zero-pads (``renames``, ``converts``, ``pads``) — what convert writes;
+- where the engine keeps the modules whose names move between layouts, and its parameter dtypes
+  (``engine``, an :class:`EngineNames`) — what verify holds the output against (:mod:`ckpt_tool.mapping.engine_table`)
+  and the names the numeric level reads (:mod:`ckpt_tool.verify.numeric`);
+- the vLLM ``major.minor`` series ``--target auto`` picks it for (``covers``) and the exact releases
+  whose own model classes and sharded loader the engine test runs on its output (``verified``).
+
+The two descriptions of one layout (rules and engine names) are written independently, so a typo in
+one makes them disagree; ``tests/test_profile_consistency.py`` holds them equal for every profile, and
+the engine test holds the engine names against each verified vLLM release's own classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ckpt_tool.mapping.rules import Rule
+
+
+@dataclass(frozen=True)
+class ConvertOverride:
+    """A profile's dtype for targets whose base name ends with ``.{tail}`` (only for ``expert_dtype``, if set)."""
+
+    tail: str
+    convert: str
+    expert_dtype: str | None = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class EngineNames:
+    """Where one engine layout keeps the modules whose names move between layouts, and its dtypes."""
+
+    compressor: str  # attention compressor of compressed layers
+    gate: str  # router: weight, e_score_correction_bias, tid2eid
+    shared: str  # shared experts: gate_up_proj, down_proj
+    routed: str  # routed experts: w13_*, w2_*
+    tid2eid: str | None  # dtype of the hash table (None: as stored)
+    fp8_expert_linear_scale: str | None  # linear scale dtype when experts are fp8 (None: as stored)
+    fp4_expert_linear_scale: str | None  # ... when experts are fp4
+    shared_pad: bool = False  # block-FP8 shared experts get cdiv(blocks, tp) 128-blocks a rank (zero-padded)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A target profile (see the module docstring).
+
+    ``renames`` map a run of whole dot-separated segments of a target name to another (first entry
+    found in the name wins, applied once). ``converts`` change the element conversion of targets by
+    their base-name tail. ``pads`` are runs of whole segments of a source name whose rules' TP split the
+    engine zero-pads to whole quantization blocks per rank (where the blocks do not divide tp) instead
+    of refusing it. ``aliases`` are earlier names of the profile that keep working on the command line
+    and in manifests written by earlier versions.
+    """
+
+    name: str
+    description: str
+    build: Callable[[str], list[Rule]]  # the base rule table, by expert_dtype
+    engine: EngineNames
+    renames: tuple[tuple[str, str], ...] = ()
+    converts: tuple[ConvertOverride, ...] = ()
+    pads: tuple[str, ...] = ()
+    covers: tuple[str, ...] = ()
+    verified: tuple[str, ...] = ()
+    verified_by: str = ""
+    notes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+    def rules(self, expert_dtype: str) -> list[Rule]:
+        out = []
+        for rule in self.build(expert_dtype):
+            rule = override_convert(rule, self.converts, expert_dtype)
+            if any(_segment_run(src, run) >= 0 for src in rule.sources for run in self.pads):
+                rule = replace(rule, pad=True)
+            out.append(rename_target(rule, self.renames))
+        return out
+
+    @property
+    def newest_series(self) -> tuple[int, int] | None:
+        """The newest vLLM series this profile covers, as (major, minor); None when it covers none."""
+        parsed = [series_of(c) for c in self.covers]
+        return max((p for p in parsed if p is not None), default=None)
+
+
+def series_of(version: str) -> tuple[int, int] | None:
+    """``"0.34.1+cu130"`` / ``"0.35.0rc1.dev12+gabc"`` / ``"0.34"`` → (0, 34); None when it does not start
+    with two dot-separated numbers."""
+    head = version.strip().split(".")
+    if len(head) < 2 or not head[0].isdigit():
+        return None
+    minor = ""
+    for ch in head[1]:
+        if not ch.isdigit():
+            break
+        minor += ch
+    return (int(head[0]), int(minor)) if minor else None
+
+
+def _segment_run(name: str, run: str) -> int:
+    """Index in ``name`` where the whole-segment run ``run`` starts, or -1."""
+    return f".{name}.".find(f".{run}.")  # the leading dot shifts by one: the index is the run's start in name
+
+
+def rename_target(rule: Rule, renames: tuple[tuple[str, str], ...]) -> Rule:
+    """``rule`` with the first whole-segment run of its target found in ``renames`` replaced."""
+    if rule.target is None:
+        return rule
+    for run, new in renames:
+        at = _segment_run(rule.target, run)
+        if at >= 0:
+            return replace(rule, target=rule.target[:at] + new + rule.target[at + len(run) :])
+    return rule
+
+
+def override_convert(rule: Rule, converts: tuple[ConvertOverride, ...], expert_dtype: str) -> Rule:
+    if rule.target is None:
+        return rule
+    for c in converts:
+        if (c.expert_dtype in (None, expert_dtype)) and (rule.target == c.tail or rule.target.endswith("." + c.tail)):
+            return replace(rule, convert=c.convert)
+    return rule

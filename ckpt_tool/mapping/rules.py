@@ -1,0 +1,246 @@
+"""The name mapping, as data: the base table of rules every target profile starts from.
+
+What one engine release does differently (renamed modules, parameter dtypes, zero padding) is a
+profile's data, one module per profile in :mod:`ckpt_tool.mapping.profiles`.
+
+A rule maps one or more source tensors (DeepSeek's names, with placeholders ``{layer}``, ``{mtp}``,
+``{expert}``) to one output tensor (the engine's parameter name, with those placeholders and
+``{spec}`` = num_hidden_layers + mtp). Patterns compile to anchored regexes over whole dot-separated
+segments, so a rule can never hit a substring of another name (the seed loader's
+``name.replace(".norm.weight", ...)`` style is exactly what this avoids).
+
+Rule kinds:
+- ``Rename``: one source, one output (plus a TP split).
+- ``Fuse``: several sources concatenated on dim 0 in the given order (wq_a|wkv, w1|w3, wkv|wgate).
+- ``StackExperts``: per-expert sources (``{expert}`` = 0..E-1) stacked into one [E, ...] tensor, each
+  expert's parts concatenated on dim 0 first (w1|w3 → w13).
+- ``Drop``: a source deliberately not written (recorded in the plan).
+
+Conversions (``convert``): ``copy`` keeps the stored dtype and bytes; ``raw_uint8`` writes the same
+bytes as U8 (the seed's ``.view(torch.uint8)`` for fp4 experts and their E8M0 scales); ``e8m0_to_f32``
+writes ``2^(b-127)`` as F32 (E8M0 scales landing in a float32 parameter — the seed would store ``b``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+
+class Split(str, Enum):
+    """How a tensor is divided over tensor-parallel ranks (SPEC.md, "Tensor parallelism")."""
+
+    REPLICATE = "replicate"
+    DIM0 = "dim0"  # column parallel / vocab parallel / attn_sink heads: contiguous rows chunk r
+    DIM1 = "dim1"  # row parallel: input columns chunk r
+    EXPERTS = "experts"  # routed experts: tp → per-expert row (w13) or column (w2) chunk; ep → whole experts
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # rename | fuse | stack | drop
+    sources: tuple[str, ...]
+    target: str | None
+    split: Split = Split.REPLICATE
+    convert: str = "copy"
+    component: str = "model"  # model | mtp: which output folder the tensor goes to
+    note: str = ""
+    expert_split_dim: int = 0  # for Split.EXPERTS under --moe-parallel tp: 0 = w13 rows, 1 = w2 inputs
+    when_mtp: str | None = None  # None | "first" | "rest": restrict an MTP rule to mtp.0 or mtp.1..
+    # the engine zero-pads this TP split up to whole 128-blocks per rank where the blocks do not divide tp
+    # (set by the profile, see Profile.pads); otherwise such a split is refused
+    pad: bool = False
+    regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}:{'+'.join(self.sources)}"
+
+
+def Rename(src: str, dst: str, split: Split = Split.REPLICATE, convert: str = "copy", note: str = "", **kw) -> Rule:
+    return Rule("rename", (src,), dst, split, convert, note=note, **kw)
+
+
+def Fuse(srcs: tuple[str, ...], dst: str, split: Split = Split.REPLICATE, convert: str = "copy", note: str = "", **kw) -> Rule:
+    return Rule("fuse", srcs, dst, split, convert, note=note, **kw)
+
+
+def StackExperts(srcs: tuple[str, ...], dst: str, convert: str, split_dim: int, note: str = "", **kw) -> Rule:
+    return Rule("stack", srcs, dst, Split.EXPERTS, convert, note=note, expert_split_dim=split_dim, **kw)
+
+
+def Drop(src: str, note: str, **kw) -> Rule:
+    return Rule("drop", (src,), None, note=note, **kw)
+
+
+_PLACEHOLDER = re.compile(r"\{(layer|mtp|expert)\}")
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """``layers.{layer}.attn.wq_a.weight`` → ``^layers\\.(?P<layer>0|[1-9]\\d*)\\.attn\\.wq_a\\.weight$``."""
+    out, pos = [], 0
+    for m in _PLACEHOLDER.finditer(pattern):
+        out.append(re.escape(pattern[pos : m.start()]))
+        out.append(f"(?P<{m.group(1)}>0|[1-9][0-9]*)")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    return re.compile("^" + "".join(out) + "$")
+
+
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def pattern_template(pattern: str) -> str | None:
+    """``layers.{layer}.ffn.experts.{expert}.w1.weight`` → ``layers.#.ffn.experts.#.w1.weight``.
+
+    None when a placeholder is not a whole segment or a literal segment is a number: then two
+    patterns with different templates might match one name.
+    """
+    out = []
+    for seg in pattern.split("."):
+        if seg in ("{layer}", "{mtp}", "{expert}"):
+            out.append("#")
+        elif "{" in seg or "}" in seg or _NUMBER.fullmatch(seg):
+            return None
+        else:
+            out.append(seg)
+    return ".".join(out)
+
+
+def indexable(rules: list[Rule]) -> bool:
+    """Whether every name matches at most one rule of ``rules``, so that looking names up in the table of
+    expanded patterns gives what trying the regexes in table order gives.
+
+    Two patterns can match one name only if their templates are equal (placeholders match numbers
+    only, and no literal segment is a number); rules restricted to disjoint MTP layers (``when_mtp``
+    first / rest) may share one.
+    """
+    seen: dict[str, list[str | None]] = {}
+    for rule in rules:
+        for pat in rule.sources:
+            t = pattern_template(pat)
+            if t is None or (rule.when_mtp and not pat.startswith("mtp.{mtp}.")):
+                return False
+            for other in seen.get(t, []):
+                if not (other and rule.when_mtp and other != rule.when_mtp):
+                    return False
+            seen.setdefault(t, []).append(rule.when_mtp)
+    return True
+
+
+def _compiled(rule: Rule) -> Rule:
+    return replace(rule, regexes=tuple(compile_pattern(s) for s in rule.sources))
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile vllm-seed: the names DeepSeekV4MTP.load_weights (the seed) and DeepseekV4ForCausalLM place.
+
+
+def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_compressor: bool) -> list[Rule]:
+    """Rules of one decoder block: ``src`` / ``dst`` are the block prefixes (with placeholders)."""
+    fp4 = expert_dtype == "fp4"
+    # fp4 experts: uint8 params holding raw bytes (seed: `.view(torch.uint8)`), `.weight_scale`.
+    # fp8 experts: block-FP8 params with float32 `.weight_scale_inv`; E8M0 scales become 2^(b-127).
+    expert_w = "raw_uint8" if fp4 else "copy"
+    expert_s = "raw_uint8" if fp4 else "e8m0_to_f32"
+    escale = "weight_scale" if fp4 else "weight_scale_inv"
+    c = dict(component=component)
+    r = [
+        Rename(f"{src}.attn_norm.weight", f"{dst}.attn_norm.weight", **c),
+        Rename(f"{src}.ffn_norm.weight", f"{dst}.ffn_norm.weight", note="seed profile keeps ffn_norm", **c),
+    ]
+    for part in ("attn", "ffn"):
+        for t in ("fn", "base", "scale"):
+            r.append(Rename(f"{src}.hc_{part}_{t}", f"{dst}.hc_{part}_{t}", **c))
+    a, da = f"{src}.attn", f"{dst}.attn"
+    r += [
+        # stacked_params_mapping: ("attn.fused_wqa_wkv", "attn.wq_a", 0), (.., "attn.wkv", 1); disable_tp=True
+        Fuse((f"{a}.wq_a.weight", f"{a}.wkv.weight"), f"{da}.fused_wqa_wkv.weight", **c),
+        Fuse((f"{a}.wq_a.scale", f"{a}.wkv.scale"), f"{da}.fused_wqa_wkv.weight_scale_inv", **c),
+        Rename(f"{a}.q_norm.weight", f"{da}.q_norm.weight", **c),
+        Rename(f"{a}.kv_norm.weight", f"{da}.kv_norm.weight", **c),
+        Rename(f"{a}.wq_b.weight", f"{da}.wq_b.weight", Split.DIM0, note="ColumnParallelLinear", **c),
+        Rename(f"{a}.wq_b.scale", f"{da}.wq_b.weight_scale_inv", Split.DIM0, **c),
+        Rename(f"{a}.wo_a.weight", f"{da}.wo_a.weight", Split.DIM0, note="ColumnParallelLinear, kept FP8", **c),
+        Rename(f"{a}.wo_a.scale", f"{da}.wo_a.weight_scale_inv", Split.DIM0, **c),
+        Rename(f"{a}.wo_b.weight", f"{da}.wo_b.weight", Split.DIM1, note="RowParallelLinear", **c),
+        Rename(f"{a}.wo_b.scale", f"{da}.wo_b.weight_scale_inv", Split.DIM1, **c),
+        Rename(f"{a}.attn_sink", f"{da}.attn_sink", Split.DIM0, note="heads [r*H/T, (r+1)*H/T), no -inf padding", **c),
+    ]
+    if with_compressor:
+        # deepseek_v4.py WeightsMapper: `.attn.compressor.` → `.attn.mla_attn.compressor.`; stacked wkv|wgate
+        cm, dcm = f"{a}.compressor", f"{da}.mla_attn.compressor"
+        ix, dix = f"{a}.indexer", f"{da}.indexer"
+        r += [
+            Fuse((f"{cm}.wkv.weight", f"{cm}.wgate.weight"), f"{dcm}.fused_wkv_wgate.weight", **c),
+            Rename(f"{cm}.ape", f"{dcm}.ape", **c),
+            Rename(f"{cm}.norm.weight", f"{dcm}.norm.weight", **c),
+            Rename(f"{ix}.wq_b.weight", f"{dix}.wq_b.weight", note="ReplicatedLinear", **c),
+            Rename(f"{ix}.wq_b.scale", f"{dix}.wq_b.weight_scale_inv", **c),
+            Rename(f"{ix}.weights_proj.weight", f"{dix}.weights_proj.weight", **c),
+            # the substr rule only matches `.attn.compressor.`, so the indexer's stays un-prefixed
+            Fuse((f"{ix}.compressor.wkv.weight", f"{ix}.compressor.wgate.weight"), f"{dix}.compressor.fused_wkv_wgate.weight", **c),
+            Rename(f"{ix}.compressor.ape", f"{dix}.compressor.ape", **c),
+            Rename(f"{ix}.compressor.norm.weight", f"{dix}.compressor.norm.weight", **c),
+        ]
+    f, df = f"{src}.ffn", f"{dst}.ffn"
+    r += [
+        Rename(f"{f}.gate.weight", f"{df}.gate.weight", **c),
+        Rename(f"{f}.gate.bias", f"{df}.gate.e_score_correction_bias", note="noaux_tc bias", **c),
+        Rename(f"{f}.gate.tid2eid", f"{df}.gate.tid2eid", note="hash layers; stored dtype kept", **c),
+        Fuse((f"{f}.shared_experts.w1.weight", f"{f}.shared_experts.w3.weight"), f"{df}.shared_experts.gate_up_proj.weight", Split.DIM0, note="MergedColumnParallelLinear: cat(w1 chunk r, w3 chunk r)", **c),
+        Fuse((f"{f}.shared_experts.w1.scale", f"{f}.shared_experts.w3.scale"), f"{df}.shared_experts.gate_up_proj.weight_scale_inv", Split.DIM0, **c),
+        Rename(f"{f}.shared_experts.w2.weight", f"{df}.shared_experts.down_proj.weight", Split.DIM1, note="RowParallelLinear", **c),
+        Rename(f"{f}.shared_experts.w2.scale", f"{df}.shared_experts.down_proj.weight_scale_inv", Split.DIM1, **c),
+        StackExperts((f"{f}.experts.{{expert}}.w1.weight", f"{f}.experts.{{expert}}.w3.weight"), f"{df}.experts.w13_weight", expert_w, 0, note="FusedMoE w13: per expert w1 rows then w3 rows", **c),
+        StackExperts((f"{f}.experts.{{expert}}.w1.scale", f"{f}.experts.{{expert}}.w3.scale"), f"{df}.experts.w13_{escale}", expert_s, 0, **c),
+        StackExperts((f"{f}.experts.{{expert}}.w2.weight",), f"{df}.experts.w2_weight", expert_w, 1, note="FusedMoE w2", **c),
+        StackExperts((f"{f}.experts.{{expert}}.w2.scale",), f"{df}.experts.w2_{escale}", expert_s, 1, **c),
+    ]
+    return r
+
+
+def vllm_seed_rules(expert_dtype: str) -> list[Rule]:
+    """Profile ``vllm-seed``: vLLM's DeepSeek V4 main model and the seed's MTP loader."""
+    rules: list[Rule] = [
+        # target model (deepseek_v4.py WeightsMapper)
+        Rename("embed.weight", "model.embed_tokens.weight", Split.DIM0, note="VocabParallelEmbedding"),
+        Rename("head.weight", "lm_head.weight", Split.DIM0, note="ParallelLMHead"),
+        Rename("norm.weight", "model.norm.weight"),
+        Rename("hc_head_fn", "model.hc_head_fn"),
+        Rename("hc_head_base", "model.hc_head_base"),
+        Rename("hc_head_scale", "model.hc_head_scale"),
+    ]
+    rules += _block_rules("layers.{layer}", "model.layers.{layer}", expert_dtype, "model", with_compressor=True)
+    m, S = "mtp.{mtp}", "model.layers.{spec}"
+    mc = dict(component="mtp")
+    rules += [
+        # seed: `.emb.tok_emb.weight` → `model.embed_tokens.weight`; only mtp.0's reaches the engine
+        # (for spec layers past the first, names without `.layers` are skipped).
+        Rename(f"{m}.emb.tok_emb.weight", "model.embed_tokens.weight", Split.DIM0, when_mtp="first", **mc),
+        Drop(f"{m}.emb.tok_emb.weight", note="seed skips embed_tokens of MTP layers after the first", when_mtp="rest", **mc),
+        Rename(f"{m}.head.weight", f"{S}.shared_head.head.weight", Split.DIM0, note="SharedHead ParallelLMHead", **mc),
+        Rename(f"{m}.norm.weight", f"{S}.shared_head.norm.weight", **mc),
+        Rename(f"{m}.enorm.weight", f"{S}.enorm.weight", **mc),
+        Rename(f"{m}.hnorm.weight", f"{S}.hnorm.weight", **mc),
+        Rename(f"{m}.e_proj.weight", f"{S}.e_proj.weight", note="ReplicatedLinear fp8", **mc),
+        Rename(f"{m}.e_proj.scale", f"{S}.e_proj.weight_scale_inv", **mc),
+        Rename(f"{m}.h_proj.weight", f"{S}.h_proj.weight", **mc),
+        Rename(f"{m}.h_proj.scale", f"{S}.h_proj.weight_scale_inv", **mc),
+        Rename(f"{m}.hc_head_fn", f"{S}.hc_head_fn", **mc),
+        Rename(f"{m}.hc_head_base", f"{S}.hc_head_base", **mc),
+        Rename(f"{m}.hc_head_scale", f"{S}.hc_head_scale", **mc),
+    ]
+    # compress ratio is hard-coded 1 for MTP layers: no compressor / indexer in the MTP block
+    rules += _block_rules(m, f"{S}.mtp_block", expert_dtype, "mtp", with_compressor=False)
+    return [_compiled(r) for r in rules]
+
+
+# What the MTP draft model needs that a checkpoint may lack (the released V4-Flash has no MTP
+# embedding/head): output name → (source tensor to copy, split). The seed loader would leave these
+# uninitialised and speculative decoding would silently accept nothing.
+MATERIALIZE = {
+    "mtp.{mtp}.emb.tok_emb.weight": "embed.weight",
+    "mtp.{mtp}.head.weight": "head.weight",
+}

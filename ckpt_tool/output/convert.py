@@ -1,0 +1,431 @@
+"""``convert``: source headers → plan → streamed, atomic, resumable output with index and manifest.
+
+The OUT format is :mod:`ckpt_tool.output.layout`. The manifest is written last with ``"complete": true``;
+until then, OUT/.ckpt-tool-journal.json records finished files so a rerun with
+the same source and options skips them (after re-checking their checksum). OUT/ckpt-tool-source.json
+keeps the source's raw safetensors headers (named and hashed in the manifest) so ``unconvert`` can
+rebuild the original checkpoint from OUT alone.
+
+Scale-out: ``ranks`` restricts the run to some TP ranks (it still finishes with a manifest, which
+records the ranks); ``shard=(K, M)`` writes only the planned files ``i % M == K`` of the selection,
+journals them in ``.ckpt-tool-journal-{K}-of-{M}.json`` under its own lock and writes no manifest,
+so M machines can fill one shared OUT; ``finalize=True`` then checks every planned file against the
+journals' checksums and writes the index files, config copies, source layout and manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ckpt_tool.errors import OutputError, UsageError
+from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
+from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
+from ckpt_tool.output.layout import (
+    MANIFEST, SOURCE_LAYOUT, LOCK, COMPONENTS, JOURNAL_RE, SHARD_LOCK_RE, journal_name, lock_name, source_fingerprint, run_fingerprint, source_layout, OutputLock, read_manifest, journals, index_doc, read_journal, manifest_doc,
+)  # fmt: skip
+from ckpt_tool.output.writer import ProgressFn, SourceFiles, default_workers, file_size, output_error, sha256_file, write_output_file
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass
+class ConvertResult:
+    plan: Plan  # the plan of the files this run is responsible for (the whole plan unless ranks/shard select)
+    out: Path
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes_written: int = 0
+    warnings: list[str] = field(default_factory=list)
+    partial: bool = False  # a --shard-count run: files and journal written, no manifest
+    finalized: bool = False  # a manifest with "complete": true was written by this run
+
+
+# ---------------------------------------------------------------------------------------------
+# Selections (scale-out)
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """``"0,3-5"`` → ``(0, 3, 4, 5)``. Raises UsageError on anything else."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"--ranks {text!r}: {part!r} is not a rank or a range like 3-5")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UsageError(f"--ranks {text!r}: range {part!r} ends before it starts")
+        ranks.update(range(lo, hi + 1))
+    return tuple(sorted(ranks))
+
+
+def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1) -> list[OutFile]:
+    """The planned files of ``ranks`` (all if None), then every ``shard_count``-th of them from ``shard_index``.
+
+    Deterministic: the partition depends only on the plan, so every machine computes the same one,
+    and the shards of one selection are disjoint and together cover it exactly once.
+    """
+    if shard_count < 1 or not 0 <= shard_index < shard_count:
+        raise UsageError(f"--shard-index {shard_index} --shard-count {shard_count}: need 0 <= K < M")
+    if ranks is not None:
+        bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
+        if bad:
+            raise UsageError(f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})")
+        chosen = set(ranks)
+        files = [f for f in plan.files if f.rank in chosen]
+    else:
+        files = list(plan.files)
+    return [f for i, f in enumerate(files) if i % shard_count == shard_index]
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+def check_paths(src_root: Path, out: Path) -> None:
+    s, o = src_root.resolve(), out.resolve()
+    if s == o:
+        raise OutputError(f"{out}: OUT is the source folder; choose a new folder (the source is never written)")
+    if s in o.parents:
+        raise OutputError(f"{out}: OUT lies inside the source folder {src_root}; choose a folder outside it")
+    if o in s.parents:
+        raise OutputError(f"{out}: the source folder {src_root} lies inside OUT; choose another OUT")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder; give OUT a folder path, or one that does not exist yet")
+    foreign = _foreign_entries(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputError(
+            f"{out}: is a non-empty folder that is not a ckpt-tool OUT (it holds {shown}); choose a new or empty folder "
+            "(--force only replaces an earlier ckpt-tool OUT, never other files)"
+        )
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """What keeps ``out`` from being ours: its entries, unless it is empty or carries our manifest, lock or journal."""
+    if not out.is_dir():
+        return []
+    names = sorted(p.name for p in out.iterdir())
+    ours = {MANIFEST, LOCK, SOURCE_LAYOUT}
+    if any(n in ours or JOURNAL_RE.match(n) or SHARD_LOCK_RE.match(n) for n in names):
+        return []
+    return [n for n in names if n not in COMPONENTS]
+
+
+def _write_json_atomic(path: Path, doc: dict) -> None:
+    _write_text_atomic(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_error(exc, path) from None
+
+
+
+
+
+
+
+
+
+
+def _clear_previous(out: Path) -> None:
+    """--force: remove what an earlier conversion wrote (only our own files). The manifest goes first,
+    so an interrupted clear never leaves a complete manifest over missing files."""
+    (out / MANIFEST).unlink(missing_ok=True)
+    for j in journals(out):
+        j.unlink(missing_ok=True)
+    (out / SOURCE_LAYOUT).unlink(missing_ok=True)
+    for comp in COMPONENTS:
+        d = out / comp
+        if d.is_dir():
+            shutil.rmtree(d)
+
+
+
+
+def _open(src: Path | Checkpoint) -> Checkpoint:
+    return src if isinstance(src, Checkpoint) else open_checkpoint(src)
+
+
+def convert(
+    src: Path | Checkpoint,
+    out: Path,
+    opts: Options,
+    *,
+    force: bool = False,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+    on_plan=None,
+    ranks: Sequence[int] | None = None,
+    shard: tuple[int, int] | None = None,
+    finalize: bool = False,
+) -> ConvertResult:
+    """Convert ``src`` (a path, or an already opened :class:`Checkpoint`) into ``out``.
+
+    Plans (and fails) before writing anything. ``ranks`` / ``shard`` / ``finalize``: see the module doc.
+    """
+    t0 = time.perf_counter()
+    ckpt = _open(src)
+    config = ckpt.require_config()
+    check_paths(ckpt.root, out)
+    full = plan_conversion(config, ckpt.tensors, opts)
+    shard_index, shard_count = shard or (0, 1)
+    if finalize:
+        selected = select_files(full, ranks)
+    else:
+        selected = select_files(full, ranks, shard_index, shard_count)
+    # the manifest/index cover the rank selection; a shard only writes its part of it
+    covered = full if ranks is None else replace(full, files=tuple(select_files(full, ranks)))
+    plan = replace(full, files=tuple(selected))
+    if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
+        on_plan(plan)
+    source = source_fingerprint(ckpt)
+    fingerprint = run_fingerprint(source, opts)
+    partial = not finalize and shard_count > 1
+
+    if finalize:
+        result = _finalize(ckpt, out, covered, source, fingerprint, ranks)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create the output folder ({exc.strerror or exc}); choose a folder you can write") from None
+    result = ConvertResult(plan, out, partial=partial)
+    with OutputLock(out, lock_name(shard)):
+        manifest = read_manifest(out)
+        if manifest is not None and manifest.get("complete"):
+            if not force:
+                raise OutputError(
+                    f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or choose a new OUT"
+                )
+            if partial:  # never delete what other shards wrote: drop the manifest, rewrite our own files
+                (out / MANIFEST).unlink(missing_ok=True)
+                for f in plan.files:
+                    (out / f.relpath).unlink(missing_ok=True)
+            else:
+                _clear_previous(out)
+        journal_path = out / journal_name(shard)
+        journal = read_journal(journal_path)
+        if journal and journal.get("fingerprint") != fingerprint:
+            if not force:
+                raise OutputError(
+                    f"{out}: holds an unfinished conversion of another source or with other options; rerun with the "
+                    "same SRC and options to resume it, or pass --force to start over"
+                )
+            if partial:
+                for f in plan.files:
+                    (out / f.relpath).unlink(missing_ok=True)
+            else:
+                _clear_previous(out)
+            journal = None
+        if journal is None:
+            journal = {"fingerprint": fingerprint, "files": {}}
+            _write_json_atomic(journal_path, journal)
+        for comp in COMPONENTS:
+            if any(f.component == comp for f in plan.files):
+                (out / comp).mkdir(exist_ok=True)
+        for f in plan.files:  # only our own temporaries: other shards may be writing theirs
+            (out / f.component / f".{f.name}.tmp").unlink(missing_ok=True)
+
+        # files finished by any run of this same conversion (another shard, an earlier run) count
+        known = _recorded_files(out, fingerprint)
+        known.update(journal["files"])
+        todo: list[OutFile] = []
+        for f in plan.files:
+            dest = out / f.relpath
+            done = known.get(f.relpath)
+            if done and dest.is_file() and dest.stat().st_size == done["size"] == file_size(f) and sha256_file(dest) == done["sha256"]:
+                result.skipped.append(f.relpath)
+                if f.relpath not in journal["files"]:
+                    journal["files"][f.relpath] = done
+                    _write_json_atomic(journal_path, journal)
+                if progress:
+                    progress(done["size"])
+                continue
+            todo.append(f)
+
+        files = SourceFiles(ckpt.root)
+        jlock = threading.Lock()
+
+        failed = threading.Event()  # one file failed: files not yet started are not started
+
+        def work(f: OutFile) -> None:
+            if failed.is_set():
+                return
+            try:
+                size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings)
+            except BaseException:
+                failed.set()
+                raise
+            with jlock:
+                journal["files"][f.relpath] = {"size": size, "sha256": digest}
+                _write_json_atomic(journal_path, journal)
+                result.written.append(f.relpath)
+                result.bytes_written += size
+
+        if workers is None:
+            workers = default_workers(len(todo))
+        try:
+            if workers <= 1:
+                for f in todo:
+                    work(f)
+            else:
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    futures = [pool.submit(work, f) for f in todo]
+                    try:
+                        for fut in futures:
+                            fut.result()
+                    except BaseException:
+                        failed.set()  # (Ctrl-C lands here, not in a worker) files in flight finish, no new one starts
+                        raise
+        finally:
+            files.close()
+
+        if partial:
+            result.seconds = time.perf_counter() - t0
+            return result
+        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks)
+        journal_path.unlink(missing_ok=True)
+        _drop_journals(out, fingerprint)
+        result.finalized = True
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _recorded_files(out: Path, fingerprint: str) -> dict[str, dict]:
+    """{relpath: {size, sha256}} from every journal in OUT that belongs to this conversion."""
+    files: dict[str, dict] = {}
+    for path in journals(out):
+        doc = read_journal(path)
+        if doc and doc.get("fingerprint") == fingerprint:
+            files.update(doc["files"])
+    return files
+
+
+# Weight files stay behind: what vLLM loads comes from our per-rank parts.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def serving_files(root: Path) -> list[str]:
+    """The source's top-level non-weight files ``vllm serve OUT/model`` needs besides the weights.
+
+    Tokenizer files, generation_config.json, chat template, README/LICENSE, ... : every regular file
+    (a hub snapshot's symlinks followed) except weights, weight indexes, config.json (copied to both
+    components) and hidden files. Sub-folders (e.g. DeepSeek's ``inference/`` code) are not needed.
+    """
+    names = []
+    for p in sorted(root.iterdir()):
+        n = p.name
+        if n.startswith(".") or n == "config.json" or n.endswith(_WEIGHT_SUFFIXES) or n.endswith(".index.json"):
+            continue
+        if p.is_file():
+            names.append(n)
+    return names
+
+
+def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None) -> None:
+    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete")."""
+    copied: dict[str, dict] = {}
+    for comp in COMPONENTS:
+        if any(f.component == comp for f in plan.files):
+            (out / comp).mkdir(exist_ok=True)
+            _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
+            shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
+            if comp == "model":
+                for name in serving_files(ckpt.root):
+                    shutil.copyfile(ckpt.root / name, out / comp / name)
+                    copied[f"{comp}/{name}"] = {"size": (out / comp / name).stat().st_size, "sha256": sha256_file(out / comp / name)}
+    layout = source_layout(ckpt)
+    _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
+    doc = manifest_doc(plan, source, fingerprint, outputs)
+    doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
+    doc["serving_files"] = copied
+    if ranks is not None:
+        doc["ranks"] = sorted(set(ranks))
+    doc["complete"] = doc.pop("complete")  # keep "complete" the last key
+    _write_json_atomic(out / MANIFEST, doc)
+
+
+def _finalize(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None) -> ConvertResult:
+    """Check every planned file against the shard journals and write the final index/config/manifest."""
+    result = ConvertResult(plan, out)
+    if not out.is_dir():
+        raise OutputError(f"{out}: no such folder; run the convert shards (--shard-index K --shard-count M) first")
+    with OutputLock(out):
+        manifest = read_manifest(out)
+        if manifest is not None and manifest.get("complete"):
+            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (sorted(set(ranks)) if ranks is not None else None):
+                result.skipped = [f.relpath for f in plan.files]
+                return result  # already finalized: nothing to do
+            raise OutputError(f"{out}: holds a finished conversion of another source or with other options; choose a new OUT")
+        recorded = _recorded_files(out, fingerprint)
+        problems: list[str] = []
+        for f in plan.files:
+            dest = out / f.relpath
+            rec = recorded.get(f.relpath)
+            if not dest.is_file():
+                problems.append(f"{f.relpath}: missing part (planned file not in OUT); run the shard that writes it")
+            elif rec is None:
+                problems.append(f"{f.relpath}: not recorded by any journal of this conversion (its shard did not finish); rerun that shard")
+            elif dest.stat().st_size != rec["size"] or dest.stat().st_size != file_size(f):
+                problems.append(f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard")
+            elif sha256_file(dest) != rec["sha256"]:
+                problems.append(f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun its shard")
+            else:
+                result.skipped.append(f.relpath)
+        if problems:
+            more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+            raise OutputError(f"{out}: cannot finalize: {problems[0]}{more}")
+        _write_final(ckpt, out, plan, source, fingerprint, {f.relpath: recorded[f.relpath] for f in plan.files}, ranks)
+        _drop_journals(out, fingerprint)
+        result.finalized = True
+    return result
+
+
+def _drop_journals(out: Path, fingerprint: str) -> None:
+    """After the manifest: the journals of this conversion and the shards' lock files are done with."""
+    for j in journals(out):
+        doc = read_journal(j)
+        if doc is not None and doc.get("fingerprint") == fingerprint:
+            j.unlink(missing_ok=True)
+    for lock in out.iterdir():
+        if SHARD_LOCK_RE.match(lock.name):
+            lock.unlink(missing_ok=True)
+
+
+
+
+
+

@@ -1,0 +1,607 @@
+"""Streaming writer: one output safetensors file from a plan, copying source byte ranges in bounded chunks.
+
+The header is computed from the plan up front; then the output is assembled in a small ring of
+page-aligned ``CHUNK``-sized buffers, never a whole tensor in memory:
+
+- contiguous source ranges (whole tensors, row splits, wide column slices row by row) are read with
+  ``os.preadv`` straight into the buffer, at their place in the output;
+- narrow column slices (TP split of dim 1) are gathered with numpy from cache-sized blocks of source
+  rows; converted segments (E8M0 → float32, int64 → int32: :mod:`conversions`) are converted piece by
+  piece into the buffer;
+- the engine's zero padding (a zero segment, or zeros after each row of a column slice) is filled from
+  a reused piece of the zero element's bytes (:func:`conversions.zero_element`).
+
+A full buffer goes to two threads at once: one feeds it to sha256 (the manifest's checksum is that of
+the bytes written; ``hashlib`` releases the GIL), the other writes it at its offset with ``O_DIRECT``
+(DMA from the buffer: no copy into the page cache, no dirty-page throttling, no flush backlog for the
+final ``fsync``; plain buffered writes where the file system refuses direct I/O). While they work,
+the caller's thread fills the next buffer, so reading, hashing and writing overlap. Memory per writer
+is ``RING`` buffers of ``CHUNK`` bytes plus two ``PIECE`` scratch buffers, and all writers of a
+process together hold at most ``MAX_BUFFERS`` ring buffers (more workers wait for a ring).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt_tool.mapping import conversions
+from ckpt_tool.errors import CheckpointError, OutputError
+from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
+
+CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
+RING = 4  # buffers per writer: one being filled, the others being hashed / written
+MAX_BUFFERS = 32  # ring buffers in the whole process (32 x 8 MiB = 256 MiB), whatever --workers is
+MAX_DEFAULT_WORKERS = MAX_BUFFERS // RING  # the most files written at once by default: each gets its ring
+
+
+def default_workers(pending_files: int) -> int:
+    """Files written at once when --workers is not given: one per CPU core while that many are pending.
+
+    Hashing (sha256, ~1.5 GB/s per core) runs beside each file's writes; on storage faster than one
+    core hashes, one file at a time would be CPU-bound. Memory stays within MAX_BUFFERS either way.
+    """
+    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS, pending_files))
+PIECE = 1024 * 1024  # scratch for gathers and conversions: small enough to stay in CPU cache
+DIRECT_ALIGN = 4096  # O_DIRECT offset/length granularity we keep to (covers 512-byte devices too)
+SMALL_COLUMN_SLICE = 64 * 1024  # column slices narrower than this are gathered from row blocks
+DIRECT_IO = os.environ.get("CKPT_TOOL_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
+
+ProgressFn = Callable[[int], None]  # bytes now in the output file; called from writer threads
+
+
+def header_bytes(out: OutFile, metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors header of ``out`` (length prefix included), padded so data starts 8-aligned."""
+    doc: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for t in out.tensors:
+        doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * ((8 - (8 + len(raw)) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def file_size(out: OutFile) -> int:
+    return len(header_bytes(out)) + out.data_bytes
+
+
+class SourceFiles:
+    """Read-only file descriptors of the source shards, opened once and shared by writer threads."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                try:
+                    fd = os.open(self.root / file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    raise CheckpointError(f"{file}: cannot open for reading ({exc.strerror})") from None
+                if hasattr(os, "posix_fadvise"):  # read mostly front to back: a larger readahead window
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    except OSError:
+                        pass
+                self._fds[file] = fd
+            return self._fds[file]
+
+    def pread_exact(self, info: TensorInfo, into: memoryview, offset: int) -> None:
+        """Fill ``into`` from absolute ``offset`` of ``info``'s file; a short read means the file changed."""
+        fd = self.fd(info.file)
+        got = 0
+        while got < len(into):
+            n = os.preadv(fd, [into[got:]], offset + got)
+            if n == 0:
+                raise CheckpointError(
+                    f"{info.file}: tensor {info.name!r}: file ended early at byte {offset + got}; "
+                    "was it truncated or modified during conversion?"
+                )
+            got += n
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _nonfinite(raw: memoryview, dtype: str) -> int:
+    import numpy as np
+
+    if dtype == "BF16":
+        bits = np.frombuffer(raw, dtype="<u2")
+        return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))  # exponent all ones: inf or NaN
+    if dtype == "F32":
+        return int(np.count_nonzero(~np.isfinite(np.frombuffer(raw, dtype="<f4"))))
+    return 0
+
+
+class SegmentReader:
+    """Streams the bytes of one segment in chunks, reusing its buffers.
+
+    On the way it rejects E8M0 NaN bytes (0xFF) in scales and notes non-finite values in norm
+    weights (``warnings``): both are cheap scans of bytes already in memory.
+    """
+
+    def __init__(self, files: SourceFiles, sources: dict[str, TensorInfo], warnings: list[str] | None = None) -> None:
+        self.files = files
+        self.sources = sources
+        self._buf: bytearray | None = None
+        self._gather: bytearray | None = None
+        self.warnings = warnings if warnings is not None else []
+
+    @property
+    def buf(self) -> bytearray:
+        if self._buf is None:
+            self._buf = bytearray(PIECE)
+        return self._buf
+
+    @property
+    def gather(self) -> bytearray:
+        if self._gather is None:
+            self._gather = bytearray(PIECE)
+        return self._gather
+
+    @staticmethod
+    def geometry(info: TensorInfo) -> tuple[int, int]:
+        """(element bytes, row bytes) of ``info`` seen as 2-D [shape[0], prod(shape[1:])]."""
+        eb = DTYPE_BITS[info.dtype] // 8
+        cols = (info.numel // info.shape[0]) if info.shape else 1
+        return eb, cols * eb
+
+    def checker(self, info: TensorInfo) -> Callable[[memoryview], None] | None:
+        """The scan ``info``'s bytes must pass on their way out (None: none)."""
+        if info.dtype == "F8_E8M0":
+            return lambda mv: conversions.reject_e8m0_nan(mv, info)
+        if info.name.endswith("norm.weight") and info.dtype in ("BF16", "F32"):
+
+            def check(mv: memoryview) -> None:
+                bad = _nonfinite(mv, info.dtype)
+                if bad:
+                    self.warnings.append(
+                        f"{info.file}: tensor {info.name!r}: {bad} NaN/Inf value(s) in a norm weight; "
+                        "copied as stored, but the model will produce NaNs"
+                    )
+
+            return check
+        return None
+
+    def byte_ranges(self, seg: Segment) -> list[tuple[int, int]] | None:
+        """(absolute offset, length) source ranges whose concatenation is ``seg``'s output bytes as they
+        are, or None when the segment needs a gather of narrow slices, a dtype conversion or zeros."""
+        if seg.convert not in conversions.BYTEWISE or seg.pad or seg.src == ZERO:
+            return None
+        return self._ranges(seg, self.sources[seg.src])
+
+    def _ranges(self, seg: Segment, info: TensorInfo) -> list[tuple[int, int]] | None:
+        eb, row_bytes = self.geometry(info)
+        if seg.col0 == 0 and seg.col1 * eb == row_bytes:
+            return [(info.start + seg.row0 * row_bytes, (seg.row1 - seg.row0) * row_bytes)]
+        c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
+        if width >= SMALL_COLUMN_SLICE or row_bytes > CHUNK:
+            return [(info.start + row * row_bytes + c0, width) for row in range(seg.row0, seg.row1)]
+        return None  # narrow slices of many rows: gathered
+
+    def stream(self, seg: Segment, emit: Callable[[memoryview | bytes], None]) -> None:
+        """Call ``emit`` with the output bytes of a source segment, in order, in pieces of at most ``CHUNK``."""
+        info = self.sources[seg.src]
+        check = self.checker(info)
+        if seg.pad:
+            self.gather_padded(seg, info, check, emit)
+            return
+        if seg.convert not in conversions.BYTEWISE:
+            out = lambda mv: emit(conversions.forward(seg.convert, mv, info))  # noqa: E731
+        elif check is not None:
+            out = lambda mv: (check(mv), emit(mv))  # noqa: E731
+        else:
+            out = emit
+        ranges = self._ranges(seg, info)
+        if ranges is None:
+            self.gather_columns(seg, info, out)
+            return
+        buf = memoryview(self.buf)
+        for offset, length in ranges:
+            done = 0
+            while done < length:
+                n = min(PIECE, length - done)
+                self.files.pread_exact(info, buf[:n], offset + done)
+                out(buf[:n])
+                done += n
+
+    def gather_columns(self, seg: Segment, info: TensorInfo, out: Callable[[memoryview], None]) -> None:
+        """Columns [col0, col1) of rows [row0, row1): read blocks of whole rows (cache-sized) and pack
+        the slices with numpy into a reused buffer."""
+        import numpy as np
+
+        eb, row_bytes = self.geometry(info)
+        c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
+        rows_per_block = max(1, PIECE // row_bytes)
+        src = memoryview(self.buf) if row_bytes <= PIECE else memoryview(bytearray(row_bytes))  # one row > PIECE: <= CHUNK
+        gather = memoryview(self.gather)
+        row = seg.row0
+        while row < seg.row1:
+            n = min(rows_per_block, seg.row1 - row)
+            mv = src[: n * row_bytes]
+            self.files.pread_exact(info, mv, info.start + row * row_bytes)
+            dst = np.frombuffer(gather[: n * width], dtype=np.uint8).reshape(n, width)
+            np.copyto(dst, np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
+            del dst
+            out(gather[: n * width])
+            row += n
+
+    def gather_padded(
+        self, seg: Segment, info: TensorInfo, check: Callable[[memoryview], None] | None, emit: Callable[[memoryview | bytes], None]
+    ) -> None:
+        """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements: blocks of
+        whole source rows are read, the slices checked or converted, and placed row by row with numpy in
+        front of the pad."""
+        import numpy as np
+
+        eb, row_bytes = self.geometry(info)
+        out_dtype = conversions.out_dtype(info.dtype, seg.convert)
+        out_eb = DTYPE_BITS[out_dtype] // 8
+        zero_row = np.tile(np.frombuffer(conversions.zero_element(seg.convert, out_dtype), dtype=np.uint8), seg.pad)
+        c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
+        real, padded = (seg.col1 - seg.col0) * out_eb, seg.width * out_eb
+        rows_per_block = max(1, PIECE // max(row_bytes, padded))
+        src = memoryview(self.buf) if rows_per_block * row_bytes <= PIECE else memoryview(bytearray(row_bytes))
+        row = seg.row0
+        while row < seg.row1:
+            n = min(rows_per_block, seg.row1 - row)
+            mv = src[: n * row_bytes]
+            self.files.pread_exact(info, mv, info.start + row * row_bytes)
+            sliced = np.ascontiguousarray(np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
+            if seg.convert not in conversions.BYTEWISE:
+                sliced = np.frombuffer(conversions.forward(seg.convert, sliced.data, info), dtype=np.uint8)
+            elif check is not None:
+                check(sliced.data)
+            block = np.empty((n, padded), dtype=np.uint8)
+            block[:, :real] = sliced.reshape(n, real)
+            block[:, real:] = zero_row
+            emit(block.data)
+            row += n
+
+
+# ---------------------------------------------------------------------------------------------
+# The output pipeline
+
+
+class _Budget:
+    """Ring buffers in use by all writers of the process: bounded, so --workers K stays bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cond:
+            while self.used + n > self.limit and self.used > 0:
+                self.cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+_BUDGET = _Budget(MAX_BUFFERS)
+
+
+class _Pipeline:
+    """Assembles the output in ring buffers; a hasher thread and a writer thread consume each full one.
+
+    The caller fills ``space()`` then ``commit(n)``s it, or ``write(bytes)``; ``finish()`` flushes the
+    last partial buffer and returns the sha256. Errors of either thread surface in the caller.
+    """
+
+    def __init__(self, fd: int, direct: bool, progress: ProgressFn | None) -> None:
+        self.fd = fd
+        self.direct = direct
+        self.progress = progress
+        self.digest = hashlib.sha256()
+        self.error: BaseException | None = None
+        self.ring = RING
+        _BUDGET.acquire(self.ring)
+        try:
+            self.bufs = [mmap.mmap(-1, CHUNK) for _ in range(self.ring)]  # page-aligned, as O_DIRECT wants
+        except BaseException:
+            _BUDGET.release(self.ring)
+            raise
+        self.views = [memoryview(b) for b in self.bufs]
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(self.ring):
+            self.free.put(i)
+        self.pending = [0] * self.ring
+        self.lock = threading.Lock()
+        self.hash_q: queue.SimpleQueue = queue.SimpleQueue()
+        self.write_q: queue.SimpleQueue = queue.SimpleQueue()
+        self.cur: int | None = None
+        self.fill = 0
+        self.offset = 0  # file offset of the current buffer
+        self.threads = [
+            threading.Thread(target=self._run, args=(self.hash_q, self._hash), name="ckpt-tool-hash", daemon=True),
+            threading.Thread(target=self._run, args=(self.write_q, self._write), name="ckpt-tool-write", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+        self.closed = False
+
+    @property
+    def written(self) -> int:
+        return self.offset + self.fill
+
+    # -- caller side ----------------------------------------------------------------------------
+
+    def space(self) -> memoryview:
+        """The free part of the current buffer (a fresh buffer when it is full)."""
+        if self.cur is None:
+            self._check()
+            while True:
+                try:
+                    self.cur = self.free.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    self._check()
+            self.fill = 0
+        return self.views[self.cur][self.fill :]
+
+    def commit(self, n: int) -> None:
+        self.fill += n
+        if self.fill == CHUNK:
+            self._submit()
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            room = self.space()
+            n = min(len(room), len(view))
+            room[:n] = view[:n]
+            self.commit(n)
+            view = view[n:]
+
+    def _submit(self) -> None:
+        assert self.cur is not None
+        i, n, off = self.cur, self.fill, self.offset
+        self.pending[i] = 2
+        self.hash_q.put((i, n, off))
+        self.write_q.put((i, n, off))
+        self.cur, self.fill = None, 0
+        self.offset = off + n
+
+    def finish(self) -> str:
+        if self.cur is not None and self.fill:
+            self._submit()
+        self._stop()
+        self._check()
+        return self.digest.hexdigest()
+
+    def abort(self) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = _Aborted()
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.hash_q.put(None)
+        self.write_q.put(None)
+        for t in self.threads:
+            t.join()
+        try:
+            for v in self.views:
+                v.release()
+            for b in self.bufs:
+                b.close()
+        except BufferError:  # a slice is still referenced (an exception's traceback): the GC unmaps it
+            pass
+        _BUDGET.release(self.ring)
+
+    def _check(self) -> None:
+        if self.error is not None and not isinstance(self.error, _Aborted):
+            raise self.error
+
+    # -- consumer threads -------------------------------------------------------------------------
+
+    def _run(self, q: queue.SimpleQueue, work: Callable[[int, int, int], None]) -> None:
+        while (item := q.get()) is not None:
+            i, n, off = item
+            try:
+                if self.error is None:
+                    work(i, n, off)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                with self.lock:
+                    if self.error is None:
+                        self.error = exc
+            with self.lock:
+                self.pending[i] -= 1
+                done = self.pending[i] == 0
+            if done:
+                self.free.put(i)
+
+    def _hash(self, i: int, n: int, off: int) -> None:
+        self.digest.update(self.views[i][:n])
+
+    def _write(self, i: int, n: int, off: int) -> None:
+        self._write_at(self.views[i][:n], off)
+        if self.progress:  # counted once the bytes are in the file, not when they were queued
+            self.progress(n)
+
+    def _write_at(self, view: memoryview, off: int) -> None:
+        n = len(view)
+        if self.direct:
+            aligned = n - n % DIRECT_ALIGN
+            try:
+                done = _pwrite_all(self.fd, view[:aligned], off) if aligned else 0
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                done = 0  # the file system takes no direct I/O here after all
+            if done == n:
+                return
+            self._buffered()  # the tail (or everything, after EINVAL): through the page cache
+            view, off = view[done:], off + done
+        _pwrite_all(self.fd, view, off)
+
+    def _buffered(self) -> None:
+        if self.direct:
+            import fcntl
+
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _pwrite_all(fd: int, view: memoryview, off: int) -> int:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], off + done)
+        if n <= 0:  # pragma: no cover - pwrite raises rather than returning 0
+            raise OSError(errno.EIO, "short write")
+        done += n
+    return done
+
+
+def _open_output(path: Path) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    if DIRECT_IO:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o666), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o666), False
+
+
+def output_error(exc: OSError, path: Path) -> OutputError:
+    """The one-line error for a failed write of ``path`` (disk full gets its own advice)."""
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"{path}: no space left on device while writing; free space and rerun to resume")
+    return OutputError(f"{path}: cannot write ({exc.strerror or exc})")
+
+
+def write_output_file(
+    out: OutFile,
+    dest: Path,
+    files: SourceFiles,
+    sources: dict[str, TensorInfo],
+    progress: ProgressFn | None = None,
+    warnings: list[str] | None = None,
+) -> tuple[int, str]:
+    """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256)."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    header = header_bytes(out)
+    expected = len(header) + out.data_bytes
+    reader = SegmentReader(files, sources, warnings)
+    pipe: _Pipeline | None = None
+    try:
+        fd, direct = _open_output(tmp)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, expected)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:  # fail now rather than half-way
+                    raise
+            pipe = _Pipeline(fd, direct, progress)
+            pipe.write(header)
+            for t in out.tensors:
+                start = pipe.written
+                for seg in t.segments:
+                    _fill_segment(pipe, reader, files, seg, t.dtype)
+                if pipe.written - start != t.nbytes:  # pragma: no cover - a plan/writer disagreement is a bug
+                    raise AssertionError(f"{out.relpath}: {t.name} wrote {pipe.written - start} bytes, planned {t.nbytes}")
+            written = pipe.written
+            digest = pipe.finish()
+            os.ftruncate(fd, written)
+            os.fsync(fd)
+        except BaseException:
+            if pipe is not None:
+                pipe.abort()
+            raise
+        finally:
+            os.close(fd)
+        if written != expected:  # pragma: no cover
+            raise AssertionError(f"{out.relpath}: wrote {written} bytes, planned {expected}")
+        os.replace(tmp, dest)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_error(exc, dest) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return expected, digest
+
+
+def _fill_segment(pipe: _Pipeline, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str) -> None:
+    if seg.src == ZERO:
+        _fill_zeros(pipe, conversions.zero_element(seg.convert, dtype), seg.numel)
+        return
+    ranges = reader.byte_ranges(seg)
+    if ranges is None:  # narrow column slices or a dtype conversion: through the reader's scratch
+        reader.stream(seg, pipe.write)
+        return
+    info = reader.sources[seg.src]
+    check = reader.checker(info)
+    if check is not None and DTYPE_BITS[info.dtype] > 8:  # a scan of whole elements (norms: small)
+        reader.stream(seg, pipe.write)
+        return
+    for offset, length in ranges:  # read straight into the output buffer
+        done = 0
+        while done < length:
+            room = pipe.space()
+            n = min(len(room), length - done)
+            files.pread_exact(info, room[:n], offset + done)
+            if check is not None:
+                check(room[:n])
+            pipe.commit(n)
+            done += n
+
+
+@functools.lru_cache(maxsize=4)
+def _zero_piece(element: bytes) -> bytes:
+    """``PIECE`` bytes of repeated ``element`` (one per zero-element kind: zero bytes, float32 2^-127)."""
+    return element * (PIECE // len(element))
+
+
+def _fill_zeros(pipe: _Pipeline, element: bytes, count: int) -> None:
+    """``count`` copies of ``element`` into the output buffer, a piece at a time (never the whole fill in memory)."""
+    piece = memoryview(_zero_piece(element))
+    left = count * len(element)
+    done = 0
+    while left:
+        room = pipe.space()
+        at = done % len(element)  # a buffer may end inside an element: continue the pattern where it stopped
+        n = min(len(room), left, len(piece) - at)
+        room[:n] = piece[at : at + n]
+        pipe.commit(n)
+        left -= n
+        done += n
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    buf = memoryview(bytearray(PIECE))
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            digest.update(buf[:n])
+    return digest.hexdigest()

@@ -1,0 +1,144 @@
+"""GEMM against an FP8 block-quantized weight that stays quantized: ``y = x @ W_deq.T``."""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt_tool.verify import quant
+from ckpt_tool.verify.kernels._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
+
+ACT_MODES: tuple[str, ...] = ("bf16", "fp8")
+
+# The kernel's K step must equal the scale block's K size; the N size is looked up per column.
+_BLOCK_K = quant.FP8_BLOCK[1]
+_SCALE_BLOCK_N = quant.FP8_BLOCK[0]
+
+
+def check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
+    """Raise ValueError unless ``x`` is a floating-point ``[M, k]`` tensor on ``device``."""
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a 2-D floating-point [M, K] tensor, got {x.dtype} {list(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"x has K={x.shape[1]} but the weight has K={k}")
+    if x.device != device:
+        raise ValueError(f"x is on {x.device} but the weight is on {device}")
+
+
+def prepare_activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The activation exactly as both backends see it, as float32 (bf16-rounded, or fp8 round trip).
+
+    ``x`` is ``[..., K]``: the fp8 groups run along the last dim per token, so leading dims (``h_proj``'s
+    ``[T, hc, D]``) are flattened for the quantizer and restored after.
+    """
+    if act == "fp8":
+        lead = x.shape[:-1]
+        xq, xs = quant.fp8_act_quant(x.reshape(-1, x.shape[-1]))
+        return quant.fp8_act_dequant(xq, xs).reshape(*lead, x.shape[-1])
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+TORCH_TILE_ELEMENTS = 1 << 21
+"""Weight elements the torch path dequantizes at once (8 MiB of float32): a GEMM never holds its whole
+weight in float32, and a tile stays in cache while it is multiplied."""
+
+
+def tile_rows(n: int, k: int, align: int) -> int:
+    """Rows per torch-path tile of an ``[n, k]`` weight: a multiple of ``align``, at least one block."""
+    rows = max(align, (TORCH_TILE_ELEMENTS // max(k, 1)) // align * align)
+    return min(rows, max(n, 1))
+
+
+def torch_gemm_tiled(x_act: torch.Tensor, n: int, k: int, align: int, dequant_rows) -> torch.Tensor:
+    """``x_act @ W.T`` with ``W`` dequantized ``tile_rows`` rows at a time by ``dequant_rows(r0, r1)``."""
+    rows = tile_rows(n, k, align)
+    if rows >= n:
+        return x_act @ dequant_rows(0, n).T
+    y = torch.empty(x_act.shape[0], n, dtype=torch.float32, device=x_act.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        torch.matmul(x_act, dequant_rows(r0, r1).T, out=y[:, r0:r1])
+    return y
+
+
+def fp8_block_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    act: str = "bf16",
+    backend: str = "auto",
+    what: str | None = None,
+) -> torch.Tensor:
+    """Compute ``x @ W.T`` in float32 where ``W`` is FP8 block-quantized with 128x128 scale blocks.
+
+    ``x`` is ``[M, K]`` float32/bf16/fp16; ``w`` is ``float8_e4m3fn`` (or its uint8 bits)
+    ``[N, K]``; ``w_scale`` is ``[ceil(N/128), ceil(K/128)]`` float32, ``float8_e8m0fnu`` or uint8
+    raw E8M0 bytes. ``act="bf16"`` rounds ``x`` to bf16; ``act="fp8"`` quantizes it per token and per
+    128 inputs to e4m3 with power-of-two scales (:func:`ckpt_tool.verify.quant.fp8_act_quant`, as vLLM
+    does at runtime). ``backend`` is resolved by :func:`resolve_backend`; both backends see the
+    same rounded activation, so they differ only by float32 summation order.
+    Returns float32 ``[M, N]``. Raises CheckpointError for bad weight/scale data, ValueError for a
+    bad ``x`` or ``act``, UsageError for an unavailable backend.
+    """
+    if act not in ACT_MODES:
+        raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+    bits = quant.as_e4m3_bits(w, what)
+    quant.check_fp8_block_shapes(bits, w_scale, quant.FP8_BLOCK, what)
+    n, k = bits.shape
+    check_x(x, k, bits.device)
+    if w_scale.device != bits.device:
+        raise ValueError(f"w_scale is on {w_scale.device} but the weight is on {bits.device}")
+    scale_what = f"{what} scale" if what else None
+    if w_scale.dtype == torch.float32:
+        scale_arg, scale_e8m0 = w_scale, False
+    else:
+        # Validates the dtype and rejects NaN (0xFF) bytes before any backend runs.
+        scale_arg, scale_e8m0 = quant.check_e8m0(w_scale, scale_what), True
+
+    resolved = resolve_backend(backend, bits.device)
+    m = x.shape[0]
+    if resolved == "torch" or m == 0 or n == 0 or k == 0:
+        bn = _SCALE_BLOCK_N
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return quant.fp8_block_dequant(bits[r0:r1], w_scale[r0 // bn : -(-r1 // bn)], quant.FP8_BLOCK, what=what)
+
+        return torch_gemm_tiled(prepare_activation(x, act), n, k, bn, rows)
+
+    if act == "fp8":
+        xq, xs = quant.fp8_act_quant(x)
+        x_arg, xs_arg = xq.view(torch.uint8), xs
+    else:
+        x_arg = x.to(torch.bfloat16)
+        xs_arg = x_arg  # unused by the kernel when ACT_FP8 is off; any pointer will do
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    block_m, block_n, grid = gemm_tiles(m, n)
+    kernel = get_kernel(load_sources().fp8_block_gemm_kernel, resolved)
+    kernel[grid](
+        x_arg,
+        xs_arg,
+        bits,
+        scale_arg,
+        y,
+        m,
+        n,
+        k,
+        x_arg.stride(0),
+        x_arg.stride(1),
+        xs_arg.stride(0),
+        xs_arg.stride(1),
+        bits.stride(0),
+        bits.stride(1),
+        scale_arg.stride(0),
+        scale_arg.stride(1),
+        y.stride(0),
+        y.stride(1),
+        ACT_FP8=act == "fp8",
+        SCALE_E8M0=scale_e8m0,
+        DOT_BF16=dot_in_bf16(resolved),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=_BLOCK_K,
+        SCALE_BLOCK_N=_SCALE_BLOCK_N,
+    )
+    return y

@@ -1,0 +1,584 @@
+"""``verify``: prove a converted checkpoint right, level by level.
+
+1. structure — from headers and the manifest: the output files, tensor names, dtypes, shapes and rank
+   sets are exactly what the rules give for the source and the recorded options; index.json agrees;
+   every file's size and sha256 match the manifest; the source is the one that was converted.
+2. values — every output tensor re-derived from the source bytes and compared exactly: byte-equal for
+   renames/slices/fusions/stacks, value-equal for E8M0 → float32; the engine's zero padding (shared
+   experts at a tp their blocks do not divide) must hold the zero element. The source side is read through
+   safetensors' own slicing (not the writer's gather code), in bounded row blocks.
+3. numeric — every output tensor against the source by the engine's names (linear_check.py: each
+   linear through the GEMM kernels, the rest by value), then a forward of every MTP layer with every
+   expert routed (numeric.py); coverage (units computed / expected, per rank, expert and fused part) in
+   the report. It recombines every rank, so on an OUT of some ranks (convert --ranks) it fails, saying
+   what to run instead.
+
+The levels stack: each runs only when the ones before passed. They share one record
+(ckpt_tool.verify.verdict: Check, VerifyReport, Progress); numeric never imports this module.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from ckpt_tool.mapping import conversions
+from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
+from ckpt_tool.errors import CkptToolError
+from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
+from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
+from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
+
+__all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("structure", "values", "numeric")
+VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few copies live at a time)
+
+
+def verify(
+    out: Path,
+    source: Path | Checkpoint,
+    *,
+    level: str = "numeric",
+    kernels: str = "auto",
+    device: str = "auto",
+    tokens: int = 16,
+    seed: int = 0,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> VerifyReport:
+    """Run the checks up to ``level``. Never raises for a failed check: failures are in the report.
+
+    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4).
+    """
+    workers = workers or min(4, os.cpu_count() or 1)
+    progress = progress or NoProgress()
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}")
+    report = VerifyReport(str(out), str(source.root if isinstance(source, Checkpoint) else source), level)
+    manifest_path = out / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        report.add(Check("manifest", False, f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion", file=str(manifest_path)))
+        return report
+    except (OSError, json.JSONDecodeError) as exc:
+        report.add(Check("manifest", False, f"{manifest_path}: unreadable ({exc})", file=str(manifest_path)))
+        return report
+    if manifest.get("complete") is not True:
+        report.add(Check("manifest", False, f"{manifest_path}: conversion is not complete; rerun convert to finish it", file=str(manifest_path)))
+        return report
+    report.add(Check("manifest", True))
+    report.target = manifest.get("target")
+
+    try:
+        ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    except CkptToolError as exc:
+        report.add(Check("source", False, str(exc)))
+        return report
+    if not _same_source(manifest, ckpt, report):
+        return report  # every later check would only restate it
+    try:
+        config = ckpt.require_config()
+        opts = options_from_manifest(manifest)
+        plan = plan_conversion(config, ckpt.tensors, opts)
+        ranks = manifest.get("ranks")
+        if ranks is not None:  # a --ranks run: only those ranks were written
+            from ckpt_tool.output.convert import select_files
+
+            plan = replace(plan, files=tuple(select_files(plan, [int(r) for r in ranks])))
+    except CkptToolError as exc:
+        report.add(Check("plan", False, str(exc)))
+        return report
+    report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
+
+    deep = level in ("values", "numeric")
+    headers = check_structure(out, plan, manifest, report, ckpt.root, hash_files=not deep, workers=workers)
+    check_engine(plan, headers, report)
+    if deep and report.ok:
+        check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
+    if level == "numeric" and report.ok and manifest.get("ranks") is not None and len(manifest["ranks"]) < opts.tp:
+        report.add(_numeric_needs_every_rank([int(r) for r in manifest["ranks"]], opts.tp))
+    elif level == "numeric" and report.ok:
+        from ckpt_tool.verify.numeric import check_numeric
+
+        check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed, progress=progress)
+    return report
+
+
+def _numeric_needs_every_rank(ranks: list[int], tp: int) -> Check:
+    """``--level numeric`` on an OUT of some ranks (``convert --ranks``): asked for, cannot run in full, so a
+    failure that says what to run instead. The numeric level recombines the ranks as the engine does (row-
+    parallel partial sums, the forward over all ranks), and an OUT with a manifest takes no more ranks."""
+    held = ",".join(map(str, ranks))
+    missing = ",".join(str(r) for r in range(tp) if r not in ranks)
+    return Check(
+        "numeric", False,
+        f"--level numeric needs every rank: OUT holds rank(s) {held} of --tp {tp} (converted with --ranks {held}; rank(s) "
+        f"{missing} missing) and the numeric level recombines all ranks as the engine does. Instead, verify this share with "
+        f"--level values (structure and exact values of every file it holds), and for the numeric level convert every rank "
+        f"into one OUT (on one machine, or --shard-index K --shard-count M per machine into a shared OUT, then --finalize) "
+        f"and verify that OUT with --level numeric",
+        details={"ranks": ranks, "tp": tp, "missing": [r for r in range(tp) if r not in ranks]},
+    )
+
+
+def _same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:
+    """Is ``--source`` the checkpoint OUT was converted from (shard sizes and header hashes, config)? One check."""
+    recorded_source = manifest.get("source") or {}
+    recorded = recorded_source.get("files") or {}
+    fingerprint = source_fingerprint(ckpt)
+    current = fingerprint["files"]
+    if recorded != current:
+        changed = sorted(f for f in set(recorded) | set(current) if recorded.get(f) != current.get(f))
+        report.add(Check(
+            "source-fingerprint", False,
+            f"{ckpt.root} is not the checkpoint OUT was converted from ({len(changed)} of {len(set(recorded) | set(current))} "
+            f"shard file(s) differ, e.g. {changed[0]}); pass the original checkpoint as --source, or reconvert",
+            file=changed[0],
+        ))
+        return False
+    if recorded_source.get("config_sha256") != fingerprint["config_sha256"]:
+        report.add(Check(
+            "source-fingerprint", False,
+            f"{ckpt.root}/config.json differs from the one OUT was converted with; pass the original checkpoint as --source, or reconvert",
+            file="config.json",
+        ))
+        return False
+    report.add(Check("source-fingerprint", True))
+    return True
+
+
+def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyReport) -> None:
+    """Each written rank against the target engine's parameter table (ckpt_tool.mapping.engine_table): the keys its
+    loader expects, their shapes and dtypes. A rule table gone stale against the engine fails here."""
+    from ckpt_tool.mapping.engine_table import ENGINES, compare_with_engine, engine_params
+
+    opts = plan.options
+    if opts.profile not in ENGINES:
+        report.add(Check("engine", False, f"profile {opts.profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"))
+        return
+    ranks = sorted({(f.component, f.rank) for f in plan.files})
+    for comp, rank in ranks:
+        written: dict[str, tuple[tuple[int, ...], str]] = {}
+        files = [f.relpath for f in plan.files if (f.component, f.rank) == (comp, rank)]
+        if not all(rel in headers for rel in files):
+            continue  # a structure failure already names the unreadable or missing file
+        for rel in files:
+            written.update({n: (t.shape, t.dtype) for n, t in headers[rel].tensors.items()})
+        expected = engine_params(plan.config, opts.profile, comp, opts.tp, opts.moe_parallel)
+        problems = compare_with_engine(written, expected)
+        name = f"engine:{comp}/rank-{rank}"
+        where = f"{comp}/model-rank-{rank}-part-*.safetensors"
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            msg = f"{where} vs the {opts.profile} engine: {problems[0][0]}{more}"
+            report.add(Check(name, False, msg, file=where, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+        else:
+            report.add(Check(name, True, file=where, details={"parameters": len(expected)}))
+
+
+def check_structure(
+    out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path, *, hash_files: bool = True, workers: int = 1
+) -> dict[str, ShardHeader]:
+    """Files, names, dtypes, shapes per rank; index.json; manifest checksums (``hash_files=False``: the
+    values level hashes each file while it compares it, one read instead of two). Returns parsed headers."""
+    planned = {f.relpath: f for f in plan.files}
+    present = {
+        f"{comp}/{p.name}" for comp in COMPONENTS if (out / comp).is_dir() for p in (out / comp).glob("*.safetensors")
+    }
+    for rel in sorted(set(planned) - present):
+        report.add(Check(f"structure:{rel}", False, f"{rel}: planned output file is missing", file=rel))
+    for rel in sorted(present - set(planned)):
+        report.add(Check(f"structure:{rel}", False, f"{rel}: file is not part of the plan for these options", file=rel))
+
+    outputs = manifest.get("outputs") or {}
+    headers: dict[str, ShardHeader] = {}
+    digests: dict[str, str] = {}
+    if hash_files:  # files hashed in parallel (hashlib and reads release the GIL)
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [rel for rel in planned if rel in present]
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            digests = dict(zip(todo, pool.map(lambda rel: _sha256_output(out / rel), todo)))
+    for rel, f in planned.items():
+        if rel not in present:
+            continue
+        problems: list[tuple[str, str | None]] = []
+        try:
+            header = read_shard_header(out / rel, rel)
+        except CkptToolError as exc:
+            report.add(Check(f"structure:{rel}", False, str(exc), file=rel))
+            continue
+        headers[rel] = header
+        want = {t.name: t for t in f.tensors}
+        for name in sorted(set(want) - set(header.tensors)):
+            problems.append((f"{rel}: tensor {name!r} missing (from {', '.join(want[name].sources[:2])})", name))
+        for name in sorted(set(header.tensors) - set(want)):
+            problems.append((f"{rel}: tensor {name!r} is not in the plan", name))
+        for name in sorted(set(want) & set(header.tensors)):
+            got, exp = header.tensors[name], want[name]
+            if got.dtype != exp.dtype or tuple(got.shape) != tuple(exp.shape):
+                problems.append(
+                    (f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected {exp.dtype}{list(exp.shape)}", name)
+                )
+        rec = outputs.get(rel)
+        if rec is None:
+            problems.append((f"{rel}: not recorded in {MANIFEST}", None))
+        elif rec.get("size") != header.file_size:
+            problems.append((f"{rel}: size {header.file_size} differs from the manifest's {rec.get('size')}", None))
+        elif hash_files and rec.get("sha256") != digests.get(rel):
+            problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
+        if problems:
+            msg = problems[0][0] + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+            report.add(Check(f"structure:{rel}", False, msg, file=rel, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+        else:
+            report.add(Check(f"structure:{rel}", True, file=rel))
+
+    for comp in COMPONENTS:
+        if not any(f.component == comp for f in plan.files):
+            continue
+        path = out / comp / "index.json"
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            report.add(Check(f"index:{comp}", False, f"{path}: unreadable ({exc})", file=str(path)))
+            continue
+        ok = doc == index_doc(plan, comp)
+        report.add(Check(f"index:{comp}", ok, "" if ok else f"{path}: does not match the plan (tensors, ranks or total_size)", file=f"{comp}/index.json"))
+        cfg_path = out / comp / "config.json"
+        want = (src_root / "config.json").read_bytes()
+        got = cfg_path.read_bytes() if cfg_path.is_file() else None
+        msg = "" if got == want else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
+        report.add(Check(f"config:{comp}", got == want, msg, file=f"{comp}/config.json"))
+    if any(f.component == "model" for f in plan.files):
+        _check_serving_files(out, src_root, report)
+    return headers
+
+
+def _check_serving_files(out: Path, src_root: Path, report: VerifyReport) -> None:
+    """OUT/model carries the source's tokenizer, generation config, chat template, ... byte for byte."""
+    from ckpt_tool.output.convert import serving_files
+
+    problems = []
+    for name in serving_files(src_root):
+        dest = out / "model" / name
+        if not dest.is_file():
+            problems.append(f"{dest}: missing (vllm serve OUT/model needs the source's {name})")
+        elif dest.read_bytes() != (src_root / name).read_bytes():
+            problems.append(f"{dest}: differs from the source's {name}")
+    msg = f"{problems[0]}; reconvert" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else ""
+    report.add(Check("serving-files:model", not problems, msg, file="model", details={"problems": problems} if problems else {}))
+
+
+def _out_width(t: OutTensor) -> int:
+    return t.segments[0].width
+
+
+class _HashingReader:
+    """Reads one output file front to back in 8 MiB blocks, hashing every byte (gaps included) once, so the
+    values level needs one read of each output for both the comparison and the manifest sha256.
+
+    The file is read with ``O_DIRECT`` where the file system allows it (the writer wrote it that way: it is
+    not in the page cache), by a thread that stays ``DEPTH`` blocks ahead, into page-aligned buffers:
+    no copy through the page cache (that copy was most of verify's system time) and the disk works while
+    the caller compares. Elsewhere (tmpfs, ``CKPT_TOOL_DIRECT_IO=0``) the same reads go through the cache.
+    """
+
+    DEPTH = 3  # blocks read ahead of the one being compared
+
+    def __init__(self, path: Path, size: int) -> None:
+        import queue
+
+        self.size, self.hash = size, hashlib.sha256()
+        self.fd, self.direct = _open_for_reading(path)
+        self.free: queue.Queue = queue.Queue()
+        self.full: queue.Queue = queue.Queue()
+        for _ in range(self.DEPTH + 1):
+            self.free.put(mmap.mmap(-1, VALUE_BLOCK_BYTES))  # page-aligned, as O_DIRECT wants
+        self.block, self.block_start, self.block_len = None, 0, 0  # the block being served
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._prefetch, name="verify-read", daemon=True)
+        self.thread.start()
+
+    def _prefetch(self) -> None:
+        pos = 0
+        try:
+            while pos < self.size and not self.stop.is_set():
+                buf = self.free.get()
+                if buf is None:
+                    return
+                n = _read_block(self.fd, buf, pos, min(VALUE_BLOCK_BYTES, self.size - pos), self)
+                self.full.put((buf, pos, n))
+                if n == 0:
+                    return
+                pos += n
+        except BaseException as exc:  # handed to the reader, which raises it in the caller's thread
+            self.full.put(exc)
+
+    def _next_block(self) -> None:
+        if self.block is not None:
+            self.free.put(self.block)
+        item = self.full.get()
+        if isinstance(item, BaseException):
+            raise item
+        self.block, self.block_start, self.block_len = item
+        if self.block_len == 0:
+            raise CkptToolError("output file ended early")
+        self.hash.update(memoryview(self.block)[: self.block_len])
+
+    def read(self, start: int, n: int) -> bytes:
+        """Bytes ``[start, start + n)``; calls must ask for increasing offsets (tensors in file order)."""
+        if start < self.block_start:
+            raise AssertionError("tensors must be read in file order")
+        parts = []
+        while n > 0:
+            while self.block is None or start >= self.block_start + self.block_len:
+                if self.block is not None and self.block_start + self.block_len >= self.size:
+                    return b"".join(parts)  # past the end: the caller reports a short file
+                self._next_block()
+            lo = start - self.block_start
+            take = min(n, self.block_len - lo)
+            parts.append(self.block[lo : lo + take])  # a copy: the block goes back to the prefetcher next
+            start, n = start + take, n - take
+        return b"".join(parts)
+
+    def hexdigest(self) -> str:
+        while self.block_start + self.block_len < self.size:  # (an empty file asks for no block)
+            self._next_block()
+        return self.hash.hexdigest()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.free.put(None)  # wakes a prefetcher waiting for a buffer
+        if self.block is not None:
+            self.free.put(self.block)
+        self.thread.join()
+        os.close(self.fd)
+
+
+def _sha256_output(path: Path) -> str:
+    """sha256 of an output file, read like the values level reads it (O_DIRECT where allowed, read ahead)."""
+    reader = _HashingReader(path, path.stat().st_size)
+    try:
+        return reader.hexdigest()
+    finally:
+        reader.close()
+
+
+def _open_for_reading(path: Path) -> tuple[int, bool]:
+    """``(fd, direct)``: O_DIRECT where allowed (see writer.DIRECT_IO), else a buffered descriptor."""
+    from ckpt_tool.output.writer import DIRECT_IO
+
+    if DIRECT_IO:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, os.O_RDONLY), False
+
+
+def _read_block(fd: int, buf: mmap.mmap, pos: int, want: int, reader: _HashingReader) -> int:
+    """Read ``want`` bytes at ``pos`` into ``buf``. A direct read is asked for whole 4 KiB pages (the last
+    one may run past the end of the file, which returns short); EINVAL from a file system that took the
+    O_DIRECT open but not the read falls back to buffered reads."""
+    from ckpt_tool.output.writer import DIRECT_ALIGN
+
+    done = 0
+    while done < want:
+        ask = want - done
+        if reader.direct:
+            ask = -(-ask // DIRECT_ALIGN) * DIRECT_ALIGN
+        try:
+            n = os.preadv(fd, [memoryview(buf)[done : done + ask]], pos + done)
+        except OSError as exc:
+            if not reader.direct or exc.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            reader.direct = False
+            continue
+        if n <= 0:
+            break
+        done += n
+    return min(done, want)
+
+
+class _SourceFiles:
+    """Read-only descriptors of the source shards, shared by the value workers (pread is positional)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.fds, self.lock = root, {}, threading.Lock()
+
+    def fd(self, file: str) -> int:
+        with self.lock:
+            fd = self.fds.get(file)
+            if fd is None:
+                fd = self.fds[file] = os.open(self.root / file, os.O_RDONLY)
+            return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def check_values(
+    out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress: Progress,
+    *, workers: int = 1, manifest: dict | None = None,
+) -> None:
+    """Re-derive every output tensor from the source and compare exactly.
+
+    Each output file is read once, sequentially in 8 MiB blocks, and hashed while it is compared; with
+    ``manifest`` the digest is checked against it here (check_structure then skipped hashing). The source
+    is read with ``pread`` in row blocks and cut with numpy, independently of the writer's gather code.
+    ``workers`` files are verified at once (pread, sha256 and the comparisons release the GIL).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [f for f in plan.files if f.relpath in headers]
+    progress.stage("values", sum(f.data_bytes for f in jobs))
+    outputs = (manifest or {}).get("outputs") or {}
+    src = _SourceFiles(src_root)
+
+    def one(f):
+        return _values_of_file(out, f, headers[f.relpath], plan, src, progress)
+
+    try:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            results = list(pool.map(one, jobs))
+    finally:
+        src.close()
+    for f, (bad, first_tensor, digest) in zip(jobs, results):
+        if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
+            report.add(Check(f"structure:{f.relpath}", False, f"{f.relpath}: sha256 differs from the manifest; the file changed after conversion", file=f.relpath))
+        if bad:
+            more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+            report.add(Check(f"values:{f.relpath}", False, bad[0] + more, file=f.relpath, tensor=first_tensor, details={"problems": bad}))
+        else:
+            report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
+
+
+def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: _SourceFiles, progress: Progress) -> tuple[list[str], str | None, str]:
+    reader = _HashingReader(out / f.relpath, header.file_size)
+    try:
+        found: list[tuple[int, str, str]] = []
+        order = {t.name: i for i, t in enumerate(f.tensors)}
+        for t in sorted(f.tensors, key=lambda t: header.tensors[t.name].start):  # read in file order
+            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, src)
+            if msg:
+                found.append((order[t.name], msg, t.name))
+            progress.advance(t.nbytes, f.relpath)
+        found.sort()  # report in plan order (a fused weight before its scale)
+        return [m for _, m, _ in found], (found[0][2] if found else None), reader.hexdigest()
+    finally:
+        reader.close()
+
+
+def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan: Plan, src: _SourceFiles) -> str | None:
+    import numpy as np
+
+    width = _out_width(t)
+    out_eb = DTYPE_BITS[t.dtype] // 8
+    pos = got.start
+    out_row = 0  # rows of the output tensor (seen as 2-D [rows, width]) before the segment
+    for seg in t.segments:
+        first_row, out_row = out_row, out_row + seg.row1 - seg.row0
+        zero = np.frombuffer(conversions.zero_element(seg.convert, t.dtype), np.uint8)
+        if seg.src == ZERO:  # the engine's zero padding: nothing to read from the source
+            rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, width * out_eb))
+            for r in range(seg.row0, seg.row1, rows_per_block):
+                n = min(rows_per_block, seg.row1 - r)
+                actual = reader.read(pos, n * width * out_eb)
+                if len(actual) != n * width * out_eb:
+                    return f"{t.name}: output file ended early"
+                a = np.frombuffer(actual, np.uint8).reshape(-1, out_eb)
+                bad = np.flatnonzero((a != zero).any(axis=1))
+                if bad.size:
+                    row, col = divmod(int(bad[0]), width)
+                    return _pad_message(t, seg, first_row + r - seg.row0 + row, col)
+                pos += len(actual)
+            continue
+        info = plan.sources[seg.src]  # a materialized alias carries the offsets of the tensor it aliases
+        src_eb = DTYPE_BITS[info.dtype] // 8
+        src_row = (info.numel // info.shape[0] if info.shape else 1) * src_eb
+        rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, src_row, width * out_eb))
+        whole_rows = seg.col0 == 0 and seg.col1 * src_eb == src_row
+        r = seg.row0
+        while r < seg.row1:
+            n = min(rows_per_block, seg.row1 - r)
+            raw = os.pread(src.fd(info.file), n * src_row, info.start + r * src_row)
+            if len(raw) != n * src_row:
+                raise CkptToolError(f"{info.file}: tensor {info.name!r}: source file ended early; was it modified?")
+            want = raw if whole_rows else np.frombuffer(raw, np.uint8).reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb].tobytes()
+            if seg.convert not in conversions.BYTEWISE:
+                want = conversions.forward(seg.convert, want, info)
+            if seg.pad:  # each row followed by the engine's zero padding
+                padded = np.empty((n, width * out_eb), np.uint8)
+                padded[:, : (width - seg.pad) * out_eb] = np.frombuffer(want, np.uint8).reshape(n, -1)
+                padded[:, (width - seg.pad) * out_eb :] = np.tile(zero, seg.pad)
+                want = padded.tobytes()
+            nbytes = n * width * out_eb
+            actual = reader.read(pos, nbytes)
+            if len(actual) != nbytes:
+                return f"{t.name}: output file ended early"
+            if want != actual:
+                a, b = np.frombuffer(want, np.uint8), np.frombuffer(actual, np.uint8)
+                diff = int(np.flatnonzero(a != b)[0]) // out_eb
+                row, col = divmod(diff, width)
+                if col >= width - seg.pad:
+                    return _pad_message(t, seg, first_row + r - seg.row0 + row, col)
+                what = "bytes" if seg.convert in conversions.BYTEWISE else "value"
+                return (
+                    f"tensor {t.name!r}: {what} differ from source {seg.src} "
+                    f"(rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1}) first at source element "
+                    f"[{r + row}, {seg.col0 + col}]"
+                )
+            pos += nbytes
+            r += n
+    return None
+
+
+def _pad_message(t: OutTensor, seg: Segment, row: int, col: int) -> str:
+    """A byte of the engine's zero padding that is not the zero element, at ``[row, col]`` of the segment's output."""
+    where = "after " + (f"source {seg.src} (rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1})" if seg.pad else "the source rows")
+    zero = "0" if seg.convert != "e8m0_to_f32" else "2^-127 (the float32 value of E8M0 byte 0)"
+    return (
+        f"tensor {t.name!r}: the engine's zero padding ({seg.zeros} elements {where}) holds something other than {zero}, "
+        f"first at element [{row}, {col}] of the output seen as 2-D; reconvert"
+    )
+
+
+def hub_source_for_verify(ref, out: Path) -> Path | Checkpoint:
+    """The checkpoint ``verify --source REF`` reads for a hub ``ref`` (``ckpt_tool.checkpoint.hub.HubRef``), fetched
+    into the HF cache if absent.
+
+    An ``--only mtp`` conversion made from part of a hub repo recorded just the shards it read: it is
+    verified against that same partial checkpoint (no other shard is fetched). Otherwise the whole
+    snapshot is resolved.
+    """
+    from ckpt_tool.checkpoint.hub import open_hub_source
+    from ckpt_tool.errors import CheckpointError
+    from ckpt_tool.mapping.plan import HubNeeds
+    from ckpt_tool.output.layout import read_manifest
+
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise CheckpointError(f"{out / MANIFEST}: missing; OUT is not a finished ckpt-tool conversion")
+    opts = options_from_manifest(manifest)
+    recorded = set(((manifest.get("source") or {}).get("files") or {}))
+    if opts.only == "mtp":
+        part = open_hub_source(ref, HubNeeds(opts))  # the shards the conversion read (fetched if absent)
+        if recorded == set(part.shards):
+            return part  # verify the partial source it was converted from, without fetching the rest
+    return open_hub_source(ref, HubNeeds(replace(opts, only=None))).root

@@ -1,0 +1,607 @@
+"""Numeric check of every output tensor: each converted linear against the source linear(s), by the engine's names.
+
+The MTP forward (numeric.py) proves one layer computes what the source computes, but on a handful
+of tokens it reaches few routed experts and it never runs a main-model layer. This check covers the
+rest: every linear of every layer, target model and MTP alike (each routed expert, each part of a
+fused weight, each TP rank), runs through the fp8-block / MXFP4 GEMM kernels on seeded probe inputs,
+ranks recombined as the engine does (column-parallel outputs concatenated, row-parallel partial sums
+added, expert-parallel ranks each holding their own experts; where the engine zero-pads a split, the
+padded rows must compute exactly zero and the padded inputs carry probe values that must add
+nothing), and is compared with the source
+linear dequantized in torch (:mod:`ckpt_tool.verify.quant`). Tensors no quantized kernel runs are compared
+exactly by value, tile by tile: bf16 linears (embedding, heads, router, compressor, indexer
+projections) and non-linear tensors (norms, ``hc_*``, sinks, biases, ``tid2eid``, ``ape``).
+
+Independence: the engine side is named from :mod:`ckpt_tool.mapping.engine_table` (the engine's parameter table,
+tested against vLLM itself) and the source side from DeepSeek's names written out below; the rule
+table is never consulted, so a rule that maps the wrong bytes (swapped fused parts, a wrong expert,
+a wrong rank slice) makes the two sides disagree.
+
+Memory: weights are read with ``pread`` a tile of rows at a time (``kernels.fp8_gemm.tile_rows``,
+8 MiB of float32) on both sides, so the peak does not grow with hidden size or expert count.
+
+Tolerance: both sides round the probe activation the same way and differ only by float32
+summation order (row-parallel partial sums, kernel tiles): ``max|a - b| / max|a| <= 1e-3`` per part
+and rank (measured <= 1e-6 on the torch path); a mapping bug moves it to O(1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckpt_tool.verify import quant
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
+from ckpt_tool.errors import CheckpointError, UsageError
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
+from ckpt_tool.mapping.plan import Plan
+from ckpt_tool.checkpoint.source import Checkpoint
+from ckpt_tool.verify.rows import RowReader, source_info
+from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = 4
+LINEAR_MAX_REL = 1e-3
+FP8_BLOCK = quant.FP8_BLOCK[0]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One source linear inside an engine linear: ``source`` is a DeepSeek base name (quantized:
+    ``.weight`` + ``.scale``) or a full tensor name (bf16); ``rows`` its output features."""
+
+    source: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class LinearUnit:
+    """An engine linear (or one routed expert's slot of a stacked one) and the source parts it holds.
+
+    ``layout``: ``full`` — every rank in ``ranks`` holds all parts stacked by rows (replicated, or an
+    expert-parallel expert on its owner); ``col`` — each part's rows split over the ranks, a rank
+    holding its slice of every part in order (column parallel); ``row`` — the input features split
+    over the ranks, partial outputs summed (row parallel).
+    """
+
+    group: str
+    weight: str
+    scale: str | None
+    kind: str  # fp8 | mxfp4 | bf16
+    parts: tuple[Part, ...]
+    inp: int
+    layout: str
+    ranks: tuple[int, ...]
+    expert: int | None = None  # global routed expert (the engine tensor is stacked)
+    local: tuple[int, ...] = ()  # per entry of ranks: the expert's slot in that rank's stack
+    # col/row: each part's rows (col) or the inputs (row) a rank holds when the engine zero-pads the split to
+    # whole blocks (real ones first, a rank past the end all zeros); None: an even split
+    per_rank: int | None = None
+
+    def share(self, size: int) -> int:
+        """What one rank holds of a split dim of ``size``."""
+        return self.per_rank if self.per_rank is not None else size // len(self.ranks)
+
+    @property
+    def label(self) -> str:
+        return self.weight if self.expert is None else f"{self.weight}[expert {self.expert}]"
+
+
+@dataclass(frozen=True)
+class ExactUnit:
+    """A non-linear tensor compared by value: whole on every rank, or split by rows (``col``)."""
+
+    group: str
+    name: str
+    source: str
+    layout: str
+    ranks: tuple[int, ...]
+
+
+Unit = LinearUnit | ExactUnit
+
+
+class _Builder:
+    """The unit table of one component: engine names (engine.py) against DeepSeek source names."""
+
+    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool, source_names: set[str]) -> None:
+        self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
+        self.source_names = source_names
+        self.units: list[Unit] = []
+        self.group = ""
+        self.all_ranks = tuple(range(tp))
+
+    def exact(self, name: str, source: str, layout: str = "full") -> None:
+        self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks))
+
+    def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str, per_rank: int | None = None) -> None:
+        self.units.append(LinearUnit(
+            self.group, f"{base}.weight", f"{base}.weight_scale_inv", "fp8", tuple(Part(s, r) for s, r in parts),
+            inp, layout, self.all_ranks, per_rank=per_rank))
+
+    def bf16(self, name: str, parts: list[tuple[str, int]], inp: int, layout: str = "full") -> None:
+        self.units.append(LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks))
+
+    def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
+        c, n = self.cfg, self.n
+        D, H, Dh, Qr = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
+        G, Or = c.o_groups, c.o_lora_rank
+        self.exact(f"{p}.attn_norm.weight", f"{sp}.attn_norm.weight")
+        self.exact(f"{p}.ffn_norm.weight", f"{sp}.ffn_norm.weight")
+        for part in ("attn", "ffn"):
+            for t in ("fn", "base", "scale"):
+                self.exact(f"{p}.hc_{part}_{t}", f"{sp}.hc_{part}_{t}")
+        a, sa = f"{p}.attn", f"{sp}.attn"
+        self.exact(f"{a}.attn_sink", f"{sa}.attn_sink", "col")
+        self.fp8(f"{a}.fused_wqa_wkv", [(f"{sa}.wq_a", Qr), (f"{sa}.wkv", Dh)], D, "full")
+        self.exact(f"{a}.q_norm.weight", f"{sa}.q_norm.weight")
+        self.exact(f"{a}.kv_norm.weight", f"{sa}.kv_norm.weight")
+        self.fp8(f"{a}.wq_b", [(f"{sa}.wq_b", H * Dh)], Qr, "col")
+        self.fp8(f"{a}.wo_a", [(f"{sa}.wo_a", G * Or)], H * Dh // G, "col")
+        self.fp8(f"{a}.wo_b", [(f"{sa}.wo_b", D)], G * Or, "row")
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            cm, sc = f"{p}.{n.compressor}", f"{sa}.compressor"
+            self.exact(f"{cm}.ape", f"{sc}.ape")
+            self.bf16(f"{cm}.fused_wkv_wgate.weight", [(f"{sc}.wkv.weight", coff * Dh), (f"{sc}.wgate.weight", coff * Dh)], D)
+            self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
+        if ratio == 4:
+            ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
+            self.fp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
+            self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
+            self.exact(f"{ix}.compressor.ape", f"{si}.compressor.ape")
+            self.bf16(f"{ix}.compressor.fused_wkv_wgate.weight",
+                      [(f"{si}.compressor.wkv.weight", 2 * ihd), (f"{si}.compressor.wgate.weight", 2 * ihd)], D)
+            self.exact(f"{ix}.compressor.norm.weight", f"{si}.compressor.norm.weight")
+        E, I = c.n_routed_experts, c.moe_intermediate_size
+        g, sf = f"{p}.{n.gate}", f"{sp}.ffn"
+        self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", E)], D)
+        if hash_layer:
+            self.exact(f"{g}.tid2eid", f"{sf}.gate.tid2eid")
+        else:
+            self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
+        if c.n_shared_experts:
+            sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
+            per_rank = None
+            if n.shared_pad and (Ish // FP8_BLOCK) % self.tp:  # the engine's whole blocks a rank (engine.py)
+                per_rank = -(-(Ish // FP8_BLOCK) // self.tp) * FP8_BLOCK
+            self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
+            self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
+        r = f"{p}.{n.routed}"
+        kind = "mxfp4" if c.expert_dtype == "fp4" else "fp8"
+        sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
+        per = E // self.tp
+        for j in range(E):
+            if self.ep:
+                ranks, local, lay13, lay2 = (j // per,), (j % per,), "full", "full"
+            else:
+                ranks, local, lay13, lay2 = self.all_ranks, (j,) * self.tp, "col", "row"
+            se = f"{sf}.experts.{j}"
+            self.units.append(LinearUnit(self.group, f"{r}.w13_weight", f"{r}.w13_{sfx}", kind,
+                                         (Part(f"{se}.w1", I), Part(f"{se}.w3", I)), D, lay13, ranks, j, local))
+            self.units.append(LinearUnit(self.group, f"{r}.w2_weight", f"{r}.w2_{sfx}", kind,
+                                         (Part(f"{se}.w2", D),), I, lay2, ranks, j, local))
+
+
+def tensor_units(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str, source_names: set[str]) -> list[Unit]:
+    """Every engine tensor of one rank set of ``component`` as check units (see the module docstring)."""
+    if profile not in ENGINES:
+        raise UsageError(f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/")
+    b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
+    D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    b.group = "embed/head"
+    if component == "model":
+        b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
+        b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
+        b.exact("model.norm.weight", "norm.weight")
+        for t in ("fn", "base", "scale"):
+            b.exact(f"model.hc_head_{t}", f"hc_head_{t}")
+        for layer in range(cfg.num_hidden_layers):
+            b.group = f"layers.{layer}"
+            b.block(f"model.layers.{layer}", f"layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
+        return b.units
+    # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
+    emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
+    b.bf16("model.embed_tokens.weight", [(emb, V)], D, "col")
+    for i, S in enumerate(cfg.mtp_layer_ids):
+        p, sp = f"model.layers.{S}", f"mtp.{i}"
+        b.group = f"mtp.{i} (layer {S})"
+        b.exact(f"{p}.enorm.weight", f"{sp}.enorm.weight")
+        b.exact(f"{p}.hnorm.weight", f"{sp}.hnorm.weight")
+        b.fp8(f"{p}.e_proj", [(f"{sp}.e_proj", D)], D, "full")
+        b.fp8(f"{p}.h_proj", [(f"{sp}.h_proj", D)], D, "full")
+        for t in ("fn", "base", "scale"):
+            b.exact(f"{p}.hc_head_{t}", f"{sp}.hc_head_{t}")
+        b.exact(f"{p}.shared_head.norm.weight", f"{sp}.norm.weight")
+        head = f"{sp}.head.weight" if f"{sp}.head.weight" in source_names else "head.weight"
+        b.bf16(f"{p}.shared_head.head.weight", [(head, V)], D, "col")
+        b.block(f"{p}.mtp_block", sp, ratio=0, hash_layer=False)
+    return b.units
+
+
+def unit_tensors(u: Unit) -> list[str]:
+    """Engine tensor names a unit checks."""
+    if isinstance(u, ExactUnit):
+        return [u.name]
+    return [u.weight] + ([u.scale] if u.scale else [])
+
+
+def unit_label(u: Unit) -> str:
+    """The unit's engine tensor (``[expert j]`` for one routed expert of a stacked tensor)."""
+    return u.name if isinstance(u, ExactUnit) else u.label
+
+
+def unit_parts(u: Unit) -> list[str]:
+    """The source tensors (quantized linears: base names) a unit holds, in order."""
+    return [u.source] if isinstance(u, ExactUnit) else [p.source for p in u.parts]
+
+
+# ---------------------------------------------------------------------------------------------
+# coverage: what was computed
+
+
+class Coverage:
+    """What the numeric level computed, counted in units of one source part of one engine tensor on one rank:
+    a fused weight counts once per part (``fused_wqa_wkv``: wq_a and wkv; ``gate_up_proj``: w1 and w3), a
+    stacked routed-expert tensor once per expert and part (w13: w1 and w3; w2), weight and scale together.
+
+    Expected: every unit of the unit table on every rank the plan writes, plus whatever a rank's header holds
+    that no unit names (a tensor, a stacked expert slot) — nothing can compute those, so they count against
+    coverage. Computed: only what the code that ran a part records (:class:`LinearRunner`, the MTP forward's
+    expert probes via :meth:`credit`), never inferred from names. Nothing to cover is n/a, never 100 %.
+    """
+
+    SHOWN = 50  # units not computed listed by name in the report
+
+    def __init__(self, plan: Plan, headers: dict[str, ShardHeader], units: dict[str, list[Unit]]) -> None:
+        self.units = dict(units)  # the caller may narrow what it runs; what is expected stays
+        self.ranks = {comp: sorted({f.rank for f in plan.files if f.component == comp}) for comp in units}
+        self.computed: dict[str, dict[tuple[str, str], int]] = {comp: {} for comp in units}
+        self.unnamed: dict[str, list[tuple[int, str]]] = {comp: _unnamed(plan, headers, comp, us) for comp, us in units.items()}
+
+    def add(self, component: str, computed: dict[tuple[str, str], int]) -> None:
+        """A runner's record: ``(unit label, source part) -> bits of the ranks computed``."""
+        done = self.computed[component]
+        for key, bits in computed.items():
+            done[key] = done.get(key, 0) | bits
+
+    def credit(self, component: str, records: set[tuple[int, str]]) -> None:
+        """``(rank, source part)`` pairs another computation compared with the source (the MTP forward's expert
+        probes): the unit holding that part counts as computed on that rank."""
+        holders: dict[str, list[str]] = {}
+        for u in self.units[component]:
+            for src in unit_parts(u):
+                holders.setdefault(src, []).append(unit_label(u))
+        done = self.computed[component]
+        for rank, src in records:
+            for label in holders.get(src, ()):
+                done[label, src] = done.get((label, src), 0) | 1 << rank
+
+    def summary(self) -> tuple[dict, list[str]]:
+        """The report's coverage (``checked`` / ``total`` units, ``percent`` or None when there is nothing to
+        cover; per component and rank), and the first :attr:`SHOWN` units not computed, named."""
+        components: dict[str, dict] = {}
+        missed: list[str] = []
+        for comp, units in self.units.items():
+            tally = {r: [0, 0] for r in self.ranks[comp]}  # rank -> [checked, total]
+            done = self.computed[comp]
+            for u in units:
+                label = unit_label(u)
+                for src in unit_parts(u):
+                    bits = done.get((label, src), 0)
+                    for r in u.ranks:
+                        if r not in tally:
+                            continue  # a rank the plan does not write (convert --ranks)
+                        tally[r][1] += 1
+                        if bits >> r & 1:
+                            tally[r][0] += 1
+                        elif len(missed) < self.SHOWN:
+                            missed.append(f"{comp} rank {r}: {label} part {src}")
+            for r, what in self.unnamed[comp]:
+                tally[r][1] += 1
+                if len(missed) < self.SHOWN:
+                    missed.append(f"{comp} rank {r}: {what} (no numeric check computes it)")
+            ranks = {str(r): _tally(c, t) for r, (c, t) in tally.items()}
+            components[comp] = {**_tally(sum(c for c, _ in tally.values()), sum(t for _, t in tally.values())), "ranks": ranks}
+        whole = _tally(sum(c["checked"] for c in components.values()), sum(c["total"] for c in components.values()))
+        return {"unit": "one source part of one engine tensor on one rank", **whole, "components": components}, missed
+
+
+def _tally(checked: int, total: int) -> dict:
+    """``percent`` floored (99.996 % shows 99.99, never 100), None for 0 of 0."""
+    return {"checked": checked, "total": total, "percent": math.floor(10000 * checked / total) / 100 if total else None}
+
+
+def _unnamed(plan: Plan, headers: dict[str, ShardHeader], comp: str, units: list[Unit]) -> list[tuple[int, str]]:
+    """``(rank, what)`` for each tensor in the rank's headers that no unit names, and each stacked expert slot
+    of a named tensor that no unit computes."""
+    named: dict[int, set[str]] = {}
+    slots: dict[tuple[int, str], set[int]] = {}
+    for u in units:
+        for i, r in enumerate(u.ranks):
+            named.setdefault(r, set()).update(unit_tensors(u))
+            if isinstance(u, LinearUnit) and u.expert is not None:
+                for name in unit_tensors(u):
+                    slots.setdefault((r, name), set()).add(u.local[i])
+    found: list[tuple[int, str]] = []
+    for f in plan.files:
+        if f.component != comp or f.relpath not in headers:
+            continue
+        for name, info in headers[f.relpath].tensors.items():
+            if name not in named.get(f.rank, ()):
+                found.append((f.rank, f"{f.relpath}: {name}"))
+            elif (f.rank, name) in slots and info.shape:
+                found += [(f.rank, f"{f.relpath}: {name} slot {k}") for k in range(info.shape[0]) if k not in slots[f.rank, name]]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# running the units
+
+
+def probe(unit: LinearUnit, seed: int, device: torch.device) -> torch.Tensor:
+    """Seeded ``[PROBE_ROWS, in]`` inputs, distinct per unit (and expert); a row-parallel split the engine
+    zero-pads gets probe values on the padded inputs too (``[PROBE_ROWS, per_rank * tp]``)."""
+    key = zlib.crc32(f"{unit.label}".encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+    g = torch.Generator().manual_seed(key)
+    width = unit.share(unit.inp) * len(unit.ranks) if unit.layout == "row" else unit.inp
+    return torch.randn(PROBE_ROWS, width, generator=g).to(device)
+
+
+class _Sides:
+    """Row reads of source tensors (DeepSeek names) and of each output rank's tensors (engine names)."""
+
+    def __init__(self, ckpt: Checkpoint, out: Path, plan: Plan, headers: dict[str, ShardHeader], component: str,
+                 reader: RowReader, device: torch.device) -> None:
+        self.ckpt, self.reader, self.device = ckpt, reader, device
+        self.locate: dict[int, dict[str, tuple[Path, TensorInfo]]] = {}
+        for f in plan.files:
+            if f.component != component or f.relpath not in headers:
+                continue
+            where = self.locate.setdefault(f.rank, {})
+            for name, info in headers[f.relpath].tensors.items():
+                where[name] = (out / f.relpath, info)
+
+    def source_info(self, name: str) -> TensorInfo:
+        return source_info(self.ckpt, name)
+
+    def source_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        return self.reader.source_rows(self.ckpt, name, r0, r1).to(self.device)
+
+    def engine_info(self, rank: int, name: str) -> tuple[Path, TensorInfo]:
+        hit = self.locate.get(rank, {}).get(name)
+        if hit is None:
+            raise CheckpointError(f"tensor {name!r} is not in rank {rank}'s files")
+        return hit
+
+    def engine_rows(self, rank: int, name: str, r0: int, r1: int) -> torch.Tensor:
+        path, info = self.engine_info(rank, name)
+        return self.reader.rows(path, info, r0, r1).to(self.device)
+
+
+def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
+    return (r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)) if kind == "fp8" else (r0, r1)
+
+
+class LinearRunner:
+    """Runs units; keeps the worst disagreement per unit for the report, and in ``computed`` what it ran:
+    ``(unit label, source part) -> bit r set`` once that part's rows on rank r were all compared with the source."""
+
+    def __init__(self, sides: _Sides, *, kernels: str, act: str, seed: int) -> None:
+        self.sides, self.kernels, self.act, self.seed = sides, kernels, act, seed
+        self.computed: dict[tuple[str, str], int] = {}
+
+    def _done(self, u: Unit, source: str, ranks) -> None:
+        key = (unit_label(u), source)
+        self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
+
+    # the two GEMMs: source = torch reference, engine = the kernels
+    def _reference(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+        from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
+
+        if kind == "bf16":
+            return x @ w.float().T
+        if kind == "mxfp4":
+            return prepare_activation(x, "bf16") @ quant.mxfp4_dequant(w, s, what=what).T
+        return prepare_activation(x, self.act) @ quant.fp8_block_dequant(w, s, what=what).T
+
+    def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+        from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
+
+        if kind == "bf16":
+            return x @ w.float().T
+        if kind == "mxfp4":
+            return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
+        return fp8_block_gemm(x, w, s, act=self.act, backend=self.kernels, what=what)
+
+    def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if u.kind == "bf16":
+            return self.sides.source_rows(part.source, a, b), None
+        s0, s1 = _scale_rows(u.kind, a, b)
+        return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(f"{part.source}.scale", s0, s1)
+
+    def _engine_tile(self, u: LinearUnit, rank: int, slot: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [a, b) of the rank's matrix (of stacked expert ``slot``)."""
+        _, info = self.sides.engine_info(rank, u.weight)
+        base = slot * info.shape[1] if u.expert is not None else 0
+        w = self.sides.engine_rows(rank, u.weight, base + a, base + b)
+        if u.scale is None:
+            return w, None
+        s0, s1 = _scale_rows(u.kind, a, b)
+        sbase = 0
+        if u.expert is not None:
+            sbase = slot * self.sides.engine_info(rank, u.scale)[1].shape[1]
+        return w, self.sides.engine_rows(rank, u.scale, sbase + s0, sbase + s1)
+
+    def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
+        """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
+        from ckpt_tool.verify.kernels.fp8_gemm import tile_rows
+
+        # the source tile [step, in] is the largest piece either side holds
+        step = tile_rows(part_rows, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        if u.layout == "col":
+            n_r = u.share(part_rows)
+            for i, r in enumerate(u.ranks):
+                for a in range(i * n_r, min((i + 1) * n_r, part_rows), step):
+                    yield a, min(a + step, (i + 1) * n_r, part_rows), r
+        else:
+            for a in range(0, part_rows, step):
+                yield a, min(a + step, part_rows), None
+
+    def _pad_tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int]]:
+        """(a, b, rank): rows [a, b) of the rank's share of one column-parallel part that are the engine's
+        zero padding (past the end of the source part)."""
+        from ckpt_tool.verify.kernels.fp8_gemm import tile_rows
+
+        n_r = u.share(part_rows)
+        step = tile_rows(n_r, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        for i, r in enumerate(u.ranks):
+            real = max(0, min(n_r, part_rows - i * n_r))
+            for a in range(real, n_r, step):
+                yield a, min(a + step, n_r), r
+
+    def run(self, u: LinearUnit) -> str | None:
+        """None when every part on every rank agrees; else one line naming the engine tensor, rank and part."""
+        x = probe(u, self.seed, self.sides.device)
+        x_src = x[:, : u.inp]  # the source linear's inputs (a padded row-parallel probe is wider)
+        slots = dict(zip(u.ranks, u.local)) if u.expert is not None else {r: 0 for r in u.ranks}
+        off = 0  # the part's first row in the source's stacked parts
+        local_off = 0  # ... and in a column-parallel rank's tensor
+        for part in u.parts:
+            worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
+            ran: set[int] = set()  # ranks whose rows of the part were compared
+
+            def note(holder, ref: torch.Tensor, got: torch.Tensor) -> None:
+                w = worst.setdefault(holder, [0.0, 0.0])
+                d = (ref - got).abs().max().item() if ref.numel() else 0.0
+                w[0] = max(w[0], d) if not math.isnan(d) else math.inf
+                w[1] = max(w[1], ref.abs().max().item() if ref.numel() else 0.0)
+
+            for a, b, owner in self._tiles(u, part.rows):
+                w_src, s_src = self._source_tile(u, part, a, b)
+                if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
+                    i = u.ranks.index(owner) if owner is not None else 0
+                    holders = [(owner, local_off + a - i * u.share(part.rows))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
+                    for r, local in holders:
+                        got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
+                        if not torch.equal(got, w_src):
+                            return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
+                        ran.add(r)
+                    continue
+                ref = self._reference(u.kind, x_src, w_src, s_src, f"source {part.source}")
+                del w_src, s_src
+                if u.layout == "row":
+                    got = None
+                    kr = u.share(u.inp)
+                    for i, r in enumerate(u.ranks):
+                        w, s = self._engine_tile(u, r, slots[r], a, b)
+                        y = self._kernel(u.kind, x[:, i * kr : (i + 1) * kr].contiguous(), w, s, f"{u.label} rank {r}")
+                        got = y if got is None else got + y
+                    note("sum", ref, got)
+                    ran.update(u.ranks)
+                elif u.layout == "col":
+                    i = u.ranks.index(owner)
+                    local = local_off + a - i * u.share(part.rows)
+                    w, s = self._engine_tile(u, owner, slots[owner], local, local + (b - a))
+                    note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}"))
+                    ran.add(owner)
+                else:
+                    for r in u.ranks:
+                        w, s = self._engine_tile(u, r, slots[r], off + a, off + b)
+                        note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}"))
+                        ran.add(r)
+            self._done(u, part.source, ran)
+            for holder, (d, amax) in worst.items():
+                rel = d / max(amax, 1e-30)
+                if not rel <= LINEAR_MAX_REL:
+                    where = "ranks summed" if holder == "sum" else f"rank {holder}"
+                    scale = f" (scale {u.scale!r})" if u.scale else ""
+                    expert = "" if u.expert is None else f" expert {u.expert}"
+                    return (f"tensor {u.weight!r}{scale}{expert} ({where}): output of part {part.source} disagrees with "
+                            f"the source linear: max_rel {rel:.3g} (needs <= {LINEAR_MAX_REL:g})")
+            if u.layout == "col" and u.per_rank is not None:
+                for a, b, r in self._pad_tiles(u, part.rows):
+                    w, s = self._engine_tile(u, r, slots[r], local_off + a, local_off + b)
+                    y = self._kernel(u.kind, x, w, s, f"{u.label} rank {r}")
+                    if y.count_nonzero():
+                        return (f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's zero "
+                                f"padding after part {part.source} but compute nonzero output (max |y| {y.abs().max().item():.3g})")
+                    self._done(u, part.source, [r])
+            off += part.rows
+            local_off += u.share(part.rows) if u.layout == "col" else part.rows
+        return None
+
+    def run_exact(self, u: ExactUnit) -> str | None:
+        info = self.sides.source_info(u.source)
+        src = self.sides.reader.whole(self.ckpt_path(info), info)
+        T = len(u.ranks)
+        for i, r in enumerate(u.ranks):
+            path, einfo = self.sides.engine_info(r, u.name)
+            got = self.sides.reader.whole(path, einfo)
+            want = src
+            if u.layout == "col":
+                n = src.shape[0] // T
+                want = src[i * n : (i + 1) * n]
+            same = tuple(got.shape) == tuple(want.shape) and _same_values(want, got)
+            self._done(u, u.source, [r])
+            if not same:
+                return f"tensor {u.name!r} (rank {r}): values differ from source {u.source}"
+        return None
+
+    def ckpt_path(self, info: TensorInfo) -> Path:
+        return self.sides.ckpt.root / info.file
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point or b.dtype.is_floating_point:
+        return torch.equal(a.to(torch.float64), b.to(torch.float64))
+    return torch.equal(a.to(torch.int64), b.to(torch.int64))
+
+
+def check_every_tensor(
+    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *,
+    kernels: str, device: torch.device, seed: int, act: str = "bf16", progress: Progress | None = None,
+    skip_mtp_experts: bool = False,
+) -> Coverage:
+    """Add one check per layer (and one for embed/head) per component; return the coverage: every unit
+    expected, those run here computed.
+
+    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
+    credits them to the coverage); they stay expected."""
+    progress = progress or NoProgress()
+    opts, cfg = plan.options, plan.config
+    components = sorted({f.component for f in plan.files})
+    plans = {comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors)) for comp in components}
+    coverage = Coverage(plan, headers, plans)
+    if skip_mtp_experts and "mtp" in plans:
+        plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
+    progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
+    with RowReader() as reader:
+        for comp in components:
+            sides = _Sides(ckpt, out, plan, headers, comp, reader, device)
+            runner = LinearRunner(sides, kernels=kernels, act=act, seed=seed)
+            groups: dict[str, list[Unit]] = {}
+            for u in plans[comp]:
+                groups.setdefault(u.group, []).append(u)
+            for group, units in groups.items():
+                bad: list[tuple[str, str]] = []
+                with torch.no_grad():
+                    for u in units:
+                        try:
+                            msg = runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
+                        except (CheckpointError, ValueError, RuntimeError) as exc:
+                            msg = f"tensor {unit_tensors(u)[0]!r}: {exc}"
+                        if msg:
+                            bad.append((msg, unit_tensors(u)[0]))
+                        progress.advance(1, f"{comp} {group}")
+                report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": len(units)}))
+            coverage.add(comp, runner.computed)
+    return coverage

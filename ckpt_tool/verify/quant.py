@@ -1,0 +1,454 @@
+"""Pure-torch reference for the DeepSeek V4 quantized weight formats.
+
+This module is the specification the Triton kernels in :mod:`ckpt_tool.verify.kernels` are tested
+against, so it favours exactness over speed:
+
+* FP8 block quantization: ``float8_e4m3fn`` weight ``[N, K]`` with one scale per 128x128 block,
+  ``[ceil(N/128), ceil(K/128)]``, stored as float32 (Base checkpoints) or E8M0
+  (``float8_e8m0fnu``, or the same bytes as ``uint8`` after conversion). The scale is a
+  multiplier: ``W[i, j] = W8[i, j] * S[i // 128, j // 128]``.
+* MXFP4 experts: packed bytes ``[N, K/2]`` (``int8`` in the source files, ``uint8`` after
+  conversion), element ``2k`` in the low nibble and ``2k+1`` in the high nibble, each an e2m1
+  code; one E8M0 scale per 32 consecutive inputs of a row, ``[N, K/32]``.
+
+Every E8M0 byte ``b`` means ``2**(b - 127)``; ``0xFF`` is NaN and is rejected with a
+:class:`~ckpt_tool.errors.CheckpointError` because a NaN scale silently poisons a whole block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt_tool.errors import CheckpointError
+
+FP8_BLOCK: tuple[int, int] = (128, 128)
+"""Block shape (rows, cols) of one FP8 weight scale."""
+
+MXFP4_GROUP = 32
+"""Inputs of one row sharing one MXFP4 scale."""
+
+ACT_GROUP = 128
+"""Per-token activation group size of the runtime FP8 activation quantization."""
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E8M0_NAN = 0xFF
+E8M0_BIAS = 127
+
+# Indexed by the 4-bit code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0.
+E2M1_VALUES: tuple[float, ...] = (
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+)  # fmt: skip
+
+# float32 bit pattern of 2**-127, the value of E8M0 byte 0: a float32 subnormal, so it cannot be
+# made by shifting the byte into the exponent field like the other 254 finite codes.
+_F32_BITS_2_POW_M127 = 0x0040_0000
+_F32_QUIET_NAN_BITS = 0x7FC0_0000
+
+_E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def _label(what: str | None, default: str) -> str:
+    return what if what else default
+
+
+def _as_e8m0_bits(t: torch.Tensor, what: str | None) -> torch.Tensor:
+    """Return the raw E8M0 bytes of ``t`` as uint8, rejecting any other dtype."""
+    if t.dtype not in _E8M0_DTYPES:
+        raise CheckpointError(
+            f"{_label(what, 'E8M0 scale')}: expected dtype float8_e8m0fnu or uint8 (raw E8M0 bytes), "
+            f"got {t.dtype}"
+        )
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def check_e8m0(t: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Validate E8M0 scale bytes and return them as a uint8 tensor (a view, no copy).
+
+    Raises CheckpointError if the dtype is not E8M0/uint8 or if any byte is 0xFF (NaN); the
+    message names the tensor (``what``), how many NaN bytes there are and where the first one is.
+    """
+    bits = _as_e8m0_bits(t, what)
+    nan = bits == E8M0_NAN
+    if bool(nan.any()):
+        count = int(nan.sum())
+        flat = int(torch.nonzero(nan.flatten())[0, 0])
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(bits.shape)))
+        raise CheckpointError(
+            f"{_label(what, 'E8M0 scale')}: {count} NaN byte(s) (0xFF) in E8M0 scale of shape "
+            f"{list(bits.shape)}, first at index {list(pos)}"
+        )
+    return bits
+
+
+def e8m0_to_float32(t: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Decode E8M0 scales (``float8_e8m0fnu`` or raw ``uint8`` bytes) to exact float32 powers of two.
+
+    Byte ``b`` in 1..254 decodes to ``2**(b - 127)`` by placing it in the float32 exponent field;
+    byte 0 decodes to ``2**-127`` (a float32 subnormal, not zero). Byte 0xFF is NaN and raises
+    :class:`CheckpointError` naming ``what``, the NaN count and the first position.
+    """
+    bits = check_e8m0(t, what).to(torch.int32)
+    f32_bits = torch.where(bits == 0, _F32_BITS_2_POW_M127, bits << 23)
+    return f32_bits.view(torch.float32)
+
+
+def float32_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Encode exact powers of two in [2**-127, 2**127] as E8M0 bytes (uint8).
+
+    Raises ValueError for anything else: this is an encoder for quantizers and fixtures, and a
+    scale that is not an exact power of two cannot be stored in E8M0 without changing the weights.
+    """
+    s = scale.to(torch.float64)
+    mant, exp = torch.frexp(s)
+    # frexp gives s = mant * 2**exp with mant in [0.5, 1); a power of two has mant == 0.5.
+    ok = (mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)
+    if not bool(ok.all()):
+        bad = s[~ok].flatten()[0].item()
+        raise ValueError(f"E8M0 can only hold powers of two in [2**-127, 2**127], got {bad!r}")
+    return (exp - 1 + E8M0_BIAS).to(torch.uint8)
+
+
+def e4m3_decode_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Decode raw e4m3fn bytes (uint8) to float32 with integer/bit operations only.
+
+    e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+    (``m/8 * 2**-6``); 0x7F/0xFF are NaN; there is no infinity, so the max is 448. This does not
+    use torch's float8 cast, so tests can cross-check that cast against it.
+    """
+    if bits.dtype != torch.uint8:
+        raise ValueError(f"e4m3_decode_bits expects uint8 raw bits, got {bits.dtype}")
+    b = bits.to(torch.int32)
+    sign = (b >> 7) & 1
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = ((e + (127 - 7)) << 23) | (m << 20)
+    # Subnormal m * 2**-9: renormalize so the leading 1 of m becomes the implicit float32 bit.
+    p = (m >= 2).to(torch.int32) + (m >= 4).to(torch.int32)  # floor(log2(m)) for m in 1..7
+    sub = ((p - 9 + 127) << 23) | ((m - (1 << p)) << (23 - p))
+    sub = torch.where(m == 0, 0, sub)
+    mag = torch.where(e == 0, sub, normal)
+    mag = torch.where((e == 0xF) & (m == 0x7), _F32_QUIET_NAN_BITS, mag)
+    value = mag.view(torch.float32)
+    # Negate rather than OR in bit 31 so no int32 shift overflows; -(+0.0) is -0.0 as required.
+    return torch.where(sign == 1, -value, value)
+
+
+def e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
+    """Decode 4-bit e2m1 codes (any integer dtype, values 0..15) to float32 via the value table."""
+    if nibbles.dtype.is_floating_point or nibbles.dtype == torch.bool:
+        raise ValueError(f"e2m1_decode expects integer codes, got {nibbles.dtype}")
+    codes = nibbles.to(torch.int64)
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("e2m1 codes must be in 0..15")
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
+    return table[codes]
+
+
+def as_e4m3_bits(weight: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Return an FP8 weight's raw e4m3 bits as uint8 (a view); CheckpointError for other dtypes."""
+    if weight.dtype == torch.float8_e4m3fn:
+        return weight.view(torch.uint8)
+    if weight.dtype == torch.uint8:
+        return weight
+    raise CheckpointError(
+        f"{_label(what, 'FP8 weight')}: expected dtype float8_e4m3fn or uint8 (raw e4m3 bits), got {weight.dtype}"
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_fp8_block_shapes(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    what: str | None = None,
+) -> None:
+    """Raise CheckpointError unless weight is 2-D and scale is ``[ceil(N/bn), ceil(K/bk)]``."""
+    name = _label(what, "FP8 weight")
+    if weight.dim() != 2:
+        raise CheckpointError(f"{name}: expected a 2-D [N, K] weight, got shape {list(weight.shape)}")
+    n, k = weight.shape
+    bn, bk = block
+    want = [_cdiv(n, bn), _cdiv(k, bk)]
+    if list(scale.shape) != want:
+        raise CheckpointError(
+            f"{name}: scale shape {list(scale.shape)} does not match weight shape {[n, k]} with "
+            f"{bn}x{bk} blocks (expected {want})"
+        )
+
+
+def fp8_scale_to_float32(scale: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Return an FP8 block scale as float32: float32 passes through, E8M0 / uint8 bytes are decoded."""
+    if scale.dtype == torch.float32:
+        return scale
+    if scale.dtype in _E8M0_DTYPES:
+        return e8m0_to_float32(scale, what)
+    raise CheckpointError(
+        f"{_label(what, 'FP8 scale')}: expected dtype float32, float8_e8m0fnu or uint8 (raw E8M0 "
+        f"bytes), got {scale.dtype}"
+    )
+
+
+def fp8_block_dequant(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    *,
+    what: str | None = None,
+) -> torch.Tensor:
+    """Dequantize an FP8 block-quantized weight to float32: ``W[i, j] = W8[i, j] * S[i//bn, j//bk]``.
+
+    ``weight`` is ``float8_e4m3fn`` or its raw bits as ``uint8`` ``[N, K]``; ``scale`` is float32,
+    ``float8_e8m0fnu`` or uint8 (always read as raw E8M0 bytes), shape ``[ceil(N/bn), ceil(K/bk)]``.
+    Raises CheckpointError for wrong dtypes, shapes or NaN E8M0 bytes.
+    """
+    bits = as_e4m3_bits(weight, what)
+    check_fp8_block_shapes(bits, scale, block, what)
+    s = fp8_scale_to_float32(scale, f"{what} scale" if what else None)
+    w = bits.view(torch.float8_e4m3fn).to(torch.float32)
+    n, k = w.shape
+    bn, bk = block
+    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast the scales, no [N, K] scale copy
+        return w.view(n // bn, bn, k // bk, bk).mul_(s[:, None, :, None]).view(n, k)
+    s_full = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return w * s_full
+
+
+def check_mxfp4_shapes(
+    packed: torch.Tensor, scale: torch.Tensor, what: str | None = None
+) -> tuple[int, int]:
+    """Validate MXFP4 dtypes/shapes; return ``(N, K)`` of the unpacked weight.
+
+    ``packed`` must be int8/uint8 ``[N, K/2]`` and ``scale`` E8M0/uint8 ``[N, ceil(K/32)]``.
+    """
+    name = _label(what, "MXFP4 weight")
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise CheckpointError(f"{name}: expected packed dtype int8 or uint8, got {packed.dtype}")
+    if scale.dtype not in _E8M0_DTYPES:
+        raise CheckpointError(
+            f"{name}: expected scale dtype float8_e8m0fnu or uint8 (raw E8M0 bytes), got {scale.dtype}"
+        )
+    if packed.dim() != 2:
+        raise CheckpointError(f"{name}: expected a 2-D [N, K/2] packed weight, got shape {list(packed.shape)}")
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    want = [n, _cdiv(k, MXFP4_GROUP)]
+    if list(scale.shape) != want:
+        raise CheckpointError(
+            f"{name}: scale shape {list(scale.shape)} does not match packed shape {list(packed.shape)} "
+            f"(K={k}, one scale per {MXFP4_GROUP} inputs: expected {want})"
+        )
+    return n, k
+
+
+def mxfp4_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Split packed MXFP4 bytes ``[N, K/2]`` into e2m1 codes ``[N, K]`` (uint8): low nibble first."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], 2 * b.shape[1])
+
+
+def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, *, what: str | None = None) -> torch.Tensor:
+    """Dequantize MXFP4 to float32: ``W[i, j] = e2m1(nibble(i, j)) * 2**(S[i, j//32] - 127)``.
+
+    ``packed`` is int8 or uint8 ``[N, K/2]`` (element 2k in the low nibble, 2k+1 in the high one);
+    ``scale`` is ``float8_e8m0fnu`` or uint8 ``[N, ceil(K/32)]``. Raises CheckpointError for wrong
+    dtypes, shapes or NaN scale bytes.
+    """
+    n, k = check_mxfp4_shapes(packed, scale, what)
+    s = e8m0_to_float32(scale, f"{what} scale" if what else None)
+    # One lookup per byte gives both of its values (low nibble first): the same table as
+    # e2m1_decode(mxfp4_unpack_codes(packed)), without int64 codes per element.
+    values = _byte_pair_table(packed.device).index_select(0, packed.reshape(-1).view(torch.uint8).to(torch.int32))
+    if k % MXFP4_GROUP == 0:
+        return values.view(n, k // MXFP4_GROUP, MXFP4_GROUP).mul_(s.unsqueeze(-1)).view(n, k)
+    return values.view(n, k) * s.repeat_interleave(MXFP4_GROUP, dim=1)[:, :k]
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_pair_table(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32: the e2m1 values of a packed byte's low and high nibble."""
+    table = _PAIR_TABLES.get(device)
+    if table is None:
+        b = torch.arange(256)
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        table = _PAIR_TABLES[device] = torch.stack((values[b & 0xF], values[b >> 4]), dim=-1).to(device)
+    return table
+
+
+def _exp2_f64(e: torch.Tensor) -> torch.Tensor:
+    """Exact float64 ``2**e`` for integer ``e`` in [-1022, 1023], built from the exponent bits.
+
+    Built from bits because ``torch.ldexp`` computes ``2**e`` in the default float32 dtype, which
+    underflows below 2**-149 and would make the exponent search below wrong for tiny inputs.
+    """
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _pow2_ceil_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest integer e with ``amax <= qmax * 2**e`` (int64), computed exactly in float64."""
+    a = amax.to(torch.float64)
+    # frexp: a/qmax = mant * 2**exp with mant in [0.5, 1), so exp - 1 or exp is the answer; the
+    # two corrections also absorb the rounding of the float64 division.
+    _, exp = torch.frexp(a / qmax)
+    e = exp.to(torch.int64).clamp(-1000, 1000)
+    e = torch.where(a <= qmax * _exp2_f64(e - 1), e - 1, e)
+    e = torch.where(a > qmax * _exp2_f64(e), e + 1, e)
+    return e
+
+
+def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.abs()
+    return padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
+
+
+def _check_finite_2d(w: torch.Tensor, fn: str) -> torch.Tensor:
+    if w.dim() != 2:
+        raise ValueError(f"{fn} expects a 2-D tensor, got shape {list(w.shape)}")
+    w = w.to(torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{fn}: input contains NaN or infinity")
+    return w
+
+
+def fp8_block_quant(
+    w: torch.Tensor,
+    scale_dtype: str = "e8m0",
+    block: tuple[int, int] = FP8_BLOCK,
+    *,
+    pow2: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float weight ``[N, K]`` to FP8 blocks: returns ``(w_fp8, scale)``.
+
+    Each block's scale is the smallest power of two with ``amax / scale <= 448`` (or, with
+    ``pow2=False`` and ``scale_dtype="float32"``, exactly ``amax / 448`` as DeepSeek's Base
+    checkpoints do). ``scale_dtype="e8m0"`` returns a ``float8_e8m0fnu`` scale, ``"float32"`` a
+    float32 one. With power-of-two scales, a weight whose blocks are e4m3 values times a common
+    power of two round-trips exactly through :func:`fp8_block_dequant`. For tests and fixtures.
+    """
+    if scale_dtype not in ("e8m0", "float32"):
+        raise ValueError(f"scale_dtype must be 'e8m0' or 'float32', got {scale_dtype!r}")
+    if scale_dtype == "e8m0" and not pow2:
+        raise ValueError("E8M0 scales are powers of two; pow2=False needs scale_dtype='float32'")
+    w = _check_finite_2d(w, "fp8_block_quant")
+    amax = _block_amax(w, block)
+    if pow2:
+        e = _pow2_ceil_exponent(amax, E4M3_MAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+        # An all-zero block has no meaningful scale; 1.0 keeps the encoding canonical.
+        e = torch.where(amax == 0, 0, e)
+        scale = _exp2_f64(e).to(torch.float32)
+    else:
+        scale = torch.where(amax == 0, 1.0, amax / E4M3_MAX).to(torch.float32)
+    n, k = w.shape
+    bn, bk = block
+    s_full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    # Clamp because a non-power-of-two scale can round w / scale a hair above 448, and torch's
+    # cast does not saturate (it would produce NaN).
+    q = (w / s_full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    if scale_dtype == "e8m0":
+        return q, float32_to_e8m0(scale).view(torch.float8_e8m0fnu)
+    return q, scale
+
+
+def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values with ``|v| <= 6`` to the nearest e2m1 code (ties to even mantissa)."""
+    mag = v.abs()
+    # Midpoints between neighbouring magnitudes [0, .5, 1, 1.5, 2, 3, 4, 6]; at a tie the code with
+    # mantissa bit 0 wins, so the comparison is strict where the upper neighbour is odd.
+    code = (
+        (mag > 0.25).to(torch.uint8)
+        + (mag >= 0.75).to(torch.uint8)
+        + (mag > 1.25).to(torch.uint8)
+        + (mag >= 1.75).to(torch.uint8)
+        + (mag > 2.5).to(torch.uint8)
+        + (mag >= 3.5).to(torch.uint8)
+        + (mag > 5.0).to(torch.uint8)
+    )
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float weight ``[N, K]`` (K even) to MXFP4: returns ``(packed_uint8, scale_uint8)``.
+
+    The scale of each 32-input group is the smallest power of two with ``amax / scale <= 6``,
+    returned as raw E8M0 bytes ``[N, ceil(K/32)]``; values are rounded to the nearest e2m1 value
+    (ties to even) and packed low nibble first, ``[N, K/2]``. For tests and fixtures.
+    """
+    w = _check_finite_2d(w, "mxfp4_quant")
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"mxfp4_quant needs an even K, got {k}")
+    groups = _cdiv(k, MXFP4_GROUP)
+    padded = torch.zeros(n, groups * MXFP4_GROUP, dtype=torch.float32, device=w.device)
+    padded[:, :k] = w
+    amax = padded.abs().view(n, groups, MXFP4_GROUP).amax(dim=2)
+    e = _pow2_ceil_exponent(amax, E2M1_MAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    e = torch.where(amax == 0, 0, e)
+    scale = _exp2_f64(e).to(torch.float32)
+    q = (padded.view(n, groups, MXFP4_GROUP) / scale[:, :, None]).clamp(-E2M1_MAX, E2M1_MAX)
+    codes = _e2m1_encode(q.view(n, -1)[:, :k])
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations ``[M, K]`` per token and per ``group`` inputs to e4m3 with ue8m0 scales.
+
+    Mirrors vLLM's runtime ``per_token_group_quant_fp8`` with ``use_ue8m0``: the scale is
+    ``max(amax, 1e-10) / 448`` rounded up to a power of two, and ``x / scale`` is rounded to
+    nearest e4m3. (vLLM computes the power of two with float32 ``log2``/``ceil``; this computes it
+    exactly, which can only differ when ``amax / 448`` is within float rounding of a power of two.)
+    Returns ``(x_fp8 [M, K] float8_e4m3fn, scale [M, ceil(K/group)] float32)``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"fp8_act_quant expects a 2-D [M, K] tensor, got shape {list(x.shape)}")
+    x = x.to(torch.float32)
+    m, k = x.shape
+    groups = _cdiv(k, group)
+    padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x
+    amax = padded.abs().view(m, groups, group).amax(dim=2).clamp_min(1e-10)
+    e = _pow2_ceil_exponent(amax, E4M3_MAX)
+    scale = _exp2_f64(e).to(torch.float32)
+    q = (padded.view(m, groups, group) / scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return q.view(m, -1)[:, :k].to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def fp8_act_dequant(x_fp8: torch.Tensor, scale: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """Inverse of :func:`fp8_act_quant`: ``x[m, k] = x_fp8[m, k] * scale[m, k // group]`` in float32."""
+    k = x_fp8.shape[1]
+    return x_fp8.to(torch.float32) * scale.repeat_interleave(group, dim=1)[:, :k]
+
+
+__all__ = [
+    "ACT_GROUP",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP8_BLOCK",
+    "MXFP4_GROUP",
+    "as_e4m3_bits",
+    "check_e8m0",
+    "check_fp8_block_shapes",
+    "check_mxfp4_shapes",
+    "e2m1_decode",
+    "e4m3_decode_bits",
+    "e8m0_to_float32",
+    "float32_to_e8m0",
+    "fp8_act_dequant",
+    "fp8_act_quant",
+    "fp8_block_dequant",
+    "fp8_block_quant",
+    "fp8_scale_to_float32",
+    "mxfp4_dequant",
+    "mxfp4_quant",
+    "mxfp4_unpack_codes",
+]
