@@ -11,7 +11,7 @@ real V4-Flash shapes, 5.32 GiB), converts it with ``--only mtp --tp 8`` (``--tp`
 ``/usr/bin/time`` (wall seconds; peak RSS of the largest process, ckpt-tool or the vLLM probe it runs), ``--rounds``
 times, reporting the median and the worst. The rank files are far above the real-load limit, so every rank is
 judged from the meta-device build alone: the figure for any OUT too large to load on the CPU. Fails (exit 1) when
-a verify does not pass or exceeds the targets of issue 21: all ranks in <= 60 s and <= 2 GiB.
+a verify does not pass or exceeds the targets: all ranks in <= 60 s and <= 2 GiB.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The header path at interactive speed (issue 13): ``inspect`` and ``convert --dry-run`` of full-size header sets.
+"""The header path at interactive speed: ``inspect`` and ``convert --dry-run`` of full-size header sets.
 
     python bench/header_bench.py                 # builds /tmp/hbench-*/{flash,pro} (headers only, ~30 MB), best of 3
     python bench/header_bench.py --rounds 5 --keep

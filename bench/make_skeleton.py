@@ -8,7 +8,7 @@
                                                            # and == what ckpt-tool derives from config.json
 
 The tensor set follows ckpt_tool/fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
-dimensions of research/v4_format.md §1-2. The specs are written out here instead of imported, because
+dimensions of the released checkpoints (deepseek-ai/DeepSeek-V4-Flash config.json and headers). The specs are written out here instead of imported, because
 importing ``ckpt_tool.fixtures.make`` pulls in torch (~230 MB RSS) and this generator must stay under 200 MB;
 ``--self-check`` imports it in a separate run and compares the two spec lists for a few layer kinds.
 
@@ -36,7 +36,7 @@ import numpy as np
 GiB = 1024**3
 MiB = 1024**2
 
-# V4-Flash (research/v4_format.md §1.1)
+# V4-Flash (deepseek-ai/DeepSeek-V4-Flash config.json)
 VOCAB = 129280
 HIDDEN = 4096
 HEADS = 64
@@ -58,7 +58,7 @@ MTP_LAYERS = 1
 COMPRESS_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0] * MTP_LAYERS  # len 44: 43 main layers + the MTP layer
 INDEX_TOPK_VALUE = 512
 
-# V4-Pro (research/v4_format.md §1.2, from secondary sources): 61 layers, 384 experts, wider everything.
+# V4-Pro (DeepSeek-V4-Pro's published dimensions, from secondary sources): 61 layers, 384 experts, wider everything.
 # Unconfirmed there and assumed here: index_n_heads 64, hc_mult 4, and the compress-ratio pattern
 # (Flash's: two SWA layers, then CSA/HCA alternating, CSA last).
 PRO = dict(
@@ -73,7 +73,7 @@ def use_pro() -> None:
 
 
 def make_config(num_hidden_layers: int | None = None) -> dict:
-    """The released V4-Flash config.json (keys of research/v4_format.md §1.1), or V4-Pro's after use_pro()."""
+    """The released V4-Flash config.json (the keys of deepseek-ai/DeepSeek-V4-Flash's), or V4-Pro's after use_pro()."""
     if num_hidden_layers is None:
         num_hidden_layers = NUM_LAYERS
     return {

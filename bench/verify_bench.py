@@ -10,7 +10,7 @@ MXFP4 experts at real V4-Flash shapes, 5.32 GiB): ``convert --only mtp`` at tp 2
 ``verify --level structure|values|numeric`` of each (numeric: 16 tokens, torch kernels on cpu), each a
 subprocess under ``/usr/bin/time`` (wall seconds, peak RSS) after an untimed ``sync``. The numeric level
 reports its coverage (output tensors checked numerically / all); the script fails if it is below 100 %
-or a verify fails. Targets (issue 12): values <= 1.5 x convert of the same OUT; numeric at tp 8 <= 60 s;
+or a verify fails. Targets: values <= 1.5 x convert of the same OUT; numeric at tp 8 <= 60 s;
 peak RSS < 2 GiB at tp 2 and tp 8.
 """
 

@@ -1,4 +1,4 @@
-"""Reference planner for tests: ``ckpt_tool/mapping/plan.py`` as it was before the planner was made fast (issue 13).
+"""Reference planner for tests: ``ckpt_tool/mapping/plan.py`` as it was before the planner was made fast.
 
 Straightforward on purpose: every name tried against the rule regexes, every segment built eagerly,
 every check per tensor and per rank. ``tests/test_planner_equivalence.py`` compares the real planner

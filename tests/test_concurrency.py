@@ -174,7 +174,7 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_d
     (a fatal error must not be followed by gigabytes of further writes), and the error is what convert raises."""
     import threading
 
-    from ckpt_tool import convert as conv
+    from ckpt_tool.output import convert as conv
     from ckpt_tool.mapping.plan import Options
 
     real, started, lock = conv.write_output_file, [], threading.Lock()

@@ -1,6 +1,6 @@
-"""``convert``: the output of every good fixture against an independent expectation built from SPEC.md.
+"""``convert``: the output of every good fixture against an independent expectation built from the documented layout.
 
-The expectation below is written directly from SPEC.md ("Names", "Tensor parallelism", dtype rules)
+The expectation below is written directly from the layout docs/output-format.md documents (names, tensor parallelism, dtype rules)
 with plain torch on the source tensors (read with ``safetensors.safe_open``); it deliberately does
 not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.plan``, so a wrong rule table cannot agree with itself.
 """
@@ -31,7 +31,7 @@ PART_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent expectation (SPEC.md, profile vllm-seed; vllm-0.33 is proven by vLLM's own loader in tests/engine)
+# Independent expectation (the documented layout, profile vllm-seed; vllm-0.33+ is proven by vLLM's own loader in tests/engine)
 
 _SOURCE_CACHE: dict[Path, tuple[dict, dict[str, torch.Tensor]]] = {}
 
@@ -332,7 +332,7 @@ def test_convert_output_equals_independent_expectation(fixture_dir, tmp_path, va
 
 
 def test_expected_dtypes_follow_spec_for_each_expert_kind(fixture_dir) -> None:
-    """Sanity of the expectation itself: the dtype rules it encodes are the ones SPEC.md states."""
+    """Sanity of the expectation itself: the dtype rules it encodes are the documented ones."""
     fp4 = expected_outputs(fixture_dir("fp4"), 1, 0)["mtp"]
     assert fp4["model.layers.3.mtp_block.ffn.experts.w13_weight"].dtype == torch.uint8
     assert fp4["model.layers.3.mtp_block.ffn.experts.w13_weight_scale"].dtype == torch.uint8

@@ -56,9 +56,6 @@ def base(fixture_dir) -> Path:
     return fixture_dir("fp4")
 
 
-MESSAGES: dict[str, dict[str, str]] = {}  # case -> command -> line (printed by test_zz_message_table with -s)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     case = CASE_SPECS[name]
@@ -68,14 +65,13 @@ def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch
     src_before = snapshot(case_dir / "src")
     all_before = snapshot(case_dir)
     out = out_paths(case, case_dir)
-    seen: dict[str, str] = {}
 
     if case.inspect_exit is not None:
         code, stdout, err = run_cli(capsys, *spec["inspect"])
         assert code == case.inspect_exit, f"inspect exit {code}, want {case.inspect_exit}\n{err}"
         assert "Traceback" not in err + stdout
         if code == 1:
-            seen["inspect"] = check_error_line(err, case, "inspect")
+            check_error_line(err, case, "inspect")
         else:
             assert err.strip() == "", err
         assert snapshot(case_dir) == all_before, "inspect changed files"
@@ -91,11 +87,10 @@ def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch
             assert len(warnings) == 1 and len(lines) == 1, err
             for what in (case.file, case.tensor, case.hint):
                 assert what in warnings[0], warnings[0]
-            seen["convert"] = warnings[0]
             manifest = json.loads((out / MANIFEST).read_text())
             assert manifest["complete"] is True
         else:
-            seen["convert"] = check_error_line(err, case, "convert")
+            check_error_line(err, case, "convert")
             after = snapshot(case_dir)
             if case.writes:
                 new = {p for p in after if p not in all_before}
@@ -119,7 +114,6 @@ def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch
             assert not any(Path(p).name.startswith("model-rank-") and p not in all_before and p not in journaled for p in after)
 
     assert snapshot(case_dir / "src") == src_before, "the source changed"
-    MESSAGES[name] = seen
 
 
 def test_case_catalogue_is_big_and_described() -> None:
@@ -214,17 +208,3 @@ def test_norm_nan_warning_survives_json_mode(base: Path, tmp_path: Path, capsys,
     doc = json.loads(stdout)
     assert any("layers.0.attn_norm.weight" in w and S1 in w for w in doc["warnings"]), doc["warnings"]
     assert "warning: " in err
-
-
-def test_zz_message_table(capsys) -> None:
-    """Print the messages collected above as a markdown table (visible with ``pytest -s``)."""
-    if not MESSAGES:
-        pytest.skip("run together with test_hostile_case")
-    with capsys.disabled():
-        if os.environ.get("HOSTILE_TABLE"):
-            print("\n| case | command | exit | message |\n|---|---|---|---|")
-            for name, seen in MESSAGES.items():
-                c = CASE_SPECS[name]
-                for cmd, line in seen.items():
-                    code = c.inspect_exit if cmd == "inspect" else c.convert_exit
-                    print(f"| {name} | {cmd} | {code} | `{line}` |")

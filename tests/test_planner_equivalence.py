@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import reference_planner as ref
-from ckpt_tool import plan as fast
+from ckpt_tool.mapping import plan as fast
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo

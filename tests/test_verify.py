@@ -885,7 +885,7 @@ def test_values_reads_tensors_spanning_many_read_blocks(fixture_dir, tmp_path, m
     """The values level reads each output file in blocks, ahead of the comparison, and hashes them in order:
     with blocks far smaller than the tensors every tensor spans several, the file's end is a partial block,
     and a good OUT still passes while one flipped byte is named (O_DIRECT and buffered reads alike)."""
-    from ckpt_tool import verify as verify_mod
+    from ckpt_tool.verify import levels as verify_mod
     from ckpt_tool.output import writer
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", block)
@@ -905,7 +905,7 @@ def test_output_files_hash_like_hashlib_through_the_read_ahead_reader(tmp_path, 
     block boundaries and an empty file included, gives hashlib's digest."""
     import hashlib
 
-    from ckpt_tool import verify as verify_mod
+    from ckpt_tool.verify import levels as verify_mod
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", 4096)
     data = bytes((i * 7 + 3) % 251 for i in range(size))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any
 
+from ckpt_tool.checkpoint.blocks import MX_BLOCK
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
 from ckpt_tool.checkpoint.headers import TensorInfo
@@ -166,7 +167,6 @@ BLOCK_SCALE = ("F8_E8M0", "F32")
 MXFP4 = ("I8", "U8")
 MX_SCALE = ("F8_E8M0", "U8")
 TOKEN_TABLE = ("I64", "I32")
-MX_BLOCK = 32  # MXFP4: one scale per 32 inputs, two e2m1 values per byte
 EXPERT_DTYPE = "expert_dtype"
 BLOCK_KEY = "quantization_config.weight_block_size"
 RATIO_KEY = "compress_ratios"

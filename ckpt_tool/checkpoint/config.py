@@ -13,7 +13,7 @@ from typing import Any
 
 from ckpt_tool.errors import CheckpointError
 
-# Keys every V4 config must carry (research/v4_format.md §1) and their Python types.
+# Keys every V4 config must carry (the released deepseek-ai/DeepSeek-V4-Flash and -Pro config.json; DeepSeek-V4's inference/model.py ModelArgs) and their Python types.
 REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "vocab_size": int,
     "hidden_size": int,
@@ -90,7 +90,7 @@ class V4Config:
         if missing:
             raise CheckpointError(
                 f"{where}: missing required key(s) {', '.join(missing)}; "
-                "a DeepSeek V4 config.json carries them all (see research/v4_format.md §1); use the model's released config.json"
+                "a DeepSeek V4 config.json carries them all (as the released deepseek-ai/DeepSeek-V4-Flash one does); use the model's released config.json"
             )
         for key, typ in REQUIRED_KEYS.items():
             value = raw[key]

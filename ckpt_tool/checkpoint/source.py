@@ -32,8 +32,6 @@ class Checkpoint:
     shards: dict[str, ShardHeader] = field(repr=False)
     tensors: dict[str, TensorInfo] = field(repr=False)
 
-    def path_of(self, file: str) -> Path:
-        return self.root / file
 
     @property
     def total_bytes(self) -> int:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile
 
-FP8_BLOCK = 128
-MX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -36,10 +35,6 @@ class EngineParam:
 ENGINES: dict[str, EngineNames] = {name: p.engine for name, p in PROFILES.items()}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _Table:
     def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool) -> None:
         self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
@@ -52,7 +47,7 @@ class _Table:
 
     def linear(self, name: str, out: int, inp: int, split: str | None = None) -> None:
         """A block-FP8 linear [out, in] with [out/128, in/128] scales, column (dim 0) or row (dim 1) split."""
-        so, si = _cdiv(out, FP8_BLOCK), _cdiv(inp, FP8_BLOCK)
+        so, si = cdiv(out, FP8_BLOCK), cdiv(inp, FP8_BLOCK)
         if split == "col":
             out, so = out // self.tp, so // self.tp
         elif split == "row":
@@ -75,7 +70,7 @@ class _Table:
         self.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
         # fused_wqa_wkv: MergedColumnParallelLinear(disable_tp) of wq_a [ql, D] and wkv [hd, D]
         self.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
-        self.add(f"{a}.fused_wqa_wkv.weight_scale_inv", (_cdiv(ql, FP8_BLOCK) + _cdiv(hd, FP8_BLOCK), _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+        self.add(f"{a}.fused_wqa_wkv.weight_scale_inv", (cdiv(ql, FP8_BLOCK) + cdiv(hd, FP8_BLOCK), cdiv(D, FP8_BLOCK)), self.scale_dtype)
         self.add(f"{a}.q_norm.weight", (ql,), "BF16")
         self.add(f"{a}.kv_norm.weight", (hd,), "BF16")
         self.linear(f"{a}.wq_b", H * hd, ql, "col")
@@ -105,16 +100,16 @@ class _Table:
             # DeepseekV4MLP: n_local = cdiv(I // block, tp) blocks a rank, intermediate_size = n_local * block * tp;
             # gate_up_proj = MergedColumnParallelLinear([I_pad] * 2), down_proj = RowParallelLinear(I_pad, D)
             sh = f"{p}.{n.shared}"
-            n_local = _cdiv(I * c.n_shared_experts // FP8_BLOCK, T)
+            n_local = cdiv(I * c.n_shared_experts // FP8_BLOCK, T)
             self.add(f"{sh}.gate_up_proj.weight", (2 * n_local * FP8_BLOCK, D), "F8_E4M3")
-            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * n_local, _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * n_local, cdiv(D, FP8_BLOCK)), self.scale_dtype)
             self.add(f"{sh}.down_proj.weight", (D, n_local * FP8_BLOCK), "F8_E4M3")
-            self.add(f"{sh}.down_proj.weight_scale_inv", (_cdiv(D, FP8_BLOCK), n_local), self.scale_dtype)
+            self.add(f"{sh}.down_proj.weight_scale_inv", (cdiv(D, FP8_BLOCK), n_local), self.scale_dtype)
         elif c.n_shared_experts:
             sh, Ish = f"{p}.{n.shared}", I * c.n_shared_experts
             # gate_up_proj: MergedColumnParallelLinear of w1 and w3, each split over tp
             self.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
-            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * _cdiv(Ish, FP8_BLOCK) // T, _cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * cdiv(Ish, FP8_BLOCK) // T, cdiv(D, FP8_BLOCK)), self.scale_dtype)
             self.linear(f"{sh}.down_proj", D, Ish, "row")
         El, Il = (E // T, I) if self.ep else (E, I // T)
         r = f"{p}.{n.routed}"

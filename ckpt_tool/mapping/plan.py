@@ -28,6 +28,7 @@ from functools import cached_property
 from itertools import chain
 from operator import attrgetter
 
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
@@ -37,8 +38,6 @@ from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES, canonical_name
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split, indexable
 
 GiB = 1024**3
-FP8_BLOCK = 128
-MX_BLOCK = 32
 _MTP_RE = re.compile(r"^mtp\.(0|[1-9][0-9]*)\.")
 NO_MTP_NOTE = (
     "the checkpoint has no MTP layers: converted the target model only; speculative decoding needs the MTP draft "
@@ -441,7 +440,7 @@ def _engine_pad(info: TensorInfo, dim: int, tp: int, sources: dict[str, TensorIn
     size, blocks = weight.shape[dim], scale.shape[dim]
     if size % FP8_BLOCK or blocks != size // FP8_BLOCK or blocks % tp == 0:
         return None
-    per_rank = -(-blocks // tp)
+    per_rank = cdiv(blocks, tp)
     return (size, per_rank * FP8_BLOCK) if info is weight else (blocks, per_rank)
 
 

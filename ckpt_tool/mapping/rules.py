@@ -29,7 +29,7 @@ from enum import Enum
 
 
 class Split(str, Enum):
-    """How a tensor is divided over tensor-parallel ranks (SPEC.md, "Tensor parallelism")."""
+    """How a tensor is divided over tensor-parallel ranks (as vLLM's parallel layers divide it: vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py)."""
 
     REPLICATE = "replicate"
     DIM0 = "dim0"  # column parallel / vocab parallel / attn_sink heads: contiguous rows chunk r

@@ -32,6 +32,7 @@ from pathlib import Path
 from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, SOURCE_LAYOUT, options_from_manifest, read_manifest, source_layout
+from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, parse_header, read_shard_header
 from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources, plan_conversion
@@ -187,26 +188,7 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
     return regions
 
 
-class _Reader:
-    def __init__(self) -> None:
-        self.fds: dict[Path, int] = {}
-
-    def read(self, path: Path, offset: int, n: int) -> bytes:
-        fd = self.fds.get(path)
-        if fd is None:
-            fd = self.fds[path] = os.open(path, os.O_RDONLY)
-        data = os.pread(fd, n, offset)
-        if len(data) != n:
-            raise CheckpointError(f"{path.name}: ended early at byte {offset + len(data)}")
-        return data
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def _rebuild(info: TensorInfo, reg: _Regions, reader: _Reader, fd: int, dest_start: int, progress) -> None:
+def _rebuild(info: TensorInfo, reg: _Regions, reader: OpenFiles, fd: int, dest_start: int, progress) -> None:
     """Write source tensor ``info`` at ``dest_start`` of ``fd``, in blocks of whole rows."""
     import numpy as np
 
@@ -312,7 +294,7 @@ def unconvert(
     _check_dest(out, dest, force)
     dest.mkdir(parents=True, exist_ok=True)
 
-    reader = _Reader()
+    reader = OpenFiles()
     written_names: dict[str, str] = {}
     if hasattr(progress, "stage"):  # a verdict.Progress: one stage, bytes, the file being written as description
         total = sum(t.nbytes for _raw, h in headers.values() for t in h.tensors.values() if t.name in recoverable)

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_tool.mapping import conversions
-from ckpt_tool.errors import CheckpointError, OutputError
+from ckpt_tool.checkpoint.files import OpenFiles
+from ckpt_tool.errors import OutputError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
 from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
 
@@ -76,47 +77,15 @@ def file_size(out: OutFile) -> int:
     return len(header_bytes(out)) + out.data_bytes
 
 
-class SourceFiles:
-    """Read-only file descriptors of the source shards, opened once and shared by writer threads."""
+class SourceFiles(OpenFiles):
+    """Read-only descriptors of the source shards, opened once and shared by writer threads."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def fd(self, file: str) -> int:
-        with self._lock:
-            if file not in self._fds:
-                try:
-                    fd = os.open(self.root / file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except OSError as exc:
-                    raise CheckpointError(f"{file}: cannot open for reading ({exc.strerror})") from None
-                if hasattr(os, "posix_fadvise"):  # read mostly front to back: a larger readahead window
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    except OSError:
-                        pass
-                self._fds[file] = fd
-            return self._fds[file]
+        super().__init__(root, sequential=True)
 
     def pread_exact(self, info: TensorInfo, into: memoryview, offset: int) -> None:
         """Fill ``into`` from absolute ``offset`` of ``info``'s file; a short read means the file changed."""
-        fd = self.fd(info.file)
-        got = 0
-        while got < len(into):
-            n = os.preadv(fd, [into[got:]], offset + got)
-            if n == 0:
-                raise CheckpointError(
-                    f"{info.file}: tensor {info.name!r}: file ended early at byte {offset + got}; "
-                    "was it truncated or modified during conversion?"
-                )
-            got += n
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self.read_into(info.file, into, offset, what=f"tensor {info.name!r}")
 
 
 def _nonfinite(raw: memoryview, dtype: str) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ckpt_tool.mapping import conversions
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
+from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
 from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
@@ -415,24 +416,6 @@ def _read_block(fd: int, buf: mmap.mmap, pos: int, want: int, reader: _HashingRe
     return min(done, want)
 
 
-class _SourceFiles:
-    """Read-only descriptors of the source shards, shared by the value workers (pread is positional)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.fds, self.lock = root, {}, threading.Lock()
-
-    def fd(self, file: str) -> int:
-        with self.lock:
-            fd = self.fds.get(file)
-            if fd is None:
-                fd = self.fds[file] = os.open(self.root / file, os.O_RDONLY)
-            return fd
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
 def check_values(
     out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress: Progress,
     *, workers: int = 1, manifest: dict | None = None,
@@ -449,7 +432,7 @@ def check_values(
     jobs = [f for f in plan.files if f.relpath in headers]
     progress.stage("values", sum(f.data_bytes for f in jobs))
     outputs = (manifest or {}).get("outputs") or {}
-    src = _SourceFiles(src_root)
+    src = OpenFiles(src_root)
 
     def one(f):
         return _values_of_file(out, f, headers[f.relpath], plan, src, progress)
@@ -469,7 +452,7 @@ def check_values(
             report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
 
 
-def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: _SourceFiles, progress: Progress) -> tuple[list[str], str | None, str]:
+def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: OpenFiles, progress: Progress) -> tuple[list[str], str | None, str]:
     reader = _HashingReader(out / f.relpath, header.file_size)
     try:
         found: list[tuple[int, str, str]] = []
@@ -485,7 +468,7 @@ def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: _SourceF
         reader.close()
 
 
-def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan: Plan, src: _SourceFiles) -> str | None:
+def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan: Plan, src: OpenFiles) -> str | None:
     import numpy as np
 
     width = _out_width(t)
@@ -517,9 +500,7 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
         r = seg.row0
         while r < seg.row1:
             n = min(rows_per_block, seg.row1 - r)
-            raw = os.pread(src.fd(info.file), n * src_row, info.start + r * src_row)
-            if len(raw) != n * src_row:
-                raise CkptToolError(f"{info.file}: tensor {info.name!r}: source file ended early; was it modified?")
+            raw = bytes(src.read(info.file, info.start + r * src_row, n * src_row, what=f"tensor {info.name!r}"))
             want = raw if whole_rows else np.frombuffer(raw, np.uint8).reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb].tobytes()
             if seg.convert not in conversions.BYTEWISE:
                 want = conversions.forward(seg.convert, want, info)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tool.verify import quant
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.errors import CheckpointError, UsageError
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = 4
 LINEAR_MAX_REL = 1e-3
-FP8_BLOCK = quant.FP8_BLOCK[0]
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class _Builder:
             sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
             per_rank = None
             if n.shared_pad and (Ish // FP8_BLOCK) % self.tp:  # the engine's whole blocks a rank (engine.py)
-                per_rank = -(-(Ish // FP8_BLOCK) // self.tp) * FP8_BLOCK
+                per_rank = cdiv(Ish // FP8_BLOCK, self.tp) * FP8_BLOCK
             self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
             self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
         r = f"{p}.{n.routed}"
@@ -388,7 +388,7 @@ class _Sides:
 
 
 def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
-    return (r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)) if kind == "fp8" else (r0, r1)
+    return (r0 // FP8_BLOCK, cdiv(r1, FP8_BLOCK)) if kind == "fp8" else (r0, r1)
 
 
 class LinearRunner:

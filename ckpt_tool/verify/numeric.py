@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tool.verify import quant
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
@@ -176,11 +177,11 @@ class SourceShard:
             base = p + SOURCE_LINEARS[role]
         fp4 = role.startswith("expert.") and cfg.expert_dtype == "fp4"
         rows = cfg.o_lora_rank if role.startswith("wo_a.") else self._info(base + ".weight").shape[0]
-        align = 1 if fp4 else 128
+        align = 1 if fp4 else FP8_BLOCK
 
         def tile(a: int, b: int):
             a, b = r0 + a, r0 + b
-            s0, s1 = (a, b) if fp4 else (a // 128, -(-b // 128))
+            s0, s1 = (a, b) if fp4 else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
             return self._rows(base + ".weight", a, b), self._rows(base + ".scale", s0, s1)
 
         # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 GEMM always
@@ -244,12 +245,12 @@ class ConvertedShard:
         if slot is not None:
             wbase = slot * self._info(weight)[1].shape[1]
             sbase = slot * self._info(scale)[1].shape[1]
-        if not mx and (r0 % 128 or (rows % 128 and r0 + rows != self._info(weight)[1].shape[-2])):
-            raise CheckpointError(f"{weight}: rows {r0}:{r0 + rows} do not fall on 128-row scale blocks")
+        if not mx and (r0 % FP8_BLOCK or (rows % FP8_BLOCK and r0 + rows != self._info(weight)[1].shape[-2])):
+            raise CheckpointError(f"{weight}: rows {r0}:{r0 + rows} do not fall on {FP8_BLOCK}-row scale blocks")
 
         def tile(a: int, b: int):
             a, b = r0 + a, r0 + b
-            s0, s1 = (a, b) if mx else (a // 128, -(-b // 128))
+            s0, s1 = (a, b) if mx else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
             return self._rows(weight, wbase + a, wbase + b), self._rows(scale, sbase + s0, sbase + s1)
 
         def gemm(x2, w, s):
@@ -257,7 +258,7 @@ class ConvertedShard:
                 return mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
             return fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
 
-        return _gemm_by_tiles(x, rows, x.shape[-1], 1 if mx else 128, tile, gemm)
+        return _gemm_by_tiles(x, rows, x.shape[-1], 1 if mx else FP8_BLOCK, tile, gemm)
 
     def _fp8(self, x: torch.Tensor, base: str, r0: int = 0, rows: int | None = None) -> torch.Tensor:
         if rows is None:

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from ckpt_tool.checkpoint import blocks
+from ckpt_tool.checkpoint.blocks import cdiv
 from ckpt_tool.errors import CheckpointError
 
-FP8_BLOCK: tuple[int, int] = (128, 128)
+FP8_BLOCK: tuple[int, int] = (blocks.FP8_BLOCK, blocks.FP8_BLOCK)
 """Block shape (rows, cols) of one FP8 weight scale."""
 
-MXFP4_GROUP = 32
+MXFP4_GROUP = blocks.MX_BLOCK
 """Inputs of one row sharing one MXFP4 scale."""
 
-ACT_GROUP = 128
+ACT_GROUP = blocks.ACT_GROUP
 """Per-token activation group size of the runtime FP8 activation quantization."""
 
 E4M3_MAX = 448.0
@@ -157,10 +159,6 @@ def as_e4m3_bits(weight: torch.Tensor, what: str | None = None) -> torch.Tensor:
     )
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def check_fp8_block_shapes(
     weight: torch.Tensor,
     scale: torch.Tensor,
@@ -173,7 +171,7 @@ def check_fp8_block_shapes(
         raise CheckpointError(f"{name}: expected a 2-D [N, K] weight, got shape {list(weight.shape)}")
     n, k = weight.shape
     bn, bk = block
-    want = [_cdiv(n, bn), _cdiv(k, bk)]
+    want = [cdiv(n, bn), cdiv(k, bk)]
     if list(scale.shape) != want:
         raise CheckpointError(
             f"{name}: scale shape {list(scale.shape)} does not match weight shape {[n, k]} with "
@@ -235,7 +233,7 @@ def check_mxfp4_shapes(
     if packed.dim() != 2:
         raise CheckpointError(f"{name}: expected a 2-D [N, K/2] packed weight, got shape {list(packed.shape)}")
     n, k = packed.shape[0], 2 * packed.shape[1]
-    want = [n, _cdiv(k, MXFP4_GROUP)]
+    want = [n, cdiv(k, MXFP4_GROUP)]
     if list(scale.shape) != want:
         raise CheckpointError(
             f"{name}: scale shape {list(scale.shape)} does not match packed shape {list(packed.shape)} "
@@ -304,7 +302,7 @@ def _pow2_ceil_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     n, k = w.shape
     bn, bk = block
-    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.abs()
     return padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
@@ -386,7 +384,7 @@ def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if k % 2:
         raise ValueError(f"mxfp4_quant needs an even K, got {k}")
-    groups = _cdiv(k, MXFP4_GROUP)
+    groups = cdiv(k, MXFP4_GROUP)
     padded = torch.zeros(n, groups * MXFP4_GROUP, dtype=torch.float32, device=w.device)
     padded[:, :k] = w
     amax = padded.abs().view(n, groups, MXFP4_GROUP).amax(dim=2)
@@ -412,7 +410,7 @@ def fp8_act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor
         raise ValueError(f"fp8_act_quant expects a 2-D [M, K] tensor, got shape {list(x.shape)}")
     x = x.to(torch.float32)
     m, k = x.shape
-    groups = _cdiv(k, group)
+    groups = cdiv(k, group)
     padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
     padded[:, :k] = x
     amax = padded.abs().view(m, groups, group).amax(dim=2).clamp_min(1e-10)

@@ -9,11 +9,11 @@ packed FP4 bytes come back as ``uint8`` (the quant functions and kernels take ra
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
 
+from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.source import Checkpoint
@@ -73,18 +73,9 @@ class RowReader:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        self._files = OpenFiles()
         self._since_trim = 0
         self._trim = _malloc_trim()
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
-        return fd
 
     def rows(self, path: Path, info: TensorInfo, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)`` of ``info`` (in file ``path``) as a ``[r1 - r0, last dim]`` tensor."""
@@ -97,9 +88,7 @@ class RowReader:
             raise CheckpointError(f"{path}: tensor {info.name!r}: rows {r0}:{r1} outside its {row_count(info)} rows")
         n = (r1 - r0) * row_bytes
         buf = torch.empty(n, dtype=torch.uint8)
-        got = os.preadv(self._fd(path), [buf.numpy()], info.start + r0 * row_bytes) if n else 0
-        if got != n:
-            raise CheckpointError(f"{path}: tensor {info.name!r}: file ended early; was it modified?")
+        self._files.read_into(path, memoryview(buf.numpy()), info.start + r0 * row_bytes, what=f"tensor {info.name!r}")
         self._since_trim += n
         if self._since_trim >= TRIM_EVERY_BYTES and self._trim is not None:
             self._since_trim = 0
@@ -116,9 +105,7 @@ class RowReader:
         return self.rows(path, info, 0, row_count(info)).reshape(info.shape)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def __enter__(self) -> RowReader:
         return self

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckpt_tool.errors import UsageError
+from ckpt_tool.checkpoint.blocks import cdiv  # grid sizes, without importing triton
 
 REQUESTABLE_BACKENDS: tuple[str, ...] = ("auto", "triton", "triton-interpreter", "torch")
 """Values accepted for ``backend=``."""
@@ -151,11 +152,6 @@ def load_sources() -> Any:
     from ckpt_tool.verify.kernels import _triton_sources
 
     return _triton_sources
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for grid sizes, without importing triton."""
-    return -(-a // b)
 
 
 def gemm_tiles(m: int, n: int) -> tuple[int, int, tuple[int, int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ckpt_tool.checkpoint.blocks import cdiv
 from ckpt_tool.verify import quant
 from ckpt_tool.verify.kernels._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
 
@@ -101,7 +102,7 @@ def fp8_block_gemm(
         bn = _SCALE_BLOCK_N
 
         def rows(r0: int, r1: int) -> torch.Tensor:
-            return quant.fp8_block_dequant(bits[r0:r1], w_scale[r0 // bn : -(-r1 // bn)], quant.FP8_BLOCK, what=what)
+            return quant.fp8_block_dequant(bits[r0:r1], w_scale[r0 // bn : cdiv(r1, bn)], quant.FP8_BLOCK, what=what)
 
         return torch_gemm_tiled(prepare_activation(x, act), n, k, bn, rows)
 
