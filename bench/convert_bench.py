@@ -12,7 +12,8 @@ run pays for the previous one's dirty pages:
 - ``cp -r SRC DST && sync DST/*`` — the ceiling (ckpt-tool fsyncs its files, so the copy is synced too);
 - ``dd bs=16M oflag=direct conv=fsync`` per file — a copy that bypasses the page cache on the write side
   like ckpt-tool does (but reads and writes in turn, without overlap);
-- ``ckpt-tool convert SRC OUT --only mtp`` at ``--tp 1`` and ``--tp 8`` with the default ``--workers`` (one per core), and tp 1 with ``--workers 1``;
+- ``ckpt-tool convert SRC OUT --only mtp`` at ``--tp 1`` and ``--tp 8`` with the default ``--workers`` (one per
+  core), and tp 1 with ``--workers 1``;
 - ``bench/naive_convert.py`` — load_file every shard, map in memory, save_file (tp 1);
 - ``ckpt-tool inspect`` of the full 46-shard, 69k-tensor checkpoint as headers only (sparse files);
 - RSS flatness: ``ckpt-tool convert --only model`` of sparse skeletons with 1 and 3 main layers (their
@@ -59,7 +60,7 @@ def run_timed(cmd: list[str], label: str, log) -> dict:
     tfile = tempfile.NamedTemporaryFile(prefix="time-", suffix=".txt", delete=False)
     tfile.close()
     t0 = time.perf_counter()
-    proc = subprocess.run([TIME, "-v", "-o", tfile.name, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.run([TIME, "-v", "-o", tfile.name, *cmd], capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t0
     text = Path(tfile.name).read_text()
     os.unlink(tfile.name)
@@ -79,7 +80,10 @@ def run_timed(cmd: list[str], label: str, log) -> dict:
         "sys": float(field("System time (seconds)")),
         "stdout": proc.stdout,
     }
-    log(f"  {label:28s} {wall:7.2f} s  peak RSS {res['rss_kb'] / 1024:8.1f} MiB  user {res['user']:.1f} s sys {res['sys']:.1f} s")
+    log(
+        f"  {label:28s} {wall:7.2f} s  peak RSS {res['rss_kb'] / 1024:8.1f} MiB  "
+        f"user {res['user']:.1f} s sys {res['sys']:.1f} s"
+    )
     return res
 
 
@@ -101,14 +105,33 @@ def median(values: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new /tmp/bench-*; deleted at the end)")
+    p.add_argument(
+        "--work", type=Path, default=None, help="scratch folder (default: a new /tmp/bench-*; deleted at the end)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the scratch folder")
     p.add_argument("--quick", action="store_true", help="flatness at 1 vs 2 layers, inspect once, no repeats")
-    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds of cp / tp1 / tp8 / naive, medians reported (default 3; --quick 1)")
-    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("A", "B"), help="main layers of the flatness skeletons (default 1 3; --quick 1 2)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="interleaved rounds of cp / tp1 / tp8 / naive, medians reported (default 3; --quick 1)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="main layers of the flatness skeletons (default 1 3; --quick 1 2)",
+    )
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline (it needs RAM ~1.6x the skeleton)")
     p.add_argument("--no-flat", action="store_true", help="skip the RSS flatness runs")
-    p.add_argument("--workers", type=int, default=None, help="--workers for the ckpt-tool converts (default: the tool's own, one per core)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="--workers for the ckpt-tool converts (default: the tool's own, one per core)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
     args = p.parse_args(argv)
     layers_a, layers_b = args.layers or ((1, 2) if args.quick else (1, 3))
@@ -120,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     tool = [py, "-m", "ckpt_tool"]
     wflag = [] if args.workers is None else ["--workers", str(args.workers)]
-    results: dict = {"machine": {"cpus": os.cpu_count(), "mem_available_gib": round(mem_available() / GiB, 1)}, "runs": {}}
+    results: dict = {
+        "machine": {"cpus": os.cpu_count(), "mem_available_gib": round(mem_available() / GiB, 1)},
+        "runs": {},
+    }
     try:
         need = 3 * 5.8e9
         if free_bytes(work) < need:
@@ -136,15 +162,49 @@ def main(argv: list[str] | None = None) -> int:
         # 2. cp / convert tp1 / convert tp8 / naive, interleaved rounds
         variants = [
             ("cp", lambda d: ["sh", "-c", f"cp -r '{src}' '{d}' && sync '{d}'/*"]),
-            ("dd oflag=direct", lambda d: ["sh", "-c", f"mkdir -p '{d}' && for f in '{src}'/*; do dd if=\"$f\" of='{d}'/\"${{f##*/}}\" bs=16M oflag=direct conv=fsync status=none; done"]),
-            ("ckpt-tool tp1", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "1", *wflag, "--json"]),
-            ("ckpt-tool tp8", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "8", *wflag, "--json"]),
+            (
+                "dd oflag=direct",
+                lambda d: [
+                    "sh",
+                    "-c",
+                    f"mkdir -p '{d}' && for f in '{src}'/*; do "
+                    f'dd if="$f" of=\'{d}\'/"${{f##*/}}" bs=16M oflag=direct conv=fsync status=none; done',
+                ],
+            ),
+            (
+                "ckpt-tool tp1",
+                lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "1", *wflag, "--json"],
+            ),
+            (
+                "ckpt-tool tp8",
+                lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "8", *wflag, "--json"],
+            ),
         ]
         if args.workers is None:  # one file at a time, as before the default used the cores
-            variants.append(("ckpt-tool tp1 w1", lambda d: [*tool, "convert", str(src), str(d), "--only", "mtp", "--tp", "1", "--workers", "1", "--json"]))
+            variants.append(
+                (
+                    "ckpt-tool tp1 w1",
+                    lambda d: [
+                        *tool,
+                        "convert",
+                        str(src),
+                        str(d),
+                        "--only",
+                        "mtp",
+                        "--tp",
+                        "1",
+                        "--workers",
+                        "1",
+                        "--json",
+                    ],
+                )
+            )
         if not args.no_naive:
             if mem_available() < 1.8 * src_bytes:
-                log(f"  (naive baseline skipped: {mem_available() / GiB:.1f} GiB available, it needs ~{1.8 * src_bytes / GiB:.1f})")
+                log(
+                    f"  (naive baseline skipped: {mem_available() / GiB:.1f} GiB available, "
+                    f"it needs ~{1.8 * src_bytes / GiB:.1f})"
+                )
             else:
                 variants.append(("naive", lambda d: [py, str(HERE / "naive_convert.py"), str(src), str(d)]))
         runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
@@ -170,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_mib": max(r["rss_kb"] for r in rs) / 1024,
                 "user": median([r["user"] for r in rs]),
                 "sys": median([r["sys"] for r in rs]),
-                "cpu_s_per_gib": median([(r["user"] + r["sys"]) / (r["bytes"] / GiB) for r in rs]) if rs[0]["bytes"] else float("nan"),
+                "cpu_s_per_gib": median([(r["user"] + r["sys"]) / (r["bytes"] / GiB) for r in rs])
+                if rs[0]["bytes"]
+                else float("nan"),
                 "cmd": rs[0]["cmd"],
             }
         results["runs"] = summary
@@ -178,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         # 3. inspect of the full checkpoint, headers only
         full = work / "full"
         run_timed([py, str(HERE / "make_skeleton.py"), str(full), "--headers-only"], "make_skeleton (headers)", log)
-        ins = [run_timed([*tool, "inspect", str(full), "--json"], "ckpt-tool inspect", log) for _ in range(1 if args.quick else 3)]
+        ins = [
+            run_timed([*tool, "inspect", str(full), "--json"], "ckpt-tool inspect", log)
+            for _ in range(1 if args.quick else 3)
+        ]
         doc = json.loads(ins[0]["stdout"]) if ins[0]["stdout"].strip().startswith("{") else {}
         for r in ins:
             r.pop("stdout", None)
@@ -186,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             "import sys,time; t=time.perf_counter(); from ckpt_tool.checkpoint.summary import inspect_local; "
             "r=inspect_local(sys.argv[1]); print(time.perf_counter()-t)"
         )
-        inproc = [float(subprocess.run([py, "-c", code, str(full)], capture_output=True, text=True, cwd=REPO).stdout) for _ in range(len(ins))]
+        inproc = [
+            float(subprocess.run([py, "-c", code, str(full)], capture_output=True, text=True, cwd=REPO).stdout)
+            for _ in range(len(ins))
+        ]
         results["inspect"] = {
             "seconds": min(r["seconds"] for r in ins),
             "all_seconds": [round(r["seconds"], 2) for r in ins],
@@ -208,9 +276,18 @@ def main(argv: list[str] | None = None) -> int:
                 if free_bytes(work) < 1.1 * sum(s.nbytes for s in make_skeleton.all_specs(k)):
                     log(f"  (flatness at {k} layers skipped: not enough disk)")
                     continue
-                r = run_timed([*tool, "convert", str(sk), str(dst), "--only", "model", *wflag, "--json"], f"convert --only model, {k} layer(s)", log)
+                r = run_timed(
+                    [*tool, "convert", str(sk), str(dst), "--only", "model", *wflag, "--json"],
+                    f"convert --only model, {k} layer(s)",
+                    log,
+                )
                 r["bytes"] = du_bytes(dst)
-                flat[k] = {"rss_mib": r["rss_kb"] / 1024, "seconds": r["seconds"], "bytes": r["bytes"], "mb_s": r["bytes"] / r["seconds"] / MB}
+                flat[k] = {
+                    "rss_mib": r["rss_kb"] / 1024,
+                    "seconds": r["seconds"],
+                    "bytes": r["bytes"],
+                    "mb_s": r["bytes"] / r["seconds"] / MB,
+                }
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.rmtree(sk, ignore_errors=True)
             results["flatness"] = flat
@@ -229,50 +306,87 @@ def report(res: dict, log) -> None:
     cp, t1, t8, nv = (runs.get(k) for k in ("cp", "ckpt-tool tp1", "ckpt-tool tp8", "naive"))
     sk = res["skeleton"]
     log("")
-    log(f"skeleton: {sk['bytes'] / GiB:.2f} GiB in {sk['seconds']:.1f} s, generator peak RSS {sk['generator_rss_kb'] / 1024:.0f} MiB; page cache warm for every run")
-    log(f"{'command':18s} {'seconds':>8s} {'MB/s':>7s} {'peak RSS':>12s} {'CPU s/GiB':>9s} {'time/cp':>8s} {'RSS/cp':>8s} {'CPU/cp':>7s} {'time/naive':>10s} {'RSS/naive':>9s}")
+    log(
+        f"skeleton: {sk['bytes'] / GiB:.2f} GiB in {sk['seconds']:.1f} s, "
+        f"generator peak RSS {sk['generator_rss_kb'] / 1024:.0f} MiB; page cache warm for every run"
+    )
+    log(
+        f"{'command':18s} {'seconds':>8s} {'MB/s':>7s} {'peak RSS':>12s} {'CPU s/GiB':>9s} "
+        f"{'time/cp':>8s} {'RSS/cp':>8s} {'CPU/cp':>7s} {'time/naive':>10s} {'RSS/naive':>9s}"
+    )
     for name, r in runs.items():
         ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
         log(
             f"{name:18s} {r['seconds']:8.2f} {r['mb_s']:7.0f} {r['rss_mib']:8.0f} MiB {r['cpu_s_per_gib']:9.2f} "
-            f"{ratio(r['seconds'], cp['seconds'] if cp else 0):>8s} {ratio(r['rss_mib'], cp['rss_mib'] if cp else 0):>8s} "
+            f"{ratio(r['seconds'], cp['seconds'] if cp else 0):>8s} "
+            f"{ratio(r['rss_mib'], cp['rss_mib'] if cp else 0):>8s} "
             f"{ratio(r['cpu_s_per_gib'], cp['cpu_s_per_gib'] if cp else 0):>7s} "
-            f"{ratio(r['seconds'], nv['seconds'] if nv else 0):>10s} {ratio(r['rss_mib'], nv['rss_mib'] if nv else 0):>9s}"
+            f"{ratio(r['seconds'], nv['seconds'] if nv else 0):>10s} "
+            f"{ratio(r['rss_mib'], nv['rss_mib'] if nv else 0):>9s}"
         )
     if len(next(iter(runs.values()))["all_seconds"]) > 1:
         log("  (medians of " + ", ".join(f"{k}: {v['all_seconds']}" for k, v in runs.items()) + ")")
     ins = res.get("inspect", {})
-    log(f"inspect: {ins.get('tensors')} tensors in {ins.get('files')} files: {ins.get('seconds', 0):.2f} s wall "
-        f"({ins.get('in_process_seconds', 0):.2f} s of it reading headers + summarising), peak RSS {ins.get('rss_mib', 0):.0f} MiB")
+    log(
+        f"inspect: {ins.get('tensors')} tensors in {ins.get('files')} files: {ins.get('seconds', 0):.2f} s wall "
+        f"({ins.get('in_process_seconds', 0):.2f} s of it reading headers + summarising), "
+        f"peak RSS {ins.get('rss_mib', 0):.0f} MiB"
+    )
     flat = res.get("flatness", {})
     if len(flat) == 2:
         (a, fa), (b, fb) = sorted(flat.items())
-        log(f"flatness: --only model peak RSS {fa['rss_mib']:.0f} MiB at {a} layer(s) ({fa['bytes'] / GiB:.1f} GiB out), "
-            f"{fb['rss_mib']:.0f} MiB at {b} ({fb['bytes'] / GiB:.1f} GiB out): {100 * (fb['rss_mib'] / fa['rss_mib'] - 1):+.1f} %")
+        log(
+            f"flatness: --only model peak RSS {fa['rss_mib']:.0f} MiB at {a} layer(s) "
+            f"({fa['bytes'] / GiB:.1f} GiB out), "
+            f"{fb['rss_mib']:.0f} MiB at {b} ({fb['bytes'] / GiB:.1f} GiB out): "
+            f"{100 * (fb['rss_mib'] / fa['rss_mib'] - 1):+.1f} %"
+        )
     log("targets:")
     checks = []
     if cp and t1:
         checks.append(("convert tp1 throughput >= 0.9 x cp", t1["mb_s"] / cp["mb_s"], t1["mb_s"] / cp["mb_s"] >= 0.9))
     if t1:
-        checks.append(("convert peak RSS <= 1 GiB (MiB)", max(t1["rss_mib"], t8["rss_mib"] if t8 else 0), max(t1["rss_mib"], t8["rss_mib"] if t8 else 0) <= 1024))
+        checks.append(
+            (
+                "convert peak RSS <= 1 GiB (MiB)",
+                max(t1["rss_mib"], t8["rss_mib"] if t8 else 0),
+                max(t1["rss_mib"], t8["rss_mib"] if t8 else 0) <= 1024,
+            )
+        )
     if len(flat) == 2:
         (a, fa), (b, fb) = sorted(flat.items())
         d = fb["rss_mib"] / fa["rss_mib"] - 1
         checks.append((f"RSS flat 1->{b} layers (+-10 %)", d, abs(d) <= 0.10))
     if nv:
-        checks.append(("naive RSS >= checkpoint size (ratio)", nv["rss_mib"] * 1024**2 / sk["bytes"], nv["rss_mib"] * 1024**2 >= sk["bytes"]))
+        checks.append(
+            (
+                "naive RSS >= checkpoint size (ratio)",
+                nv["rss_mib"] * 1024**2 / sk["bytes"],
+                nv["rss_mib"] * 1024**2 >= sk["bytes"],
+            )
+        )
     if ins:
         checks.append(("inspect 69k tensors < 0.3 s (s)", ins["seconds"], ins["seconds"] < 0.3))
     if t1 and t8:
         checks.append(("tp8 time <= 1.3 x tp1", t8["seconds"] / t1["seconds"], t8["seconds"] / t1["seconds"] <= 1.3))
     dd = runs.get("dd oflag=direct")
     if dd and t1:
-        log(f"  info  convert tp1 throughput vs dd oflag=direct: {t1['mb_s'] / dd['mb_s']:.3f}"
-            + (f" (tp1 --workers 1: {runs['ckpt-tool tp1 w1']['mb_s'] / dd['mb_s']:.3f})" if "ckpt-tool tp1 w1" in runs else ""))
+        log(
+            f"  info  convert tp1 throughput vs dd oflag=direct: {t1['mb_s'] / dd['mb_s']:.3f}"
+            + (
+                f" (tp1 --workers 1: {runs['ckpt-tool tp1 w1']['mb_s'] / dd['mb_s']:.3f})"
+                if "ckpt-tool tp1 w1" in runs
+                else ""
+            )
+        )
     if cp and t1:
-        log(f"  info  CPU seconds per GiB converted (user + sys): ckpt-tool tp1 {t1['cpu_s_per_gib']:.2f}, tp8 "
-            f"{t8['cpu_s_per_gib'] if t8 else float('nan'):.2f}, cp {cp['cpu_s_per_gib']:.2f} ({t1['cpu_s_per_gib'] / cp['cpu_s_per_gib']:.1f} x cp); "
-            f"storage faster than {1 / t1['cpu_s_per_gib']:.2f} GiB/s per core makes convert CPU-bound (it uses the cores: default --workers)")
+        log(
+            f"  info  CPU seconds per GiB converted (user + sys): ckpt-tool tp1 {t1['cpu_s_per_gib']:.2f}, tp8 "
+            f"{t8['cpu_s_per_gib'] if t8 else float('nan'):.2f}, cp {cp['cpu_s_per_gib']:.2f} "
+            f"({t1['cpu_s_per_gib'] / cp['cpu_s_per_gib']:.1f} x cp); "
+            f"storage faster than {1 / t1['cpu_s_per_gib']:.2f} GiB/s per core makes convert CPU-bound "
+            "(it uses the cores: default --workers)"
+        )
     for name, value, ok in checks:
         log(f"  {'PASS' if ok else 'FAIL'}  {name}: {value:.3f}")
     res["targets"] = [{"target": n, "value": v, "ok": ok} for n, v, ok in checks]

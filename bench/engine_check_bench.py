@@ -1,4 +1,5 @@
-"""``verify OUT --engine`` on a full-width V4-Flash skeleton: time and the largest process's peak RSS (a script, not a test).
+"""``verify OUT --engine`` on a full-width V4-Flash skeleton: time and the largest process's peak RSS
+(a script, not a test).
 
     python bench/engine_check_bench.py --engine-python /opt/serving-venv/bin/python   # one vLLM install
     python bench/engine_check_bench.py --site /tmp/site33 --site /tmp/site34            # vLLM in site folders
@@ -41,8 +42,13 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".txt") as tf:
         proc = subprocess.run([TIME, "-f", "%e %M", "-o", tf.name, *cmd], capture_output=True, text=True, env=env)
         wall, rss_kb = tf.read().split()[-2:]
-    return {"rc": proc.returncode, "seconds": float(wall), "peak_rss_mib": int(rss_kb) / 1024, "stdout": proc.stdout,
-            "stderr": proc.stderr}
+    return {
+        "rc": proc.returncode,
+        "seconds": float(wall),
+        "peak_rss_mib": int(rss_kb) / 1024,
+        "stdout": proc.stdout,
+        "stderr": proc.stderr,
+    }
 
 
 def site_python(site: Path, folder: Path) -> Path:
@@ -54,9 +60,13 @@ def site_python(site: Path, folder: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine-python", action="append", default=[], metavar="PY", help="an interpreter with vLLM (repeatable)")
-    ap.add_argument("--site", action="append", default=[], type=Path, metavar="DIR", help="a folder holding vllm (repeatable)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--engine-python", action="append", default=[], metavar="PY", help="an interpreter with vLLM (repeatable)"
+    )
+    ap.add_argument(
+        "--site", action="append", default=[], type=Path, metavar="DIR", help="a folder holding vllm (repeatable)"
+    )
     ap.add_argument("--src", type=Path, help="an existing skeleton (default: make one in a fresh /tmp folder)")
     ap.add_argument("--model", choices=("flash", "pro"), default="flash")
     ap.add_argument("--tp", type=int, default=8)
@@ -81,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                 make_skeleton.use_pro()
             make_skeleton.make_skeleton(src)
         out = work / f"out-tp{args.tp}"
-        conv = subprocess.run([*ckpt, "convert", str(src), str(out), "--only", "mtp", "--tp", str(args.tp), "--force"],
-                              capture_output=True, text=True, env=env)
+        conv = subprocess.run(
+            [*ckpt, "convert", str(src), str(out), "--only", "mtp", "--tp", str(args.tp), "--force"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if conv.returncode:
             print(conv.stderr, file=sys.stderr)
             return 1
@@ -96,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                     failed = True
                 runs.append({**{k: r[k] for k in ("rc", "seconds", "peak_rss_mib")}, "engine": doc.get("engine")})
                 e = doc.get("engine") or {}
-                print(f"{r['seconds']:7.2f} s {r['peak_rss_mib']:7.0f} MiB  rc {r['rc']}  vLLM {e.get('vllm_version')} "
-                      f"({e.get('ranks')} ranks, probe {e.get('seconds')} s)  {py}", flush=True)
+                print(
+                    f"{r['seconds']:7.2f} s {r['peak_rss_mib']:7.0f} MiB  rc {r['rc']}  vLLM {e.get('vllm_version')} "
+                    f"({e.get('ranks')} ranks, probe {e.get('seconds')} s)  {py}",
+                    flush=True,
+                )
             row = {
                 "engine_python": str(py),
                 "vllm": (runs[0]["engine"] or {}).get("vllm_version"),
@@ -117,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| vLLM | ranks (mtp, tp {args.tp}) | seconds (median / max) | peak RSS, largest process (median / max) |")
     print("|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['vllm']} | {r['ranks']} | {r['seconds_median']:.1f} / {r['seconds_max']:.1f} "
-              f"| {r['peak_rss_mib_median']:.0f} / {r['peak_rss_mib_max']:.0f} MiB |")
+        print(
+            f"| {r['vllm']} | {r['ranks']} | {r['seconds_median']:.1f} / {r['seconds_max']:.1f} "
+            f"| {r['peak_rss_mib_median']:.0f} / {r['peak_rss_mib_max']:.0f} MiB |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"cpus": os.cpu_count(), "model": args.model, "tp": args.tp, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"cpus": os.cpu_count(), "model": args.model, "tp": args.tp, "rows": rows}, indent=2) + "\n"
+        )
     return 1 if failed else 0
 
 

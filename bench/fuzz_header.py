@@ -35,26 +35,81 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_tool.errors import CheckpointError  # noqa: E402
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, expected_nbytes, parse_header, read_shard_header  # noqa: E402
+from ckpt_tool.errors import CheckpointError  # noqa: E402
 
 FILE = "fuzz.safetensors"
 NUMBER_RE = re.compile(rb"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 INTERESTING_NUMBERS = [
-    b"0", b"1", b"-1", b"7", b"-0", b"0.5", b"1e3", b"1e308", b"1e999", b"-1e999", b"NaN", b"Infinity", b"-Infinity",
-    str(2**31).encode(), str(2**32).encode(), str(2**63 - 1).encode(), str(2**63).encode(), str(2**64 - 1).encode(),
-    str(2**64).encode(), str(10**30).encode(), b"9" * 4000, b"9" * 5000, b"00", b"01", b"1.", b"--1", b"true", b"null",
+    b"0",
+    b"1",
+    b"-1",
+    b"7",
+    b"-0",
+    b"0.5",
+    b"1e3",
+    b"1e308",
+    b"1e999",
+    b"-1e999",
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    str(2**31).encode(),
+    str(2**32).encode(),
+    str(2**63 - 1).encode(),
+    str(2**63).encode(),
+    str(2**64 - 1).encode(),
+    str(2**64).encode(),
+    str(10**30).encode(),
+    b"9" * 4000,
+    b"9" * 5000,
+    b"00",
+    b"01",
+    b"1.",
+    b"--1",
+    b"true",
+    b"null",
 ]
 INTERESTING_BYTES = b'\x00\xff{}[]",:\\-09 \t\n\x80\xc0\xed\xf4e.'
 WEIRD_STRINGS = [
-    b'"BF16"', b'"F8_E4M3"', b'"F4"', b'"F6_E2M3"', b'"bf16"', b'""', b'"F7"', b'"\\ud800"', b'"\\u0000"', b'"__metadata__"',
-    b'"dtype"', b'"shape"', b'"data_offsets"', b"[]", b"{}", b"null", b"[0]", b"[0,0,0]", b'["BF16"]', b'"\xff"',
+    b'"BF16"',
+    b'"F8_E4M3"',
+    b'"F4"',
+    b'"F6_E2M3"',
+    b'"bf16"',
+    b'""',
+    b'"F7"',
+    b'"\\ud800"',
+    b'"\\u0000"',
+    b'"__metadata__"',
+    b'"dtype"',
+    b'"shape"',
+    b'"data_offsets"',
+    b"[]",
+    b"{}",
+    b"null",
+    b"[0]",
+    b"[0,0,0]",
+    b'["BF16"]',
+    b'"\xff"',
 ]
 NAMES = [
-    "embed.weight", "head.weight", "norm.weight", "layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale",
-    "layers.1.ffn.experts.3.w1.weight", "layers.1.ffn.experts.3.w1.scale", "mtp.0.enorm.weight", "mtp.0.hc_head_fn",
-    "layers.2.attn.compressor.ape", "layers.0.ffn.gate.tid2eid", "x", "ünï€ødé", "a\"b", "tab\tname",
+    "embed.weight",
+    "head.weight",
+    "norm.weight",
+    "layers.0.attn.wq_a.weight",
+    "layers.0.attn.wq_a.scale",
+    "layers.1.ffn.experts.3.w1.weight",
+    "layers.1.ffn.experts.3.w1.scale",
+    "mtp.0.enorm.weight",
+    "mtp.0.hc_head_fn",
+    "layers.2.attn.compressor.ape",
+    "layers.0.ffn.gate.tid2eid",
+    "x",
+    "ünï€ødé",
+    'a"b',
+    "tab\tname",
 ]
 
 
@@ -153,7 +208,13 @@ def m_number(rng, d, _s):
     m = rng.choice(nums)
     try:
         n = int(m.group())
-        choices = INTERESTING_NUMBERS + [str(n + 1).encode(), str(n - 1).encode(), str(n * 2).encode(), str(-n).encode(), str(n + 8).encode()]
+        choices = INTERESTING_NUMBERS + [
+            str(n + 1).encode(),
+            str(n - 1).encode(),
+            str(n * 2).encode(),
+            str(-n).encode(),
+            str(n + 8).encode(),
+        ]
     except ValueError:
         choices = INTERESTING_NUMBERS
     return bytes(d[: m.start()]) + rng.choice(choices) + bytes(d[m.end() :])
@@ -164,7 +225,9 @@ def m_string(rng, d, _s):
     if not strs:
         return bytes(d)
     m = rng.choice(strs)
-    repl = rng.choice(WEIRD_STRINGS + [f'"{rng.choice(list(DTYPE_BITS))}"'.encode(), m.group() + b":1,", m.group()[:-1] + b'x"'])
+    repl = rng.choice(
+        WEIRD_STRINGS + [f'"{rng.choice(list(DTYPE_BITS))}"'.encode(), m.group() + b":1,", m.group()[:-1] + b'x"']
+    )
     return bytes(d[: m.start()]) + repl + bytes(d[m.end() :])
 
 
@@ -205,7 +268,9 @@ def m_nest(rng, d, _s):
 
 def m_utf8(rng, d, _s):
     i = rng.randrange(len(d) + 1)
-    bad = rng.choice([b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\\ud800", b"\\udc00\\ud800"])
+    bad = rng.choice(
+        [b"\xff", b"\xc0\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\\ud800", b"\\udc00\\ud800"]
+    )
     return bytes(d[:i]) + bad + bytes(d[i:])
 
 
@@ -219,13 +284,50 @@ def m_swap(rng, d, _s):
 
 
 # structure-preserving mutations are weighted up so more inputs get past the JSON parser
-MUTATORS = [m_bitflip, m_byte, m_truncate, m_extend, m_delete, m_duplicate_slice, m_splice, m_number, m_number, m_number,
-            m_number, m_string, m_string, m_string, m_shape, m_shape, m_duplicate_entry, m_nest, m_utf8, m_swap]
+MUTATORS = [
+    m_bitflip,
+    m_byte,
+    m_truncate,
+    m_extend,
+    m_delete,
+    m_duplicate_slice,
+    m_splice,
+    m_number,
+    m_number,
+    m_number,
+    m_number,
+    m_string,
+    m_string,
+    m_string,
+    m_shape,
+    m_shape,
+    m_duplicate_entry,
+    m_nest,
+    m_utf8,
+    m_swap,
+]
 CATEGORIES = [  # rejection reasons, for the summary (first match wins)
-    "too small", "exceeds the", "points past the end", "not valid UTF-8", "not valid JSON", "not a JSON object",
-    "appears twice", "__metadata__", "header entry is not an object", "exactly dtype, shape, data_offsets", "unknown dtype",
-    "is not a list of non-negative", "is not two non-negative", "more than 2^64", "end before they begin",
-    "whole number of bytes", "needs", "leaves a gap", "overlaps", "truncated", "trailing bytes",
+    "too small",
+    "exceeds the",
+    "points past the end",
+    "not valid UTF-8",
+    "not valid JSON",
+    "not a JSON object",
+    "appears twice",
+    "__metadata__",
+    "header entry is not an object",
+    "exactly dtype, shape, data_offsets",
+    "unknown dtype",
+    "is not a list of non-negative",
+    "is not two non-negative",
+    "more than 2^64",
+    "end before they begin",
+    "whole number of bytes",
+    "needs",
+    "leaves a gap",
+    "overlaps",
+    "truncated",
+    "trailing bytes",
 ]
 
 
@@ -267,12 +369,16 @@ def run(n: int, seed: int, fixture: Path | None, crash_dir: Path, files_every: i
             if len(raw) > 2_000_000:
                 raw = raw[:2_000_000]
         consistent = 8 + len(raw) + data_len
-        size = rng.choice([consistent, consistent, consistent + rng.randint(-16, 16), rng.randint(0, consistent * 2 + 16)])
+        size = rng.choice(
+            [consistent, consistent, consistent + rng.randint(-16, 16), rng.randint(0, consistent * 2 + 16)]
+        )
         size = max(0, size)
         via_file = files_every > 0 and i % files_every == 0
         try:
             if via_file:
-                prefix_len = rng.choice([len(raw), len(raw), len(raw) + rng.randint(-8, 8), rng.randrange(2**64), 100_000_001])
+                prefix_len = rng.choice(
+                    [len(raw), len(raw), len(raw) + rng.randint(-8, 8), rng.randrange(2**64), 100_000_001]
+                )
                 prefix_len = min(max(prefix_len, 0), 2**64 - 1)
                 with open(path, "wb") as fh:
                     fh.write(struct.pack("<Q", prefix_len)[: rng.choice([8, 8, 8, rng.randrange(9)])])
@@ -299,9 +405,14 @@ def run(n: int, seed: int, fixture: Path | None, crash_dir: Path, files_every: i
         done += 1
     elapsed = time.perf_counter() - t0
 
-    print(f"fuzz_header: {done} inputs in {elapsed:.1f} s ({done / elapsed:,.0f} inputs/s), seed {seed}, "
-          f"{len(seeds)} seeds, every {files_every}th through a file")
-    print(f"  accepted {outcomes['accepted']}, rejected {sum(outcomes.values()) - outcomes['accepted']}, crashed {done - sum(outcomes.values())}")
+    print(
+        f"fuzz_header: {done} inputs in {elapsed:.1f} s ({done / elapsed:,.0f} inputs/s), seed {seed}, "
+        f"{len(seeds)} seeds, every {files_every}th through a file"
+    )
+    print(
+        f"  accepted {outcomes['accepted']}, rejected {sum(outcomes.values()) - outcomes['accepted']}, "
+        f"crashed {done - sum(outcomes.values())}"
+    )
     for what, count in outcomes.most_common(15):
         if what != "accepted":
             print(f"  {count:7d}  {what}")
@@ -323,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=None, help="stop after this long even if --n is not reached")
     p.add_argument("--fixture", type=Path, default=None, help="a generated checkpoint whose headers join the seeds")
-    p.add_argument("--files-every", type=int, default=50, help="every Nth input goes through a file and read_shard_header (0: never)")
+    p.add_argument(
+        "--files-every",
+        type=int,
+        default=50,
+        help="every Nth input goes through a file and read_shard_header (0: never)",
+    )
     p.add_argument("--crash-dir", type=Path, default=Path("bench/fuzz-crashes"))
     a = p.parse_args(argv)
     return run(a.n, a.seed, a.fixture, a.crash_dir, a.files_every, a.seconds)

@@ -56,17 +56,36 @@ def main(argv: list[str] | None = None) -> int:
         # which vLLM's MoE backends round up (convert refuses); tp 8 (384 rows) shows the tp layout instead
         for model, plans in (("flash", ((8, "tp"), (8, "ep"))), ("pro", ((16, "ep"), (8, "tp")))):
             src = root / model
-            subprocess.run([sys.executable, str(HERE / "make_skeleton.py"), str(src), "--headers-only", "--model", model], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, str(HERE / "make_skeleton.py"), str(src), "--headers-only", "--model", model],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             secs, rc = best([sys.executable, "-c", FLOOR, str(src)], args.rounds)
             rows.append((model, "floor", f"floor: interpreter + json.loads of every header ({model})", secs, rc))
             secs, rc = best([*tool, "inspect", str(src), "--json"], args.rounds)
             rows.append((model, "inspect", f"ckpt-tool inspect {model} --json", secs, rc))
-            secs, rc = best([*tool, "inspect", str(src), "--json"], args.rounds, env={**os.environ, "CKPT_TOOL_NO_FORK": "1"})
+            secs, rc = best(
+                [*tool, "inspect", str(src), "--json"], args.rounds, env={**os.environ, "CKPT_TOOL_NO_FORK": "1"}
+            )
             rows.append((model, "serial", "  same, one process (CKPT_TOOL_NO_FORK=1)", secs, rc))
             for tp, moe in plans:
-                cmd = [*tool, "convert", str(src), str(root / "out"), "--tp", str(tp), "--moe-parallel", moe, "--dry-run", "--json"]
+                cmd = [
+                    *tool,
+                    "convert",
+                    str(src),
+                    str(root / "out"),
+                    "--tp",
+                    str(tp),
+                    "--moe-parallel",
+                    moe,
+                    "--dry-run",
+                    "--json",
+                ]
                 secs, rc = best(cmd, args.rounds)
-                rows.append((model, "plan", f"convert {model} --tp {tp} --moe-parallel {moe} --dry-run --json", secs, rc))
+                rows.append(
+                    (model, "plan", f"convert {model} --tp {tp} --moe-parallel {moe} --dry-run --json", secs, rc)
+                )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -77,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:62} {secs:7.2f} {'':>7} {'':>6} {1.0:6.2f}  {rc}")
             continue
         target = TARGETS[(model, "inspect" if kind == "serial" else kind)]
-        verdict = ("PASS" if rc == 0 and secs < target else "FAIL") if kind != "serial" else "(reference: the helpers' gain)"
+        verdict = (
+            ("PASS" if rc == 0 and secs < target else "FAIL") if kind != "serial" else "(reference: the helpers' gain)"
+        )
         print(f"{label:62} {secs:7.2f} {target:7.2f} {secs / target:6.2f} {secs / floors[model]:6.2f}  {rc}  {verdict}")
     return 0
 

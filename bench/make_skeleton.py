@@ -8,8 +8,9 @@
                                                            # and == what ckpt-tool derives from config.json
 
 The tensor set follows ckpt_tool/fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
-dimensions of the released checkpoints (deepseek-ai/DeepSeek-V4-Flash config.json and headers). The specs are written out here instead of imported, because
-importing ``ckpt_tool.fixtures.make`` pulls in torch (~230 MB RSS) and this generator must stay under 200 MB;
+dimensions of the released checkpoints (deepseek-ai/DeepSeek-V4-Flash config.json and headers). The specs are
+written out here instead of imported, because importing ``ckpt_tool.fixtures.make`` pulls in torch (~230 MB RSS)
+and this generator must stay under 200 MB;
 ``--self-check`` imports it in a separate run and compares the two spec lists for a few layer kinds.
 
 Bytes are random but valid: E8M0 scales in 110..140 (never the NaN code 0xFF), FP8 e4m3 avoiding
@@ -62,8 +63,16 @@ INDEX_TOPK_VALUE = 512
 # Unconfirmed there and assumed here: index_n_heads 64, hc_mult 4, and the compress-ratio pattern
 # (Flash's: two SWA layers, then CSA/HCA alternating, CSA last).
 PRO = dict(
-    HIDDEN=7168, HEADS=128, Q_LORA=1536, O_GROUPS=16, O_LORA=1024, EXPERTS=384, MOE_INTER=3072, NUM_LAYERS=61,
-    COMPRESS_RATIOS=[0, 0] + [4, 128] * 29 + [4] + [0] * MTP_LAYERS, INDEX_TOPK_VALUE=1024,
+    HIDDEN=7168,
+    HEADS=128,
+    Q_LORA=1536,
+    O_GROUPS=16,
+    O_LORA=1024,
+    EXPERTS=384,
+    MOE_INTER=3072,
+    NUM_LAYERS=61,
+    COMPRESS_RATIOS=[0, 0] + [4, 128] * 29 + [4] + [0] * MTP_LAYERS,
+    INDEX_TOPK_VALUE=1024,
 )
 
 
@@ -112,7 +121,13 @@ def make_config(num_hidden_layers: int | None = None) -> dict:
         "index_topk": INDEX_TOPK_VALUE,
         "rope_theta": 10000,
         "compress_rope_theta": 160000,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
         "max_position_embeddings": 1048576,
         "compress_ratios": COMPRESS_RATIOS[:num_hidden_layers] + [0] * MTP_LAYERS,
         "tie_word_embeddings": False,
@@ -195,7 +210,9 @@ def block_specs(prefix: str, *, ratio: int, hash_layer: bool) -> list[Spec]:
         ]
     f = f"{prefix}.ffn"
     s += [Spec(f"{f}.gate.weight", "BF16", (EXPERTS, HIDDEN))]
-    s += [Spec(f"{f}.gate.tid2eid", "I64", (VOCAB, TOPK))] if hash_layer else [Spec(f"{f}.gate.bias", "F32", (EXPERTS,))]
+    s += (
+        [Spec(f"{f}.gate.tid2eid", "I64", (VOCAB, TOPK))] if hash_layer else [Spec(f"{f}.gate.bias", "F32", (EXPERTS,))]
+    )
     s += _fp8_linear(f"{f}.shared_experts.w1", MOE_INTER, HIDDEN)
     s += _fp8_linear(f"{f}.shared_experts.w2", HIDDEN, MOE_INTER)
     s += _fp8_linear(f"{f}.shared_experts.w3", MOE_INTER, HIDDEN)
@@ -378,15 +395,32 @@ def self_check() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import ckpt_tool.fixtures.make as fm
 
-    for name in ("VOCAB", "HIDDEN", "HEADS", "HEAD_DIM", "ROPE_DIM", "Q_LORA", "O_GROUPS", "O_LORA", "EXPERTS",
-                 "TOPK", "MOE_INTER", "HC", "INDEX_HEADS", "INDEX_HEAD_DIM", "HASH_LAYERS"):
+    for name in (
+        "VOCAB",
+        "HIDDEN",
+        "HEADS",
+        "HEAD_DIM",
+        "ROPE_DIM",
+        "Q_LORA",
+        "O_GROUPS",
+        "O_LORA",
+        "EXPERTS",
+        "TOPK",
+        "MOE_INTER",
+        "HC",
+        "INDEX_HEADS",
+        "INDEX_HEAD_DIM",
+        "HASH_LAYERS",
+    ):
         setattr(fm, name, globals()[name])
     # the variant carries its own moe_intermediate_size (set when ckpt_tool.fixtures.make was imported): give it ours
     variant = dataclasses.replace(fm.VARIANTS["fp4"], moe_inter=MOE_INTER)
     ok = True
     cases = [("layers.0", 0, True), ("layers.2", 4, True), ("layers.3", 128, False), ("layers.5", 4, False)]
     for prefix, ratio, hashed in cases:
-        theirs = [(s.name, s.dtype, tuple(s.shape)) for s in fm.block_specs(prefix, variant, ratio=ratio, hash_layer=hashed)]
+        theirs = [
+            (s.name, s.dtype, tuple(s.shape)) for s in fm.block_specs(prefix, variant, ratio=ratio, hash_layer=hashed)
+        ]
         mine = [(s.name, s.dtype, s.shape) for s in block_specs(prefix, ratio=ratio, hash_layer=hashed)]
         ok &= theirs == mine
         print(f"block {prefix} ratio {ratio}: {'same' if theirs == mine else 'DIFFERENT'} ({len(mine)} tensors)")
@@ -413,20 +447,36 @@ def agrees_with_its_config() -> bool:
         offset += s.nbytes
     config = V4Config.from_dict(make_config())
     found = config_disagreement(config, tensors)
-    print(f"shapes and dtypes ckpt-tool derives from config.json ({len(tensors)} tensors): {'same' if found is None else found.message(config)}")
+    print(
+        f"shapes and dtypes ckpt-tool derives from config.json ({len(tensors)} tensors): "
+        f"{'same' if found is None else found.message(config)}"
+    )
     return found is None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, nargs="?", help="folder to write (created)")
-    p.add_argument("--layers", type=int, default=None, help="main layers with data (default 0; --headers-only: all 43, Pro 61)")
-    p.add_argument("--headers-only", action="store_true", help="headers + sparse holes; default: the full 43-layer checkpoint in 46 shards")
+    p.add_argument(
+        "--layers", type=int, default=None, help="main layers with data (default 0; --headers-only: all 43, Pro 61)"
+    )
+    p.add_argument(
+        "--headers-only",
+        action="store_true",
+        help="headers + sparse holes; default: the full 43-layer checkpoint in 46 shards",
+    )
     p.add_argument("--sparse", action="store_true", help="like --headers-only but for the --layers/--shard-size layout")
     p.add_argument("--shard-size", type=float, default=4.0, help="GiB per shard (default 4)")
-    p.add_argument("--num-shards", type=int, default=None, help="exactly N shards of about equal size (default 46 with --headers-only)")
+    p.add_argument(
+        "--num-shards",
+        type=int,
+        default=None,
+        help="exactly N shards of about equal size (default 46 with --headers-only)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--self-check", action="store_true", help="compare specs with ckpt_tool.fixtures.make (imports torch) and exit")
+    p.add_argument(
+        "--self-check", action="store_true", help="compare specs with ckpt_tool.fixtures.make (imports torch) and exit"
+    )
     p.add_argument("--model", choices=("flash", "pro"), default="flash", help="V4-Flash (default) or V4-Pro dimensions")
     args = p.parse_args(argv)
     if args.model == "pro":

@@ -40,7 +40,15 @@ def convert(src: Path, out: Path) -> int:
             res["model.embed_tokens.weight"] = sd.get(p + "emb.tok_emb.weight", sd["embed.weight"])
         res[S + "shared_head.head.weight"] = sd.get(p + "head.weight", sd["head.weight"])
         res[S + "shared_head.norm.weight"] = sd[p + "norm.weight"]
-        for k in ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+        for k in (
+            "enorm.weight",
+            "hnorm.weight",
+            "e_proj.weight",
+            "h_proj.weight",
+            "hc_head_fn",
+            "hc_head_base",
+            "hc_head_scale",
+        ):
             res[S + k] = sd[p + k]
         for k in ("e_proj", "h_proj"):
             res[S + k + ".weight_scale_inv"] = sd[p + k + ".scale"]
@@ -48,8 +56,12 @@ def convert(src: Path, out: Path) -> int:
         res[B + "attn.fused_wqa_wkv.weight"] = torch.cat([sd[a + "wq_a.weight"], sd[a + "wkv.weight"]])
         res[B + "attn.fused_wqa_wkv.weight_scale_inv"] = torch.cat([sd[a + "wq_a.scale"], sd[a + "wkv.scale"]])
         f = p + "ffn."
-        res[B + "ffn.shared_experts.gate_up_proj.weight"] = torch.cat([sd[f + "shared_experts.w1.weight"], sd[f + "shared_experts.w3.weight"]])
-        res[B + "ffn.shared_experts.gate_up_proj.weight_scale_inv"] = torch.cat([sd[f + "shared_experts.w1.scale"], sd[f + "shared_experts.w3.scale"]])
+        res[B + "ffn.shared_experts.gate_up_proj.weight"] = torch.cat(
+            [sd[f + "shared_experts.w1.weight"], sd[f + "shared_experts.w3.weight"]]
+        )
+        res[B + "ffn.shared_experts.gate_up_proj.weight_scale_inv"] = torch.cat(
+            [sd[f + "shared_experts.w1.scale"], sd[f + "shared_experts.w3.scale"]]
+        )
         res[B + "ffn.shared_experts.down_proj.weight"] = sd[f + "shared_experts.w2.weight"]
         res[B + "ffn.shared_experts.down_proj.weight_scale_inv"] = sd[f + "shared_experts.w2.scale"]
         res[B + "ffn.gate.weight"] = sd[f + "gate.weight"]
@@ -60,14 +72,16 @@ def convert(src: Path, out: Path) -> int:
         esc = "weight_scale" if fp4 else "weight_scale_inv"
         u8 = (lambda t: t.view(torch.uint8)) if fp4 else (lambda t: t)
         for kind, suffix in (("weight", "weight"), ("scale", esc)):
-            w13 = [torch.cat([u8(sd[f"{f}experts.{j}.w1.{kind}"]), u8(sd[f"{f}experts.{j}.w3.{kind}"])]) for j in range(E)]
+            w13 = [
+                torch.cat([u8(sd[f"{f}experts.{j}.w1.{kind}"]), u8(sd[f"{f}experts.{j}.w3.{kind}"])]) for j in range(E)
+            ]
             res[f"{B}ffn.experts.w13_{suffix}"] = torch.stack(w13)
             del w13
             res[f"{B}ffn.experts.w2_{suffix}"] = torch.stack([u8(sd[f"{f}experts.{j}.w2.{kind}"]) for j in range(E)])
         for name, t in sd.items():  # everything else of the block: a rename under .mtp_block.
             if not name.startswith(p):
                 continue
-            rest = name[len(p):]
+            rest = name[len(p) :]
             if re.match(r"(attn_norm|ffn_norm)\.weight$|hc_(attn|ffn)_(fn|base|scale)$", rest) or (
                 rest.startswith("attn.") and not re.match(r"attn\.(wq_a|wkv)\.", rest)
             ):

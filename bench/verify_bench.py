@@ -1,6 +1,7 @@
 """verify side by side with convert on a full-width V4-Flash skeleton (a plain script, not a test).
 
-    python bench/verify_bench.py                      # skeleton + convert tp 2 / tp 8 + verify levels, ~4 min on 2 cores
+    python bench/verify_bench.py                      # skeleton + convert tp 2 / tp 8 + verify levels,
+                                                      # ~4 min on 2 cores
     python bench/verify_bench.py --src /tmp/vb/src    # reuse a skeleton made by bench/make_skeleton.py
     python bench/verify_bench.py --json verify.json --keep
     python bench/verify_bench.py --model pro          # V4-Pro widths (~17 GiB): memory must stay flat
@@ -51,9 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", type=Path, help="an existing skeleton (default: make one in a fresh /tmp folder)")
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--model", choices=("flash", "pro"), default="flash",
-                    help="skeleton dimensions: V4-Flash (5.3 GiB) or V4-Pro (hidden 7168, 384 experts: ~17 GiB) - "
-                    "numeric verify's memory must not grow with them")
+    ap.add_argument(
+        "--model",
+        choices=("flash", "pro"),
+        default="flash",
+        help="skeleton dimensions: V4-Flash (5.3 GiB) or V4-Pro (hidden 7168, 384 experts: ~17 GiB) - "
+        "numeric verify's memory must not grow with them",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
@@ -72,19 +77,33 @@ def main(argv: list[str] | None = None) -> int:
             make_skeleton.make_skeleton(src)
         for tp in args.tp:
             out = work / f"out-tp{tp}"
-            conv = timed([*ckpt, "convert", str(src), str(out), "--only", "mtp", "--tp", str(tp), "--force", "--json"], log)
+            conv = timed(
+                [*ckpt, "convert", str(src), str(out), "--only", "mtp", "--tp", str(tp), "--force", "--json"], log
+            )
             rows.append({"tp": tp, "command": "convert", **{k: v for k, v in conv.items() if k != "stdout"}})
             # values first: it reads OUT as convert left it (written with O_DIRECT, so not in the page cache)
             for level in ("values", "structure", "numeric"):
-                extra = ["--tokens", str(args.tokens), "--kernels", "torch", "--device", "cpu"] if level == "numeric" else []
+                extra = (
+                    ["--tokens", str(args.tokens), "--kernels", "torch", "--device", "cpu"]
+                    if level == "numeric"
+                    else []
+                )
                 r = timed([*ckpt, "verify", str(out), "--source", str(src), "--level", level, "--json", *extra], log)
                 doc = json.loads(r.pop("stdout") or "{}")
-                row = {"tp": tp, "command": f"verify --level {level}", **r, "ok": doc.get("ok"),
-                       "coverage": doc.get("coverage"), "per_convert": round(r["seconds"] / conv["seconds"], 2)}
+                row = {
+                    "tp": tp,
+                    "command": f"verify --level {level}",
+                    **r,
+                    "ok": doc.get("ok"),
+                    "coverage": doc.get("coverage"),
+                    "per_convert": round(r["seconds"] / conv["seconds"], 2),
+                }
                 if level == "numeric" and doc.get("numeric"):
                     row["logits_max_rel"] = doc["numeric"][0]["logits_max_rel"]
                 rows.append(row)
-                failed |= not doc.get("ok") or (level == "numeric" and (doc.get("coverage") or {}).get("percent") != 100.0)
+                failed |= not doc.get("ok") or (
+                    level == "numeric" and (doc.get("coverage") or {}).get("percent") != 100.0
+                )
             shutil.rmtree(out)
     finally:
         if not args.keep:
@@ -94,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cov = r.get("coverage")
         cov_txt = f"{cov['checked']}/{cov['total']} ({cov['percent']} %)" if cov else ""
-        print(f"| {r['tp']} | {r['command']} | {r['seconds']:.2f} | {r.get('per_convert', 1.0):.2f} | {r['peak_rss_mib']:.0f} MiB | {cov_txt} |")
+        print(
+            f"| {r['tp']} | {r['command']} | {r['seconds']:.2f} | {r.get('per_convert', 1.0):.2f} | "
+            f"{r['peak_rss_mib']:.0f} MiB | {cov_txt} |"
+        )
     if args.json:
         args.json.write_text(json.dumps({"cpus": os.cpu_count(), "model": args.model, "rows": rows}, indent=2) + "\n")
     return 1 if failed else 0

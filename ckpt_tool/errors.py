@@ -31,8 +31,6 @@ class OutputError(CkptToolError):
     """The output folder cannot be written (exists and is complete, locked, unwritable, disk full)."""
 
 
-
-
 class UsageError(CkptToolError):
     """Bad command-line usage."""
 

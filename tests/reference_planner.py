@@ -4,7 +4,8 @@ Straightforward on purpose: every name tried against the rule regexes, every seg
 every check per tensor and per rank. ``tests/test_planner_equivalence.py`` compares the real planner
 with it. Do not optimise this file; change it only when the plan's intended output changes.
 
-Original docstring: planning a conversion from headers alone: which bytes of which source tensors form every output tensor.
+Original docstring: planning a conversion from headers alone: which bytes of which source tensors form every
+output tensor.
 
 Everything that can be checked without reading tensor bytes is checked here, before any output is
 written: every source tensor matched by exactly one rule (unknown names are an error listing them),
@@ -20,11 +21,11 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.completeness import require_agreement, require_complete
-from ckpt_tool.errors import PlanError
+from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.errors import PlanError
+from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import pad_note  # the note's wording; which sizes pad is worked out here
 from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split
@@ -214,8 +215,9 @@ def _chunk(n: int, tp: int, r: int) -> tuple[int, int]:
     return r * step, (r + 1) * step
 
 
-def _engine_padded(info: TensorInfo, sibling: TensorInfo | None, dim: int, tp: int, rank: int, conv: str,
-                   padded: set[tuple[int, int]]) -> list[Segment] | None:
+def _engine_padded(
+    info: TensorInfo, sibling: TensorInfo | None, dim: int, tp: int, rank: int, conv: str, padded: set[tuple[int, int]]
+) -> list[Segment] | None:
     """vLLM's _pad_shared_expert_weight, then an even split: a block-FP8 weight (elements) or scale (blocks) is
     zero-padded on ``dim`` to a multiple of tp blocks and rank ``rank`` takes its chunk. None: not such a tensor."""
     if sibling is None:
@@ -267,7 +269,10 @@ def _segments_for(
                 r0, r1 = _chunk(rows, tp, rank)
             else:
                 if len(info.shape) != 2:
-                    raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
+                    raise PlanError(
+                        f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, "
+                        f"got shape {list(info.shape)}"
+                    )
                 c0, c1 = _chunk(cols, tp, rank)
         return [Segment(info.name, r0, r1, c0, c1, conv)]
 
@@ -284,7 +289,9 @@ def _segments_for(
     E = cfg.n_routed_experts
     if opts.moe_parallel == "ep":
         if E % tp:
-            raise PlanError(f"n_routed_experts={E} does not split over tp={tp} with --moe-parallel ep; choose a tp that divides it")
+            raise PlanError(
+                f"n_routed_experts={E} does not split over tp={tp} with --moe-parallel ep; choose a tp that divides it"
+            )
         experts = range(*_chunk(E, tp, rank))
         split_dim = None
     else:
@@ -297,7 +304,8 @@ def _segments_for(
     rows = cfg.moe_intermediate_size // tp
     if opts.moe_parallel != "ep" and cfg.expert_dtype == "fp4" and tp > 1 and rows % 128:
         raise PlanError(
-            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a rank, "
+            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} "
+            f"leaves {rows} rows a rank, "
             "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
             "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
             "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
@@ -330,13 +338,17 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 
     sources = dict(tensors)
     materialized: dict[str, str] = {}
-    for i in range(config.num_nextn_predict_layers) if opts.only != "model" else ():  # nothing of the draft is written with --only model
+    for i in (
+        range(config.num_nextn_predict_layers) if opts.only != "model" else ()
+    ):  # nothing of the draft is written with --only model
         for alias_pat, real in MATERIALIZE.items():
             alias = alias_pat.format(mtp=i)
             if alias in sources or (alias.endswith("emb.tok_emb.weight") and i > 0):
                 continue
             if real not in tensors:
-                raise PlanError(f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either")
+                raise PlanError(
+                    f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either"
+                )
             r = tensors[real]
             sources[alias] = TensorInfo(alias, r.dtype, r.shape, r.file, r.start, r.end)
             materialized[alias] = real
@@ -366,7 +378,8 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
             also = f" (nor do {len(rest)} more: {shown}{', ...' if len(rest) > 5 else ''})"
         raise PlanError(
             f"{sources[first].file}: tensor {first!r}: matches no rule of profile {opts.profile!r}{also}; is this a "
-            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra tensors"
+            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, "
+            "or remove the extra tensors"
         )
 
     outputs: dict[tuple[str, int], list[OutTensor]] = defaultdict(list)
@@ -385,19 +398,25 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         dtype = conversions.out_dtype(first.dtype, rule.convert)
         for rank in range(opts.tp):
             shape, segs = _segments_for(g, config, opts, rank, sources, padded)
-            read = tuple(dict.fromkeys(s.src for s in segs)) if rule.kind == "stack" and opts.moe_parallel == "ep" else srcs
+            read = (
+                tuple(dict.fromkeys(s.src for s in segs))
+                if rule.kind == "stack" and opts.moe_parallel == "ep"
+                else srcs
+            )
             outputs[(rule.component, rank)].append(OutTensor(target, dtype, shape, tuple(segs), rule.id, read))
 
     files = _pack(outputs, sources, opts)
     deviations = []
     if materialized:
         deviations.append(
-            "materialized " + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
+            "materialized "
+            + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
             + " (vLLM's stock loaders leave them uninitialised; its sharded loader needs the keys)"
         )
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
-            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store the raw byte b as a number: vLLM #51946, #43416)"
+            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader "
+            "store the raw byte b as a number: vLLM #51946, #43416)"
         )
     return Plan(
         options=opts,
@@ -408,7 +427,8 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
+        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ())
+        + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
 
 
@@ -431,7 +451,8 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
         missing = [s.format(**g.bind) for i, s in enumerate(rule.sources) if (i, None) not in g.parts]
         if missing:
             raise PlanError(
-                f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; the checkpoint is incomplete — "
+                f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; "
+                "the checkpoint is incomplete — "
                 "download it again"
             )
     infos = list(g.parts.values())
@@ -440,7 +461,9 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
         raise PlanError(f"{where}: parts have different dtypes: " + ", ".join(f"{t.name}={t.dtype}" for t in infos))
     tails = {t.shape[1:] for t in infos}
     if len(tails) > 1:
-        raise PlanError(f"{where}: parts disagree in trailing shape: " + ", ".join(f"{t.name}={list(t.shape)}" for t in infos))
+        raise PlanError(
+            f"{where}: parts disagree in trailing shape: " + ", ".join(f"{t.name}={list(t.shape)}" for t in infos)
+        )
     if rule.kind == "stack":
         shapes = {}
         for (idx, _e), t in g.parts.items():
@@ -450,14 +473,17 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
                 raise PlanError(f"{where}: experts disagree in shape for {rule.sources[idx]}: {sorted(s)}")
 
 
-def _pack(outputs: dict[tuple[str, int], list[OutTensor]], sources: dict[str, TensorInfo], opts: Options) -> tuple[OutFile, ...]:
+def _pack(
+    outputs: dict[tuple[str, int], list[OutTensor]], sources: dict[str, TensorInfo], opts: Options
+) -> tuple[OutFile, ...]:
     """Greedy packing into parts of at most max_shard_size (a bigger tensor gets a part of its own).
 
     Tensors are ordered by where their first source byte lies, so the writer reads sources mostly
     sequentially.
     """
     files: list[OutFile] = []
-    for (component, rank) in sorted(outputs):
+    for component, rank in sorted(outputs):
+
         def first_read(t: OutTensor) -> TensorInfo:  # a rank of zeros only is placed where its first source is
             return sources[t.segments[0].src if t.segments[0].src != ZERO else t.sources[0]]
 

@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-
-from ckpt_tool.cli import common as entry
-from ckpt_tool.checkpoint.hub import HubRef, parse_hub_ref
-from ckpt_tool.cli.jsondoc import JSON_FIELDS
 from cli_helpers import run_cli, snapshot
+
+from ckpt_tool.checkpoint.hub import HubRef, parse_hub_ref
+from ckpt_tool.cli import common as entry
+from ckpt_tool.cli.jsondoc import JSON_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +30,9 @@ def stderr_lines(err: str) -> list[str]:
 # a local path with a slash vs a hub repo id
 
 
-def test_a_missing_path_whose_first_folder_exists_is_a_path_not_a_repo(fixture_dir, tmp_path, monkeypatch, capsys) -> None:
+def test_a_missing_path_whose_first_folder_exists_is_a_path_not_a_repo(
+    fixture_dir, tmp_path, monkeypatch, capsys
+) -> None:
     monkeypatch.chdir(fixture_dir("fp4").parent)  # the folder holding the fixture folders
     code, _out, err = run_cli(capsys, "inspect", "fp4/sub")
     assert code == 1 and "fp4/ exists here" in err and "Error:" not in err  # no network attempt
@@ -166,8 +167,21 @@ def test_format_json_equals_json(fixture_dir, capsys) -> None:
 
 def test_piped_dry_run_keeps_whole_tensor_names(fixture_dir, tmp_path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "ckpt_tool", "convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--tp", "2", "--dry-run"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "ckpt_tool",
+            "convert",
+            str(fixture_dir("fp4")),
+            str(tmp_path / "out"),
+            "--tp",
+            "2",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stderr
     longest = "model.layers.1.ffn.experts._shared_experts._layer.gate_up_proj.weight_scale_inv"
@@ -241,12 +255,18 @@ def test_json_documents_have_one_shape_per_command(fixture_dir, tmp_path, capsys
     src, out = fixture_dir("fp4"), tmp_path / "out"
     pairs = {
         "inspect": (_json(capsys, "inspect", src), _json(capsys, "inspect", tmp_path / "nope")),
-        "convert": (_json(capsys, "convert", src, out), _json(capsys, "convert", fixture_dir("missing-mtp"), tmp_path / "o2")),
+        "convert": (
+            _json(capsys, "convert", src, out),
+            _json(capsys, "convert", fixture_dir("missing-mtp"), tmp_path / "o2"),
+        ),
         "verify": (
             _json(capsys, "verify", out, "--source", src, "--level", "structure"),
             _json(capsys, "verify", tmp_path / "nope", "--source", src),
         ),
-        "unconvert": (_json(capsys, "unconvert", out, tmp_path / "back"), _json(capsys, "unconvert", tmp_path / "nope", tmp_path / "b2")),
+        "unconvert": (
+            _json(capsys, "unconvert", out, tmp_path / "back"),
+            _json(capsys, "unconvert", tmp_path / "nope", tmp_path / "b2"),
+        ),
     }
     dry = _json(capsys, "convert", src, tmp_path / "o3", "--dry-run")
     for command, (good, bad) in pairs.items():
@@ -273,7 +293,9 @@ def test_github_step_summary_is_written(fixture_dir, tmp_path, capsys, monkeypat
     assert run_cli(capsys, "convert", src, out)[0] == 0
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    code, stdout, _err = run_cli(capsys, "verify", out, "--source", src, "--github", "--kernels", "torch", "--device", "cpu", "--tokens", "4")
+    code, stdout, _err = run_cli(
+        capsys, "verify", out, "--source", src, "--github", "--kernels", "torch", "--device", "cpu", "--tokens", "4"
+    )
     assert code == 0
     text = summary.read_text()
     assert "## ckpt-tool verify: ✅ PASS" in text and "| numeric |" in text
@@ -285,7 +307,9 @@ def test_junit_has_one_testcase_per_check(fixture_dir, tmp_path, capsys) -> None
 
     src, out = fixture_dir("fp4"), tmp_path / "out"
     assert run_cli(capsys, "convert", src, out)[0] == 0
-    code, stdout, _ = run_cli(capsys, "verify", out, "--source", src, "--level", "structure", "--junit", tmp_path / "v.xml", "--json")
+    code, stdout, _ = run_cli(
+        capsys, "verify", out, "--source", src, "--level", "structure", "--junit", tmp_path / "v.xml", "--json"
+    )
     cases = ET.parse(tmp_path / "v.xml").getroot().findall(".//testcase")
     assert code == 0 and len(cases) == json.loads(stdout)["checks"]
 
@@ -295,7 +319,17 @@ def test_env_prints_what_a_bug_report_needs(capsys, monkeypatch) -> None:
     code, out, _ = run_cli(capsys, "env", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["command"] == "env" and doc["ok"] is True
-    for key in ("ckpt_tool", "python", "torch", "triton", "safetensors", "huggingface_hub", "installed_vllm", "target_auto", "hf_hub_cache"):
+    for key in (
+        "ckpt_tool",
+        "python",
+        "torch",
+        "triton",
+        "safetensors",
+        "huggingface_hub",
+        "installed_vllm",
+        "target_auto",
+        "hf_hub_cache",
+    ):
         assert key in doc, key
     assert doc["target_auto"] == "vllm-0.33+" and doc["installed_vllm"] is None
     code, text, _ = run_cli(capsys, "env")
@@ -303,7 +337,13 @@ def test_env_prints_what_a_bug_report_needs(capsys, monkeypatch) -> None:
 
 
 def test_fixture_list_needs_no_out() -> None:
-    r = subprocess.run([sys.executable, "-m", "ckpt_tool.fixtures.make", "--list"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckpt_tool.fixtures.make", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert r.returncode == 0 and "fp4-2mtp" in r.stdout
 
 

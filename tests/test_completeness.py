@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.checkpoint.completeness import (
     check_completeness,
@@ -19,13 +20,11 @@ from ckpt_tool.checkpoint.completeness import (
     tensor_roles,
 )
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
-from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
 from ckpt_tool.fixtures.broken import S3, drop_tensors
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
-
-from cli_helpers import run_cli, snapshot
+from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
 
 
 @pytest.mark.parametrize("variant", GOOD_VARIANTS)
@@ -46,7 +45,9 @@ def test_every_stored_tensor_has_the_shape_and_dtype_its_config_implies(fixture_
     for role, t in zip(roles, ckpt.tensors.values()):
         assert expected[role].agrees(t.dtype, t.shape), (t.name, t.dtype, t.shape, expected[role])
     assert config_disagreement(ckpt.config, ckpt.tensors.values()) is None
-    assert kinds_agree(ckpt.config, shape_kinds(list(ckpt.tensors), [(t.dtype, t.shape) for t in ckpt.tensors.values()]))
+    assert kinds_agree(
+        ckpt.config, shape_kinds(list(ckpt.tensors), [(t.dtype, t.shape) for t in ckpt.tensors.values()])
+    )
     require_agreement(ckpt.config, ckpt.tensors)
 
 
@@ -57,7 +58,8 @@ def test_names_and_shapes_come_from_one_derivation(fixture_dir) -> None:
     expected = expected_shapes(cfg)
     assert set(tensor_roles(required)) == set(expected) - {"mtp.0.emb.tok_emb.weight", "mtp.0.head.weight"}
     assert tensor_roles(["layers.2.ffn.experts.7.w2.scale", "layers.2.ffn.shared_experts.w2.scale"]) == [
-        "layers.2.ffn.experts.*.w2.scale", "layers.2.ffn.shared_experts.w2.scale"
+        "layers.2.ffn.experts.*.w2.scale",
+        "layers.2.ffn.shared_experts.w2.scale",
     ]
     assert expected["layers.2.ffn.experts.*.w2.weight"].shape == (256, 512 // 2)  # MXFP4: [hidden, inter/2] int8
     assert expected["layers.2.ffn.experts.*.w2.scale"].shape == (256, 512 // 32)
@@ -86,14 +88,18 @@ EDITED_KEYS = [
 
 
 @pytest.mark.parametrize("key,value,tensor,actual", EDITED_KEYS, ids=[f"{k}={v}" for k, v, *_ in EDITED_KEYS])
-def test_an_edited_config_key_is_named_with_a_tensor_and_expected_vs_actual(fixture_dir, key, value, tensor, actual) -> None:
+def test_an_edited_config_key_is_named_with_a_tensor_and_expected_vs_actual(
+    fixture_dir, key, value, tensor, actual
+) -> None:
     ckpt = open_checkpoint(fixture_dir("fp4"))
     cfg = V4Config.from_dict({**ckpt.config.raw, key: value})
     with pytest.raises(PlanError) as err:
         require_agreement(cfg, ckpt.tensors)
     line = str(err.value)
     named = f"{key}[1] 128" if key == "compress_ratios" else f"{key} {value!r}"
-    assert line.startswith(f"{named} in config.json, but tensor {tensor!r} in {ckpt.tensors[tensor].file} is {actual}, not the "), line
+    assert line.startswith(
+        f"{named} in config.json, but tensor {tensor!r} in {ckpt.tensors[tensor].file} is {actual}, not the "
+    ), line
     assert "\n" not in line and f"fix {key}" in line
     found = config_disagreement(cfg, ckpt.tensors.values())
     assert found is not None and found.key == key and found.tensor.name == tensor
@@ -107,7 +113,9 @@ def test_a_disagreement_no_key_explains_names_the_tensor(fixture_dir) -> None:
     tensors[t.name] = t._replace(shape=(4,))  # hc scales are 3 long whatever the config says
     found = config_disagreement(ckpt.config, tensors.values())
     assert found is not None and found.key is None and found.count == 1
-    assert found.message(ckpt.config).startswith(f"tensor 'layers.1.hc_ffn_scale' in {t.file} is F32 [4], but config.json implies F32 [3];")
+    assert found.message(ckpt.config).startswith(
+        f"tensor 'layers.1.hc_ffn_scale' in {t.file} is F32 [4], but config.json implies F32 [3];"
+    )
 
 
 def test_names_config_json_does_not_imply_are_not_judged(fixture_dir) -> None:
@@ -137,7 +145,13 @@ def test_a_deleted_main_layer_is_refused_before_writing(fixture_dir, tmp_path, c
 
 def test_missing_parts_are_grouped_per_layer_in_one_line(fixture_dir) -> None:
     ckpt = open_checkpoint(fixture_dir("fp4"))
-    gone = {"layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale", "layers.0.ffn.experts.3.w1.weight", "layers.0.ffn.experts.5.w1.weight", "norm.weight"}
+    gone = {
+        "layers.2.attn.wo_b.weight",
+        "layers.2.attn.wo_b.scale",
+        "layers.0.ffn.experts.3.w1.weight",
+        "layers.0.ffn.experts.5.w1.weight",
+        "norm.weight",
+    }
     result = check_completeness(ckpt.config, set(ckpt.tensors) - gone)
     line = result.message(ckpt.config)
     assert "\n" not in line
@@ -161,11 +175,15 @@ def test_inspect_gives_the_same_verdict_as_convert(fixture_dir, tmp_path, capsys
     assert code_i == code_c == 1
     assert "layers.2.attn.wo_b.weight, .scale missing" in err_i
     assert "layers.2.attn.wo_b.weight, .scale missing" in err_c
-    assert json.loads(out_i)["missing_tensors"] == {"layers.2": ["layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale"]}
+    assert json.loads(out_i)["missing_tensors"] == {
+        "layers.2": ["layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale"]
+    }
     assert not (src.parent / "out").exists()
 
 
-def test_only_model_converts_a_checkpoint_without_mtp_and_says_the_draft_is_elsewhere(fixture_dir, tmp_path, capsys) -> None:
+def test_only_model_converts_a_checkpoint_without_mtp_and_says_the_draft_is_elsewhere(
+    fixture_dir, tmp_path, capsys
+) -> None:
     src = fixture_dir("missing-mtp")
     before = snapshot(src)
     code, out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--only", "model", "--json")
@@ -208,7 +226,9 @@ def test_out_model_carries_tokenizer_generation_config_and_chat_template(fixture
         assert (tmp_path / "out" / "model" / name).read_bytes() == (src / name).read_bytes()
         assert f"model/{name}" in manifest["serving_files"]
         assert not (tmp_path / "out" / "mtp" / name).exists()
-    assert not any(p.name.endswith(".index.json") or p.name.startswith("model-0") for p in (tmp_path / "out" / "model").iterdir())
+    assert not any(
+        p.name.endswith(".index.json") or p.name.startswith("model-0") for p in (tmp_path / "out" / "model").iterdir()
+    )
 
 
 def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_path, capsys) -> None:
@@ -224,7 +244,8 @@ def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_p
 
 @pytest.mark.parametrize("model", ["flash", "pro"])
 def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, monkeypatch) -> None:
-    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes: its config.json must imply them all."""
+    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes: its config.json must imply
+    them all."""
     import importlib.util
     import sys
     from pathlib import Path

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.cli.entry import main
 from ckpt_tool.output.layout import LOCK, MANIFEST, OutputLock
-from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
@@ -44,7 +44,8 @@ def progress(n):
                 sys.exit(3)
             time.sleep(0.01)
 
-convert(src, out, Options(tp=2, max_shard_size=2_000_000), progress=progress, workers=1)  # one writer: the pause freezes OUT
+# one writer: the pause freezes OUT
+convert(src, out, Options(tp=2, max_shard_size=2_000_000), progress=progress, workers=1)
 """
 
 
@@ -56,8 +57,13 @@ def paused_convert(src: Path, out: Path, tmp_path: Path):
     """
     ready, go = tmp_path / "ready", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CONVERT, str(src), str(out), str(ready), str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -127,7 +133,9 @@ def test_two_racing_processes_one_converts_the_other_refuses(clean, tmp_path: Pa
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), *OPTS]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
     results = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
     codes = sorted(c for c, _ in results)
     assert codes == [0, 1], results
@@ -169,13 +177,15 @@ def test_default_workers_use_the_cores_while_files_are_pending(monkeypatch, cpus
     assert writer.MAX_DEFAULT_WORKERS * writer.RING <= writer.MAX_BUFFERS
 
 
-def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_dir, tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_file_stops_the_other_writers_from_starting_new_files(
+    fixture_dir, tmp_path: Path, monkeypatch
+) -> None:
     """With several writers, the first failure ends the conversion: files in flight finish, queued ones never start
     (a fatal error must not be followed by gigabytes of further writes), and the error is what convert raises."""
     import threading
 
-    from ckpt_tool.output import convert as conv
     from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.output import convert as conv
 
     real, started, lock = conv.write_output_file, [], threading.Lock()
 
@@ -190,7 +200,9 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(fixture_d
     monkeypatch.setattr(conv, "write_output_file", write)
     with pytest.raises(conv.OutputError, match="simulated failure"):
         conv.convert(fixture_dir("fp4"), tmp_path / "out", Options(tp=2, max_shard_size=2_000_000), workers=2)
-    total = len(conv.plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files)
+    total = len(
+        conv.plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files
+    )
     assert total > 6 and len(started) <= 3, (len(started), total)
 
 

@@ -1,8 +1,9 @@
 """``convert``: the output of every good fixture against an independent expectation built from the documented layout.
 
-The expectation below is written directly from the layout docs/output-format.md documents (names, tensor parallelism, dtype rules)
-with plain torch on the source tensors (read with ``safetensors.safe_open``); it deliberately does
-not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.plan``, so a wrong rule table cannot agree with itself.
+The expectation below is written directly from the layout docs/output-format.md documents (names, tensor
+parallelism, dtype rules) with plain torch on the source tensors (read with ``safetensors.safe_open``); it
+deliberately does not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.plan``, so a wrong rule table
+cannot agree with itself.
 """
 
 from __future__ import annotations
@@ -16,22 +17,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors import safe_open
 
-from ckpt_tool.output.convert import convert
-from ckpt_tool.mapping.plan import Options
-from cli_helpers import run_cli
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, write_safetensors
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.output.convert import convert
 
 MTP_MISSING = (
     "MTP speculative decoding layer 3 weights missing from checkpoint. The checkpoint may have been quantized "
-    "without including the MTP layers. Use a checkpoint that includes MTP layer weights, or disable speculative decoding."
+    "without including the MTP layers. Use a checkpoint that includes MTP layer weights, "
+    "or disable speculative decoding."
 )
 PART_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent expectation (the documented layout, profile vllm-seed; vllm-0.33+ is proven by vLLM's own loader in tests/engine)
+# Independent expectation (the documented layout, profile vllm-seed; vllm-0.33+ is proven by vLLM's own loader
+# in tests/engine)
 
 _SOURCE_CACHE: dict[Path, tuple[dict, dict[str, torch.Tensor]]] = {}
 
@@ -58,7 +61,9 @@ class _Builder:
     dim to a multiple of tp 128-blocks (tp blocks) in its own dtype, then split evenly (``_pad_shared_expert_weight``).
     """
 
-    def __init__(self, src: dict[str, torch.Tensor], cfg: dict, tp: int, rank: int, moe: str, pad_shared: bool = False) -> None:
+    def __init__(
+        self, src: dict[str, torch.Tensor], cfg: dict, tp: int, rank: int, moe: str, pad_shared: bool = False
+    ) -> None:
         self.src, self.cfg, self.tp, self.r, self.moe = src, cfg, tp, rank, moe
         self.pad_shared = pad_shared
         self.used: set[str] = set()
@@ -98,7 +103,13 @@ class _Builder:
         """One decoder block: source prefix ``sp`` (``layers.L`` / ``mtp.i``) → output prefix ``dp``."""
         g, s = self.get, self.src
         o: dict[str, torch.Tensor] = {}
-        for n in ["attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight", "attn.kv_norm.weight", "ffn.gate.weight"]:
+        for n in [
+            "attn_norm.weight",
+            "ffn_norm.weight",
+            "attn.q_norm.weight",
+            "attn.kv_norm.weight",
+            "ffn.gate.weight",
+        ]:
             o[f"{dp}.{n}"] = g(f"{sp}.{n}")
         for part in ("attn", "ffn"):
             for k in ("fn", "base", "scale"):
@@ -187,7 +198,15 @@ class _Builder:
             head = f"{p}.head.weight" if f"{p}.head.weight" in s else "head.weight"
             o[f"{dp}.shared_head.head.weight"] = self.rows(g(head))
             o[f"{dp}.shared_head.norm.weight"] = g(f"{p}.norm.weight")
-            for n in ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"):
+            for n in (
+                "enorm.weight",
+                "hnorm.weight",
+                "e_proj.weight",
+                "h_proj.weight",
+                "hc_head_fn",
+                "hc_head_base",
+                "hc_head_scale",
+            ):
                 o[f"{dp}.{n}"] = g(f"{p}.{n}")
             o[f"{dp}.e_proj.weight_scale_inv"] = g(f"{p}.e_proj.scale")
             o[f"{dp}.h_proj.weight_scale_inv"] = g(f"{p}.h_proj.scale")
@@ -199,7 +218,9 @@ class _Builder:
 _EXPECT_CACHE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
 
 
-def expected_outputs(src: Path, tp: int, rank: int, moe: str = "tp", pad_shared: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def expected_outputs(
+    src: Path, tp: int, rank: int, moe: str = "tp", pad_shared: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     """{"model": {name: tensor}, "mtp": {name: tensor}} for rank ``rank`` of ``tp``, from the SPEC rules
     (``pad_shared``: with vLLM 0.33's zero-padded shared experts)."""
     key = (Path(src), tp, rank, moe, pad_shared)
@@ -209,7 +230,9 @@ def expected_outputs(src: Path, tp: int, rank: int, moe: str = "tp", pad_shared:
     return _EXPECT_CACHE[key]
 
 
-def _expected_outputs(src: Path, tp: int, rank: int, moe: str, pad_shared: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def _expected_outputs(
+    src: Path, tp: int, rank: int, moe: str, pad_shared: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
     cfg, tensors = load_source(src)
     b = _Builder(tensors, cfg, tp, rank, moe, pad_shared)
     out = {"model": b.model(), "mtp": b.mtp()}
@@ -382,8 +405,12 @@ def test_max_shard_size_splits_parts_whose_union_equals_the_single_part_result(f
             parts = sorted((small / comp).glob(f"model-rank-{r}-part-*.safetensors"))
             assert len(parts) >= 2, f"{comp} rank {r}: one part only"
             for p in parts:
-                sizes = [m["data_offsets"][1] - m["data_offsets"][0] for k, m in header_of(p).items() if k != "__metadata__"]
-                assert sum(sizes) <= 1_000_000 or len(sizes) == 1, f"{p.name}: {sum(sizes)} bytes in {len(sizes)} tensors"
+                sizes = [
+                    m["data_offsets"][1] - m["data_offsets"][0] for k, m in header_of(p).items() if k != "__metadata__"
+                ]
+                assert sum(sizes) <= 1_000_000 or len(sizes) == 1, (
+                    f"{p.name}: {sum(sizes)} bytes in {len(sizes)} tensors"
+                )
         a, b = read_component(big / comp), read_component(small / comp)
         for r in range(2):
             assert set(a[r]) == set(b[r])
@@ -395,7 +422,9 @@ def test_max_shard_size_splits_parts_whose_union_equals_the_single_part_result(f
 def test_dry_run_writes_nothing_and_json_plan_names_match_expectation(fixture_dir, tmp_path, capsys) -> None:
     src = fixture_dir("fp4-mtp-emb")
     out = tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "convert", src, out, "--tp", "2", "--dry-run", "--json", "--target", "vllm-seed")
+    code, stdout, err = run_cli(
+        capsys, "convert", src, out, "--tp", "2", "--dry-run", "--json", "--target", "vllm-seed"
+    )
     assert code == 0, err
     assert not out.exists()
     plan = json.loads(stdout)
@@ -416,7 +445,9 @@ def test_dry_run_writes_nothing_and_json_plan_names_match_expectation(fixture_di
     assert not out.exists()
 
 
-def test_finished_output_refuses_second_convert_and_force_rewrites_identical_bytes(fixture_dir, tmp_path, capsys) -> None:
+def test_finished_output_refuses_second_convert_and_force_rewrites_identical_bytes(
+    fixture_dir, tmp_path, capsys
+) -> None:
     src = fixture_dir("fp4")
     out = tmp_path / "out"
     assert run_cli(capsys, "convert", src, out, "--tp", "2")[0] == 0
@@ -458,7 +489,9 @@ def test_unknown_source_tensor_exits_1_listing_it(fixture_copy, tmp_path, capsys
 
 
 @pytest.mark.parametrize("variant,flipped", [("fp4", "fp8"), ("fp8", "fp4")])
-def test_config_expert_dtype_disagreeing_with_stored_experts_exits_1(fixture_copy, tmp_path, capsys, variant, flipped) -> None:
+def test_config_expert_dtype_disagreeing_with_stored_experts_exits_1(
+    fixture_copy, tmp_path, capsys, variant, flipped
+) -> None:
     src = fixture_copy(variant)
     cfg = json.loads((src / "config.json").read_text())
     cfg["expert_dtype"] = flipped
@@ -514,12 +547,11 @@ def test_converting_a_copy_of_the_source_elsewhere_gives_the_same_tensor_files(f
     assert tensor_files == {k: hb[k] for k in tensor_files}
 
 
-
 def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(fixture_dir) -> None:
     """--dry-run says where each tensor comes from: under --moe-parallel ep rank r's stack is built from experts
     [r*E/tp, (r+1)*E/tp) only (it listed all E before); under tp every rank reads a slice of every expert."""
-    from ckpt_tool.mapping.plan import Options, plan_conversion
     from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.mapping.plan import Options, plan_conversion
 
     ck = open_checkpoint(fixture_dir("fp4"))
     cfg = ck.require_config()
@@ -530,7 +562,9 @@ def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(f
             for t in f.tensors:
                 if t.name.endswith("routed_experts.w13_weight") and ".layers.0." in t.name:
                     experts = range(f.rank * E // tp, (f.rank + 1) * E // tp) if moe == "ep" else range(E)
-                    assert t.sources == tuple(f"layers.0.ffn.experts.{j}.{w}.weight" for j in experts for w in ("w1", "w3")), (moe, f.rank)
+                    assert t.sources == tuple(
+                        f"layers.0.ffn.experts.{j}.{w}.weight" for j in experts for w in ("w1", "w3")
+                    ), (moe, f.rank)
                     assert {s.src for s in t.segments} == set(t.sources)
 
 
@@ -538,6 +572,8 @@ def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(f
 def test_dry_run_json_text_is_exactly_what_json_dumps_prints(fixture_dir, tmp_path, capsys, args: list[str]) -> None:
     """The dry run splices each distinct sources list in once (jsondoc.dumps_sharing): the text must be the
     plain encoder's, byte for byte."""
-    code, stdout, err = run_cli(capsys, "convert", fixture_dir("fp4-2mtp"), tmp_path / "out", *args, "--dry-run", "--json")
+    code, stdout, err = run_cli(
+        capsys, "convert", fixture_dir("fp4-2mtp"), tmp_path / "out", *args, "--dry-run", "--json"
+    )
     assert code == 0, err
     assert stdout == json.dumps(json.loads(stdout)) + "\n"

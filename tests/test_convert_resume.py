@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -147,10 +147,16 @@ def resume_root(tmp_path_factory, fixture_dir):
     for mode, n in points:
         out = root / f"killed-{mode}-{n}"
         cmd, env = wrapper_cmd(root, mode, n, "convert", str(src), str(out), *OPTS)
-        procs[(mode, n)] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs[(mode, n)] = (
+            out,
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE),
+        )
     out = root / "killed-parallel"
     cmd, env = wrapper_cmd(root, "files", 9, "convert", str(src), str(out), *PARALLEL)
-    procs[("parallel", 9)] = (out, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    procs[("parallel", 9)] = (
+        out,
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE),
+    )
     ref = root / "reference"
     assert main(["convert", str(src), str(ref), *OPTS]) == 0
     killed = {}
@@ -257,7 +263,9 @@ def test_resume_rewrites_a_finished_file_that_was_damaged_after_the_kill(resume_
     assert tree_hashes(out) == tree_hashes(ref)
 
 
-def test_force_killed_while_clearing_never_leaves_a_complete_manifest_over_missing_files(resume_root, tmp_path, capsys) -> None:
+def test_force_killed_while_clearing_never_leaves_a_complete_manifest_over_missing_files(
+    resume_root, tmp_path, capsys
+) -> None:
     src, ref = resume_root["src"], resume_root["ref"]
     out = tmp_path / "out"
     shutil.copytree(ref, out)  # a finished conversion

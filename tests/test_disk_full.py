@@ -25,10 +25,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from cli_helpers import snapshot
 
 from ckpt_tool.cli.entry import main
 from ckpt_tool.output.layout import JOURNAL, MANIFEST
-from cli_helpers import snapshot
 
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
 
@@ -36,8 +36,14 @@ OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
 class DiskFull:
     """ENOSPC for writes into ``out``: after ``budget`` bytes, on the Nth fallocate, or on the Nth open of a name."""
 
-    def __init__(self, out: Path, *, budget: int | None = None, fallocate_fail_at: int | None = None,
-                 fail_open: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        *,
+        budget: int | None = None,
+        fallocate_fail_at: int | None = None,
+        fail_open: tuple[str, int] | None = None,
+    ) -> None:
         self.out = str(out.resolve()) + os.sep
         self.left = budget
         self.fallocate_fail_at = fallocate_fail_at

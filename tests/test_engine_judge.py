@@ -22,8 +22,10 @@ TABLE = {SINK: ("float32", [64]), WQ: ("float8_e4m3fn", [256, 128])}
 
 
 def held(**over) -> dict[str, HeldTensor]:
-    files = {SINK: HeldTensor("F32", (2,), "model-rank-0-part-0.safetensors"),
-             WQ: HeldTensor("F8_E4M3", (256, 128), "model-rank-0-part-0.safetensors")}
+    files = {
+        SINK: HeldTensor("F32", (2,), "model-rank-0-part-0.safetensors"),
+        WQ: HeldTensor("F8_E4M3", (256, 128), "model-rank-0-part-0.safetensors"),
+    }
     files.update(over)
     return {k: v for k, v in files.items() if v is not None}
 
@@ -39,13 +41,20 @@ def test_a_smaller_tensor_the_profile_does_not_document_fails() -> None:
 
 
 def test_each_loader_rule_fails_naming_the_tensor() -> None:
-    bad = held(**{
-        WQ: HeldTensor("BF16", (256, 256), "a.safetensors"),  # cast, and larger than the parameter
-        "model.layers.0.ffn.gate.weight": HeldTensor("BF16", (8, 256), "b.safetensors"),  # an alias, not a key
-    })
+    bad = held(
+        **{
+            WQ: HeldTensor("BF16", (256, 256), "a.safetensors"),  # cast, and larger than the parameter
+            "model.layers.0.ffn.gate.weight": HeldTensor("BF16", (8, 256), "b.safetensors"),  # an alias, not a key
+        }
+    )
     bad.pop(SINK)
-    problems, _ = judge_files(TABLE, bad, [(WQ, "a.safetensors", "c.safetensors")],
-                              {"model.layers.0.ffn.gate.weight": "model.layers.0.ffn.experts.gate.weight"}, {SINK})
+    problems, _ = judge_files(
+        TABLE,
+        bad,
+        [(WQ, "a.safetensors", "c.safetensors")],
+        {"model.layers.0.ffn.gate.weight": "model.layers.0.ffn.experts.gate.weight"},
+        {SINK},
+    )
     text = "\n".join(m for m, _ in problems)
     assert "is in both a.safetensors and c.safetensors" in text  # popped once: the second copy is a KeyError
     assert "'model.layers.0.ffn.gate.weight' in b.safetensors is not a parameter key" in text
@@ -61,8 +70,15 @@ def test_the_real_loads_warnings_cast_and_undocumented_slices_fail() -> None:
         "cpu_table": TABLE,
         "exception": None,
         "log": [
-            {"level": "WARNING", "message": f"loading tensor of shape torch.Size([2]) into parameter '{SINK}' of shape torch.Size([64])"},
-            {"level": "WARNING", "message": f"Attempted to load weight {WQ} with dtype torch.bfloat16 into parameter with dtype torch.float8_e4m3fn"},
+            {
+                "level": "WARNING",
+                "message": f"loading tensor of shape torch.Size([2]) into parameter '{SINK}' of shape torch.Size([64])",
+            },
+            {
+                "level": "WARNING",
+                "message": f"Attempted to load weight {WQ} with dtype torch.bfloat16 "
+                "into parameter with dtype torch.float8_e4m3fn",
+            },
             {"level": "WARNING", "message": "something else"},
         ],
         "warnings": [],
@@ -74,7 +90,10 @@ def test_the_real_loads_warnings_cast_and_undocumented_slices_fail() -> None:
 
 
 def test_a_meta_build_that_disagrees_with_the_cpu_build_fails() -> None:
-    load = {"cpu_table": {**TABLE, "extra": ("float32", [1])}, "exception": {"type": "ValueError", "message": "Missing keys ('x',)"}}
+    load = {
+        "cpu_table": {**TABLE, "extra": ("float32", [1])},
+        "exception": {"type": "ValueError", "message": "Missing keys ('x',)"},
+    }
     problems, _ = judge_load(load, TABLE, set())
     assert "disagree" in problems[0][0] and problems[0][1] == "extra"
     assert "raised ValueError: Missing keys" in problems[1][0]
@@ -83,8 +102,12 @@ def test_a_meta_build_that_disagrees_with_the_cpu_build_fails() -> None:
 @pytest.fixture(scope="module")
 def out_tp2(fixture_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engine-judge") / "out"
-    code = subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", str(fixture_dir("fp4")), str(out), "--tp", "2"],
-                          capture_output=True, text=True, cwd=REPO).returncode
+    code = subprocess.run(
+        [sys.executable, "-m", "ckpt_tool", "convert", str(fixture_dir("fp4")), str(out), "--tp", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    ).returncode
     assert code == 0
     return out
 
@@ -121,7 +144,9 @@ def test_a_missing_interpreter_is_one_line_and_exit_2(out_tp2, tmp_path, capsys)
     assert code == 2 and err.count("\n") == 1 and "no such file" in err
 
 
-@pytest.mark.parametrize("args", [(), ("--engine-python", "python3")], ids=["no-source-no-engine", "python-without-engine"])
+@pytest.mark.parametrize(
+    "args", [(), ("--engine-python", "python3")], ids=["no-source-no-engine", "python-without-engine"]
+)
 def test_verify_needs_a_source_or_the_engine(out_tp2, capsys, args) -> None:
     code, _, err = run_cli(capsys, "verify", out_tp2, *args)
     assert code == 2 and err.count("\n") == 1, err
@@ -132,7 +157,13 @@ def test_the_probe_needs_no_ckpt_tool(tmp_path) -> None:
     before vllm (here: none, so the answer is 'no-vllm', from a process that cannot import ckpt_tool)."""
     probe = REPO / "ckpt_tool" / "verify" / "engine" / "probe.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-S", "-I", str(probe)], input=json.dumps({"protocol": 1, "jobs": []}),
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-I", str(probe)],
+        input=json.dumps({"protocol": 1, "jobs": []}),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     answer = json.loads(proc.stdout)
     assert proc.returncode == 0 and answer["fatal"]["kind"] == "no-vllm", proc.stderr

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from ckpt_tool.mapping import profiles
-from ckpt_tool.mapping.profiles import vllm_0_33_plus
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.output.convert import convert
+from ckpt_tool.fixtures.make import GOOD_VARIANTS
+from ckpt_tool.mapping import profiles
 from ckpt_tool.mapping.engine_table import engine_params
 from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.profiles import vllm_0_33_plus
+from ckpt_tool.output.convert import convert
 from ckpt_tool.verify.levels import verify
-from ckpt_tool.fixtures.make import GOOD_VARIANTS
 
 CASES = [(v, tp, moe) for v in GOOD_VARIANTS for tp, moe in ((1, "tp"), (2, "tp"), (4, "ep"))]
 
@@ -29,7 +29,9 @@ def test_every_rank_matches_the_engine_table(fixture_dir, tmp_path, variant, tp,
     report = verify(tmp_path / "out", src, level="structure")
     engine = [c for c in report.checks if c.name.startswith("engine:")]
     assert report.ok, [c.message for c in report.failures]
-    assert sorted(c.name for c in engine) == sorted(f"engine:{comp}/rank-{r}" for comp in ("model", "mtp") for r in range(tp))
+    assert sorted(c.name for c in engine) == sorted(
+        f"engine:{comp}/rank-{r}" for comp in ("model", "mtp") for r in range(tp)
+    )
 
 
 def _stale(monkeypatch, **changes) -> None:
@@ -61,17 +63,35 @@ def test_a_profile_writing_the_wrong_dtype_fails_verify(fixture_dir, tmp_path, m
 
 
 def test_engine_table_of_v4_flash_dimensions() -> None:
-    cfg = V4Config.from_dict({
-        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
-        "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
-        "o_lora_rank": 1024, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048, "num_hash_layers": 3, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-        "hc_mult": 4, "rms_norm_eps": 1e-6,
-    })
+    cfg = V4Config.from_dict(
+        {
+            "vocab_size": 129280,
+            "hidden_size": 4096,
+            "num_hidden_layers": 43,
+            "num_nextn_predict_layers": 1,
+            "num_attention_heads": 64,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 1024,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 2048,
+            "num_hash_layers": 3,
+            "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+            "hc_mult": 4,
+            "rms_norm_eps": 1e-6,
+        }
+    )
     mtp = engine_params(cfg, "vllm-0.33+", "mtp", 8, "ep")
     r = "model.layers.43.mtp_block.ffn.experts.routed_experts"
     assert mtp[f"{r}.w13_weight"].shape == (32, 4096, 2048) and mtp[f"{r}.w13_weight"].dtype == "U8"
-    assert mtp["model.layers.43.mtp_block.attn.attn_sink"].shape == (8,) and mtp["model.layers.43.mtp_block.attn.attn_sink"].prefix
+    assert (
+        mtp["model.layers.43.mtp_block.attn.attn_sink"].shape == (8,)
+        and mtp["model.layers.43.mtp_block.attn.attn_sink"].prefix
+    )
     model = engine_params(cfg, "vllm-0.33+", "model", 8, "tp")
     assert model["model.layers.0.ffn.experts.gate.tid2eid"].dtype == "I32"
     assert "model.layers.2.attn.indexer.wq_b.weight" in model and "model.layers.3.attn.indexer.wq_b.weight" not in model

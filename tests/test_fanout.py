@@ -15,17 +15,19 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 import ckpt_tool.checkpoint.forked_read as fanout
-from ckpt_tool.checkpoint.forked_read import index_digest, placement_digest
 from ckpt_tool.checkpoint.forked import Child, TaskQueue, can_fork, helpers
-from ckpt_tool.checkpoint.summary import inspect_forked, inspect_local
+from ckpt_tool.checkpoint.forked_read import index_digest, placement_digest
 from ckpt_tool.checkpoint.source import open_checkpoint
-from cli_helpers import run_cli
+from ckpt_tool.checkpoint.summary import inspect_forked, inspect_local
 from ckpt_tool.fixtures.broken import CASE_SPECS, CASES, INDEX, S1, S2, S4, make_broken
 from ckpt_tool.fixtures.make import VARIANTS
 
-pytestmark = pytest.mark.skipif(not can_fork(), reason="the forked path needs Linux, a spare CPU and hash randomization")
+pytestmark = pytest.mark.skipif(
+    not can_fork(), reason="the forked path needs Linux, a spare CPU and hash randomization"
+)
 
 
 @pytest.fixture
@@ -43,14 +45,18 @@ def both_paths(capsys, monkeypatch, src: Path, *args: str) -> tuple[tuple, tuple
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_forked_inspect_prints_what_the_serial_path_prints(forking, capsys, monkeypatch, fixture_dir, variant: str) -> None:
+def test_forked_inspect_prints_what_the_serial_path_prints(
+    forking, capsys, monkeypatch, fixture_dir, variant: str
+) -> None:
     for args in ((), ("--json",)):
         forked, serial = both_paths(capsys, monkeypatch, fixture_dir(variant), *args)
         assert forked == serial
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASE_SPECS[n].inspect_exit is not None])
-def test_forked_inspect_of_a_hostile_case_prints_what_the_serial_path_prints(forking, capsys, monkeypatch, fixture_dir, tmp_path, name: str) -> None:
+def test_forked_inspect_of_a_hostile_case_prints_what_the_serial_path_prints(
+    forking, capsys, monkeypatch, fixture_dir, tmp_path, name: str
+) -> None:
     case_dir = make_broken(tmp_path / name, name, fixture_dir("fp4"))
     spec = json.loads((case_dir / "case.json").read_text())
     monkeypatch.chdir(case_dir)
@@ -59,7 +65,9 @@ def test_forked_inspect_of_a_hostile_case_prints_what_the_serial_path_prints(for
 
 
 @pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp"])
-def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_report(forking, fixture_dir, monkeypatch, variant: str) -> None:
+def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_report(
+    forking, fixture_dir, monkeypatch, variant: str
+) -> None:
     src = str(fixture_dir(variant))
     forked = inspect_forked(src)
     assert forked is not None, "the forked path declined a healthy checkpoint"
@@ -67,7 +75,9 @@ def test_forked_path_is_taken_for_a_healthy_checkpoint_and_matches_the_serial_re
     assert forked == inspect_local(src)
 
 
-def test_forked_path_leaves_a_config_the_headers_disagree_with_to_the_serial_path(forking, fixture_copy, capsys, monkeypatch) -> None:
+def test_forked_path_leaves_a_config_the_headers_disagree_with_to_the_serial_path(
+    forking, fixture_copy, capsys, monkeypatch
+) -> None:
     """The helpers' tallies keep each shard's distinct shapes, not a record per tensor: enough to tell that
     something disagrees, and the serial path words which tensor."""
     src = fixture_copy("fp4")
@@ -95,12 +105,17 @@ INDEX_EDITS = {
     "two tensors' shards swapped": lambda wm: wm.update({"norm.weight": S1, "layers.0.attn_norm.weight": S4}),
     "a name the shards lack": lambda wm: wm.__setitem__("layers.0.attn.ghost", S1),
     "a stored tensor left out": lambda wm: wm.pop("layers.0.attn_norm.weight"),
-    "one name swapped for another": lambda wm: (wm.pop("layers.0.attn_norm.weight"), wm.__setitem__("layers.0.attn.ghost", S1)),
+    "one name swapped for another": lambda wm: (
+        wm.pop("layers.0.attn_norm.weight"),
+        wm.__setitem__("layers.0.attn.ghost", S1),
+    ),
 }
 
 
 @pytest.mark.parametrize("edit", list(INDEX_EDITS))
-def test_forked_path_declines_an_index_that_disagrees_with_the_headers(forking, fixture_copy, capsys, monkeypatch, edit: str) -> None:
+def test_forked_path_declines_an_index_that_disagrees_with_the_headers(
+    forking, fixture_copy, capsys, monkeypatch, edit: str
+) -> None:
     """The placement digest catches each way an index can disagree; the serial path then words the error."""
     src = fixture_copy("fp4")
     assert inspect_forked(str(src)) is not None
@@ -118,7 +133,10 @@ def test_placement_digest_tells_every_swap_and_move_from_the_truth() -> None:
     rng = random.Random(0)
     files = [f"model-{k:05d}-of-00046.safetensors" for k in range(1, 47)]
     for trial in range(300):
-        names = [f"layers.{rng.randrange(61)}.ffn.experts.{rng.randrange(384)}.w{rng.randrange(1, 4)}.weight.{trial}.{i}" for i in range(6)]
+        names = [
+            f"layers.{rng.randrange(61)}.ffn.experts.{rng.randrange(384)}.w{rng.randrange(1, 4)}.weight.{trial}.{i}"
+            for i in range(6)
+        ]
         stored = {n: rng.choice(files) for n in names}
         truth = sum(placement_digest(f, [n for n in names if stored[n] == f]) for f in set(stored.values()))
         assert index_digest(stored) == truth == index_digest(stored, sorted(set(stored.values())))
@@ -165,7 +183,14 @@ def same_checkpoint(a, b) -> None:
     for file in a.shards:
         x, y = a.shards[file], b.shards[file]
         assert (x.header_len, x.file_size, x.metadata, x.names, x.dtypes, x.header_sha256, x.dtype_totals) == (
-            y.header_len, y.file_size, y.metadata, y.names, y.dtypes, y.header_sha256, y.dtype_totals)
+            y.header_len,
+            y.file_size,
+            y.metadata,
+            y.names,
+            y.dtypes,
+            y.header_sha256,
+            y.dtype_totals,
+        )
 
 
 @pytest.mark.parametrize("variant", ["fp4", "fp8", "fp4-2mtp", "fp8-e8m0-pad"])
@@ -174,12 +199,16 @@ def test_forked_open_checkpoint_gives_the_serial_checkpoint(forking, fixture_dir
 
     src = fixture_dir(variant)
     serial = open_checkpoint(src, forked=False)
-    monkeypatch.setattr(source, "_open_checkpoint", lambda *a: pytest.fail("the forked path declined a healthy checkpoint"))
+    monkeypatch.setattr(
+        source, "_open_checkpoint", lambda *a: pytest.fail("the forked path declined a healthy checkpoint")
+    )
     same_checkpoint(open_checkpoint(src), serial)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_forked_open_checkpoint_of_a_hostile_case_answers_as_the_serial_one(forking, fixture_dir, tmp_path, name: str) -> None:
+def test_forked_open_checkpoint_of_a_hostile_case_answers_as_the_serial_one(
+    forking, fixture_dir, tmp_path, name: str
+) -> None:
     from ckpt_tool.errors import CkptToolError
 
     src = make_broken(tmp_path / name, name, fixture_dir("fp4")) / "src"

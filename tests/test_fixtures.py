@@ -1,4 +1,5 @@
-"""The generated fixture checkpoints are what the other tests assume: faithful V4 structure, deterministic, sane values."""
+"""The generated fixture checkpoints are what the other tests assume: faithful V4 structure, deterministic,
+sane values."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tool.checkpoint.config import REQUIRED_KEYS, V4Config
-from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.fixtures.make import (
     BROKEN_VARIANTS,
     EXPERTS,
@@ -140,8 +141,17 @@ def test_mtp_layers_present_match_config(fixture_dir, variant: str) -> None:
         assert present == [0, 1]
         assert len(families(t, r"^mtp\.0\.")) == len(families(t, r"^mtp\.1\."))
     for i in present:
-        for name in ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight", "hc_head_fn",
-                     "attn.wq_a.weight", "ffn.gate.bias", "ffn.shared_experts.w2.weight"):
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "e_proj.weight",
+            "h_proj.weight",
+            "norm.weight",
+            "hc_head_fn",
+            "attn.wq_a.weight",
+            "ffn.gate.bias",
+            "ffn.shared_experts.w2.weight",
+        ):
             assert f"mtp.{i}.{name}" in t
 
 
@@ -290,8 +300,15 @@ def test_pad_variants_split_everywhere_but_at_their_shared_experts(fixture_dir, 
             plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-seed"))
         plan = plan_conversion(cfg, ck.tensors, Options(tp=tp, moe_parallel=moe, profile="vllm-0.33+"))
         padded = {t.name.split(".ffn.")[-1] for f in plan.files for t in f.tensors if t.padding}
-        assert padded == {f"experts._shared_experts._layer.{n}" for n in (
-            "gate_up_proj.weight", "gate_up_proj.weight_scale_inv", "down_proj.weight", "down_proj.weight_scale_inv")}
+        assert padded == {
+            f"experts._shared_experts._layer.{n}"
+            for n in (
+                "gate_up_proj.weight",
+                "gate_up_proj.weight_scale_inv",
+                "down_proj.weight",
+                "down_proj.weight_scale_inv",
+            )
+        }
     ck = open_checkpoint(fixture_dir("fp8-e8m0-pad"))
     with pytest.raises(PlanError, match=r"ffn\.experts\.0\.w1\.(weight|scale)'.*choose"):
         plan_conversion(ck.require_config(), ck.tensors, Options(tp=tp, moe_parallel="tp", profile="vllm-0.33+"))
@@ -373,7 +390,9 @@ def test_fp8_dequantized_weights_have_magnitude_one_over_sqrt_fan_in(fixture_dir
         out, inp = q.shape
         amax = qa.view(out // 128, 128, inp // 128, 128).amax(dim=(1, 3))
         if s.dtype == torch.float8_e8m0fnu:
-            assert bool((amax >= 224).all() and (amax <= 448).all()), name  # power-of-two scale: within 2x (224.x rounds to 224)
+            assert bool((amax >= 224).all() and (amax <= 448).all()), (
+                name
+            )  # power-of-two scale: within 2x (224.x rounds to 224)
         else:
             assert bool((amax >= 416).all() and (amax <= 448).all()), name  # exact scale: 448 up to rounding
 
@@ -381,8 +400,11 @@ def test_fp8_dequantized_weights_have_magnitude_one_over_sqrt_fan_in(fixture_dir
 def test_mxfp4_dequantized_experts_have_magnitude_one_over_sqrt_fan_in(fixture_dir) -> None:
     root = fixture_dir("fp4")
     ck = open_checkpoint(root)
-    for name, fan_in in (("layers.1.ffn.experts.2.w1", HIDDEN), ("layers.2.ffn.experts.7.w2", MOE_INTER),
-                         ("mtp.0.ffn.experts.4.w3", HIDDEN)):
+    for name, fan_in in (
+        ("layers.1.ffn.experts.2.w1", HIDDEN),
+        ("layers.2.ffn.experts.7.w2", MOE_INTER),
+        ("mtp.0.ffn.experts.4.w3", HIDDEN),
+    ):
         packed, s = _load(root, ck, name + ".weight"), _load(root, ck, name + ".scale")
         assert packed.dtype == torch.int8 and s.dtype == torch.float8_e8m0fnu
         w = dequant_mxfp4(packed, s)

@@ -1,4 +1,5 @@
-"""The safetensors header reader (ckpt_tool.checkpoint.headers) and the index/shard cross-checks (ckpt_tool.checkpoint.source).
+"""The safetensors header reader (ckpt_tool.checkpoint.headers) and the index/shard cross-checks
+(ckpt_tool.checkpoint.source).
 
 Files here are built by hand, byte by byte, so every validation rule is hit with exactly one defect.
 """
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.checkpoint.headers import (
     DTYPE_BITS,
     MAX_HEADER_SIZE,
@@ -26,6 +26,7 @@ from ckpt_tool.checkpoint.headers import (
     safe_relative_name,
 )
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.fixtures.make import write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,13 +122,17 @@ def test_header_padding_spaces_and_fixture_writer_output_parse(tmp_path: Path) -
 def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> None:
     """The quick parse is what makes inspect interactive: a header from the safetensors library (and from
     our fixture writer) must not fall through to the careful path."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     from ckpt_tool.checkpoint.headers import _quick_tensors
 
     lib = tmp_path / "lib.safetensors"
-    save_file({"b": torch.zeros(3, 2, dtype=torch.bfloat16), "a": torch.zeros(5, dtype=torch.float8_e4m3fn)}, str(lib), metadata={"format": "pt"})
+    save_file(
+        {"b": torch.zeros(3, 2, dtype=torch.bfloat16), "a": torch.zeros(5, dtype=torch.float8_e4m3fn)},
+        str(lib),
+        metadata={"format": "pt"},
+    )
     ours = tmp_path / "ours.safetensors"
     write_safetensors(ours, [("x", "BF16", (2, 2), bytes(8)), ("y", "I64", (1,), bytes(8))])
     for path in (lib, ours):
@@ -141,15 +146,27 @@ def test_headers_as_writers_emit_them_take_the_quick_path(tmp_path: Path) -> Non
         assert (header.names, header.dtypes, header.dtype_totals) == (names, dtypes, totals)
         assert tensors == ShardHeader.from_wire(marshal.loads(marshal.dumps(header.to_wire()))).tensors
         assert (names, dtypes) == (list(tensors), [t.dtype for t in tensors.values()])
-        assert totals == {d: (sum(t.dtype == d for t in tensors.values()), sum(t.nbytes for t in tensors.values() if t.dtype == d)) for d in totals}
+        assert totals == {
+            d: (sum(t.dtype == d for t in tensors.values()), sum(t.nbytes for t in tensors.values() if t.dtype == d))
+            for d in totals
+        }
 
 
 @pytest.mark.parametrize(
     "entries, field",
     [
-        ('"a":{"dtype":"F32","shape":[1,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[true,4],"data_offsets":[16,32]}', "shape"),
-        ('"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[true,2]}', "data_offsets"),
-        ('"a":{"dtype":"U8","shape":[1],"data_offsets":[0,true]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}', "data_offsets"),
+        (
+            '"a":{"dtype":"F32","shape":[1,4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[true,4],"data_offsets":[16,32]}',
+            "shape",
+        ),
+        (
+            '"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[true,2]}',
+            "data_offsets",
+        ),
+        (
+            '"a":{"dtype":"U8","shape":[1],"data_offsets":[0,true]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}',
+            "data_offsets",
+        ),
     ],
     ids=["true-in-a-later-shape", "true-as-a-later-begin", "true-as-an-end"],
 )
@@ -264,7 +281,9 @@ def test_header_entry_with_wrong_keys_is_rejected(tmp_path: Path, ent: dict) -> 
 
 @pytest.mark.parametrize("dtype", ["F7", "f32", "FLOAT32", "F8_E4M3FN", "", 32, None])
 def test_unknown_dtype_is_rejected(tmp_path: Path, dtype: object) -> None:
-    exc = header_error(write_raw(tmp_path / "dt.safetensors", {"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 1]}}, b"\0"))
+    exc = header_error(
+        write_raw(tmp_path / "dt.safetensors", {"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 1]}}, b"\0")
+    )
     names_tensor(exc, "w")
     assert "unknown dtype" in str(exc)
 
@@ -274,7 +293,9 @@ def test_unknown_dtype_is_rejected(tmp_path: Path, dtype: object) -> None:
     ["abc", 4, None, {"0": 4}, [1.0], [4.0], [-1], [2, -2], [True], [None], [[2]], ["2"]],
 )
 def test_shape_not_a_list_of_non_negative_ints_is_rejected(tmp_path: Path, shape: object) -> None:
-    exc = header_error(write_raw(tmp_path / "sh.safetensors", {"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, 1]}}, b"\0"))
+    exc = header_error(
+        write_raw(tmp_path / "sh.safetensors", {"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, 1]}}, b"\0")
+    )
     names_tensor(exc, "w")
     assert "shape" in str(exc) and "non-negative integers" in str(exc)
 
@@ -284,7 +305,9 @@ def test_shape_not_a_list_of_non_negative_ints_is_rejected(tmp_path: Path, shape
     [[0], [0, 1, 2], [], "0,1", None, 1, [0.0, 1.0], [0, 1.0], [-1, 0], [0, -1], [True, 1], [0, "1"]],
 )
 def test_malformed_data_offsets_are_rejected(tmp_path: Path, offsets: object) -> None:
-    exc = header_error(write_raw(tmp_path / "off.safetensors", {"w": {"dtype": "U8", "shape": [1], "data_offsets": offsets}}, b"\0"))
+    exc = header_error(
+        write_raw(tmp_path / "off.safetensors", {"w": {"dtype": "U8", "shape": [1], "data_offsets": offsets}}, b"\0")
+    )
     names_tensor(exc, "w")
     assert "data_offsets" in str(exc) and "two non-negative integers" in str(exc)
 
@@ -314,7 +337,9 @@ def test_every_known_dtype_parses_with_its_bit_width(tmp_path: Path, dtype: str)
 
 
 def test_gap_between_tensors_is_rejected(tmp_path: Path) -> None:
-    path = write_raw(tmp_path / "gap.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 6, 10)}, b"\0" * 10)
+    path = write_raw(
+        tmp_path / "gap.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 6, 10)}, b"\0" * 10
+    )
     exc = header_error(path)
     names_tensor(exc, "b")
     assert "gap" in str(exc)
@@ -328,7 +353,9 @@ def test_overlapping_tensors_are_rejected(tmp_path: Path) -> None:
 
 
 def test_identical_offsets_for_two_tensors_are_an_overlap(tmp_path: Path) -> None:
-    path = write_raw(tmp_path / "same.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 0, 4)}, b"\0" * 4)
+    path = write_raw(
+        tmp_path / "same.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 0, 4)}, b"\0" * 4
+    )
     exc = header_error(path)
     assert "overlaps" in str(exc) and exc.tensor in ("a", "b")
 
@@ -340,7 +367,9 @@ def test_offsets_not_starting_at_zero_are_rejected(tmp_path: Path) -> None:
 
 
 def test_offsets_past_eof_report_truncation_naming_the_last_tensor(tmp_path: Path) -> None:
-    path = write_raw(tmp_path / "trunc.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [8], 4, 12)}, b"\0" * 10)
+    path = write_raw(
+        tmp_path / "trunc.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [8], 4, 12)}, b"\0" * 10
+    )
     exc = header_error(path)
     names_tensor(exc, "b")
     assert "truncated" in str(exc) and "2 bytes missing" in str(exc)
@@ -464,7 +493,12 @@ def write_index(path: Path, weight_map: object, **extra: object) -> Path:
 def test_read_index_returns_the_weight_map_with_names_normalised(tmp_path: Path) -> None:
     idx = write_index(
         tmp_path / "model.safetensors.index.json",
-        {"a": "model-1.safetensors", "b": "sub/model-2.safetensors", "c": "./m3.safetensors", "d": "sub//m4.safetensors"},
+        {
+            "a": "model-1.safetensors",
+            "b": "sub/model-2.safetensors",
+            "c": "./m3.safetensors",
+            "d": "sub//m4.safetensors",
+        },
     )
     assert read_index(idx) == {
         "a": "model-1.safetensors",
@@ -567,13 +601,18 @@ def make_ckpt(root: Path, shards: dict[str, tuple[str, ...]], weight_map: dict[s
 
 def test_open_checkpoint_with_consistent_index_succeeds(tmp_path: Path) -> None:
     root = make_ckpt(
-        tmp_path / "ck", {"s1.safetensors": ("a", "b"), "s2.safetensors": ("c",)},
+        tmp_path / "ck",
+        {"s1.safetensors": ("a", "b"), "s2.safetensors": ("c",)},
         {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"},
     )
     ck = open_checkpoint(root, need_config=False)
     assert ck.config is None and "config.json not found" in (ck.config_error or "")
     assert ck.index_file == "model.safetensors.index.json"
-    assert {n: t.file for n, t in ck.tensors.items()} == {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}
+    assert {n: t.file for n, t in ck.tensors.items()} == {
+        "a": "s1.safetensors",
+        "b": "s1.safetensors",
+        "c": "s2.safetensors",
+    }
     assert ck.total_bytes == 6
     with pytest.raises(CheckpointError, match="config.json not found"):
         ck.require_config()
@@ -587,13 +626,17 @@ def test_open_checkpoint_requires_config_by_default(tmp_path: Path) -> None:
 
 def test_open_checkpoint_rejects_index_naming_a_missing_file(tmp_path: Path) -> None:
     root = make_ckpt(tmp_path / "ck", {"s1.safetensors": ("a",)}, {"a": "s1.safetensors", "b": "s2.safetensors"})
-    with pytest.raises(CheckpointError, match=r"^s2\.safetensors: named by model\.safetensors\.index\.json but missing"):
+    with pytest.raises(
+        CheckpointError, match=r"^s2\.safetensors: named by model\.safetensors\.index\.json but missing"
+    ):
         open_checkpoint(root, need_config=False)
 
 
 def test_open_checkpoint_rejects_tensor_in_index_but_not_in_shard(tmp_path: Path) -> None:
     root = make_ckpt(tmp_path / "ck", {"s1.safetensors": ("a",)}, {"a": "s1.safetensors", "ghost": "s1.safetensors"})
-    with pytest.raises(CheckpointError, match=r"tensor 'ghost' is mapped to s1\.safetensors but that shard does not contain it"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'ghost' is mapped to s1\.safetensors but that shard does not contain it"
+    ):
         open_checkpoint(root, need_config=False)
 
 
@@ -607,10 +650,13 @@ def test_open_checkpoint_rejects_tensor_in_shard_but_not_in_index(tmp_path: Path
 
 def test_open_checkpoint_rejects_tensor_mapped_to_the_wrong_file(tmp_path: Path) -> None:
     root = make_ckpt(
-        tmp_path / "ck", {"s1.safetensors": ("a", "c"), "s2.safetensors": ("b",)},
+        tmp_path / "ck",
+        {"s1.safetensors": ("a", "c"), "s2.safetensors": ("b",)},
         {"a": "s2.safetensors", "b": "s2.safetensors", "c": "s1.safetensors"},
     )
-    with pytest.raises(CheckpointError, match=r"tensor 'a' is mapped to s2\.safetensors but is stored in s1\.safetensors"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'a' is mapped to s2\.safetensors but is stored in s1\.safetensors"
+    ):
         open_checkpoint(root, need_config=False)
 
 
@@ -687,7 +733,15 @@ def test_file_written_by_safetensors_reads_back_the_same_bytes(tmp_path: Path) -
     h = read_shard_header(path)
     assert set(h.tensors) == set(tensors)
     assert h.metadata == {"format": "pt", "note": "x"}
-    expected_dtype = {"bf16": "BF16", "e4m3": "F8_E4M3", "e8m0": "F8_E8M0", "i8": "I8", "f32": "F32", "i64": "I64", "empty": "BF16"}
+    expected_dtype = {
+        "bf16": "BF16",
+        "e4m3": "F8_E4M3",
+        "e8m0": "F8_E8M0",
+        "i8": "I8",
+        "f32": "F32",
+        "i64": "I64",
+        "empty": "BF16",
+    }
     blob = path.read_bytes()
     with safe_open(str(path), framework="pt") as f:
         for name, info in h.tensors.items():
@@ -710,7 +764,9 @@ def test_fnuz_fp8_files_written_by_safetensors_parse(tmp_path: Path) -> None:
     assert {t.dtype for t in h.tensors.values()} == {"F8_E4M3FNUZ", "F8_E5M2FNUZ"}
 
 
-@pytest.mark.parametrize("module", ["ckpt_tool.checkpoint.headers", "ckpt_tool.checkpoint.source", "ckpt_tool.checkpoint.summary"])
+@pytest.mark.parametrize(
+    "module", ["ckpt_tool.checkpoint.headers", "ckpt_tool.checkpoint.source", "ckpt_tool.checkpoint.summary"]
+)
 def test_header_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

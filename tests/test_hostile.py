@@ -1,4 +1,5 @@
-"""Every broken or hostile input of ``ckpt_tool.fixtures.broken`` through the CLI: one clear line, exit 1, nothing written.
+"""Every broken or hostile input of ``ckpt_tool.fixtures.broken`` through the CLI: one clear line, exit 1,
+nothing written.
 
 For each case: ``inspect`` and ``convert`` (where meaningful) end with the expected exit code; a
 failure prints exactly ONE ``error:`` line on stderr naming the file and tensor (where there is one)
@@ -18,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.cli.entry import main
-from ckpt_tool.output.layout import JOURNAL, LOCK, MANIFEST
-from cli_helpers import run_cli, snapshot
 from ckpt_tool.fixtures.broken import CASE_SPECS, CASES, S1, S4, make_broken, patch_bytes, tensor_offset
+from ckpt_tool.output.layout import JOURNAL, LOCK, MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 # What a failure found while streaming may leave in OUT (relative to OUT); nothing else, nothing final-named.
@@ -35,7 +36,9 @@ def check_error_line(err: str, case, command: str) -> str:
     assert len(lines) == 1, f"{case.name} {command}: expected one stderr line, got {len(lines)}:\n{err}"
     line = lines[0]
     assert line.startswith("error: "), line
-    names = case.inspect_names if (command == "inspect" and case.inspect_names is not None) else (case.file, case.tensor)
+    names = (
+        case.inspect_names if (command == "inspect" and case.inspect_names is not None) else (case.file, case.tensor)
+    )
     for what in names:
         if what is None:
             continue
@@ -99,7 +102,9 @@ def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch
                 # and journaled (a resume keeps it); nothing else but the lock, the journal and folders remains
                 journal = json.loads((out / JOURNAL).read_text())
                 done = {name: rec["sha256"] for name, rec in journal["files"].items()}
-                assert rel - set(done) <= STREAMING_LEFTOVERS, f"unexpected files left in OUT: {sorted(rel - set(done) - STREAMING_LEFTOVERS)}"
+                assert rel - set(done) <= STREAMING_LEFTOVERS, (
+                    f"unexpected files left in OUT: {sorted(rel - set(done) - STREAMING_LEFTOVERS)}"
+                )
                 assert all(after[str(Path(case.out) / name)] == digest for name, digest in done.items()), done
                 assert {p: all_before[p] for p in all_before} == {p: after[p] for p in all_before}
             else:
@@ -111,7 +116,9 @@ def test_hostile_case(name: str, base: Path, tmp_path: Path, capsys, monkeypatch
             journaled = set()
             if case.writes and (out / JOURNAL).is_file():
                 journaled = {str(Path(case.out) / n) for n in json.loads((out / JOURNAL).read_text())["files"]}
-            assert not any(Path(p).name.startswith("model-rank-") and p not in all_before and p not in journaled for p in after)
+            assert not any(
+                Path(p).name.startswith("model-rank-") and p not in all_before and p not in journaled for p in after
+            )
 
     assert snapshot(case_dir / "src") == src_before, "the source changed"
 
@@ -138,7 +145,14 @@ def test_no_traceback_reaches_stderr_of_the_real_process(name: str, base: Path, 
     spec = json.loads((case_dir / "case.json").read_text())
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CKPT_TOOL_DEBUG", None)
-    r = subprocess.run([sys.executable, "-m", "ckpt_tool", *spec["convert"]], cwd=case_dir, capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckpt_tool", *spec["convert"]],
+        cwd=case_dir,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()

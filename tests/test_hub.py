@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.output.convert import convert
 from ckpt_tool.checkpoint.hub import SERVING_PATTERNS, allow_patterns, needed_files, parse_hub_ref
-from ckpt_tool.mapping.plan import HubNeeds, Options
 from ckpt_tool.checkpoint.source import INDEX_NAME
+from ckpt_tool.mapping.plan import HubNeeds, Options
+from ckpt_tool.output.convert import convert
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "deepseek-ai/Tiny-V4"
@@ -78,7 +78,11 @@ def env_for(hf_home: Path, **extra: str) -> dict[str, str]:
 def cli(cwd: Path, hf_home: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ckpt_tool", *map(str, args)],
-        cwd=cwd, env=env_for(hf_home), capture_output=True, text=True, timeout=300,
+        cwd=cwd,
+        env=env_for(hf_home),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -257,7 +261,12 @@ class _FakeHub:
             h = read_shard_header(self.src / f, f)
             files[f] = SafetensorsFileMetadata(
                 metadata=h.metadata,
-                tensors={n: TensorInfo(dtype=t.dtype, shape=list(t.shape), data_offsets=(t.start - h.data_start, t.end - h.data_start)) for n, t in h.tensors.items()},
+                tensors={
+                    n: TensorInfo(
+                        dtype=t.dtype, shape=list(t.shape), data_offsets=(t.start - h.data_start, t.end - h.data_start)
+                    )
+                    for n, t in h.tensors.items()
+                },
             )
         return type("Meta", (), {"files_metadata": files})()
 
@@ -265,7 +274,9 @@ class _FakeHub:
         assert revision == COMMIT and not kw.get("local_files_only")
         self.downloads.append(list(allow_patterns))
         # as huggingface_hub filters repo files: fnmatch against every pattern
-        files = [p.name for p in sorted(self.src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in allow_patterns)]
+        files = [
+            p.name for p in sorted(self.src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in allow_patterns)
+        ]
         return str(make_hf_cache(self.hf_home, self.src, files=files))
 
 
@@ -336,7 +347,9 @@ def _edited_copy(fixture_dir, tmp_path: Path) -> Path:
     return src
 
 
-MISMATCH = "hidden_size 320 in config.json, but tensor 'embed.weight' in model-00001-of-00004.safetensors is BF16 [512, 256]"
+MISMATCH = (
+    "hidden_size 320 in config.json, but tensor 'embed.weight' in model-00001-of-00004.safetensors is BF16 [512, 256]"
+)
 
 
 def test_offline_inspect_and_convert_refuse_a_config_the_headers_disagree_with(fixture_dir, tmp_path) -> None:
@@ -349,7 +362,9 @@ def test_offline_inspect_and_convert_refuse_a_config_the_headers_disagree_with(f
     assert not (tmp_path / "out").exists()
 
 
-def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_download(monkeypatch, fixture_dir, tmp_path, capsys) -> None:
+def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_download(
+    monkeypatch, fixture_dir, tmp_path, capsys
+) -> None:
     import huggingface_hub
     from huggingface_hub import constants
 

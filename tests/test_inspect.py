@@ -141,7 +141,11 @@ def test_inspect_via_python_dash_m_module_entry(fixture_dir) -> None:
     root = fixture_dir("fp8")
     res = subprocess.run(
         [sys.executable, "-m", "ckpt_tool", "inspect", str(root), "--json"],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -232,7 +236,11 @@ def test_broken_variant_with_json_prints_one_json_document_with_ok_false(fixture
 def test_broken_variant_via_subprocess_has_no_traceback(fixture_dir) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "ckpt_tool", "inspect", str(fixture_dir("truncated"))],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 1
     assert "truncated" in one_error_line(res.stderr)
@@ -266,9 +274,15 @@ def edit_config(root: Path, **changes: object) -> None:
 
 @pytest.mark.parametrize(
     "key,value,tensor",
-    [("hidden_size", 640, "embed.weight"), ("n_routed_experts", 16, "layers.0.ffn.gate.weight"), ("num_attention_heads", 8, "layers.0.attn.wq_b.weight")],
+    [
+        ("hidden_size", 640, "embed.weight"),
+        ("n_routed_experts", 16, "layers.0.ffn.gate.weight"),
+        ("num_attention_heads", 8, "layers.0.attn.wq_b.weight"),
+    ],
 )
-def test_a_config_key_the_headers_disagree_with_is_the_verdict(fixture_copy, capsys, key: str, value: object, tensor: str) -> None:
+def test_a_config_key_the_headers_disagree_with_is_the_verdict(
+    fixture_copy, capsys, key: str, value: object, tensor: str
+) -> None:
     root = fixture_copy("fp4")
     edit_config(root, **{key: value})
     code, out, err = run_cli(capsys, str(root))
@@ -293,8 +307,8 @@ def test_a_single_shard_is_checked_against_the_config_too(fixture_copy, capsys) 
 
 def test_hub_metadata_gets_the_verdict_local_headers_get(fixture_copy) -> None:
     """Hub metadata has no parsed shards: inspect tallies its tensors instead, and must judge them alike."""
-    from ckpt_tool.checkpoint.summary import inspect_tensors
     from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.checkpoint.summary import inspect_tensors
 
     root = fixture_copy("fp4")
     edit_config(root, moe_intermediate_size=1024)
@@ -302,7 +316,9 @@ def test_hub_metadata_gets_the_verdict_local_headers_get(fixture_copy) -> None:
     from_headers = inspect_tensors("x", ck.tensors, ck.config, shards=ck.shards.values())
     tallied = inspect_tensors("x", ck.tensors, ck.config)
     assert from_headers == tallied and len(tallied.problems) == 1
-    assert tallied.problems[0].startswith("moe_intermediate_size 1024 in config.json, but tensor 'layers.0.ffn.shared_experts.w1.weight'")
+    assert tallied.problems[0].startswith(
+        "moe_intermediate_size 1024 in config.json, but tensor 'layers.0.ffn.shared_experts.w1.weight'"
+    )
 
 
 def test_inspect_without_config_reports_the_config_problem(fixture_copy, capsys) -> None:
@@ -352,7 +368,14 @@ def test_malformed_config_value_exits_1_with_one_line(fixture_copy, capsys, key:
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["inspect"], ["inspect", "x", "--bogus"], ["inspect", "--bogus", "x"], ["no-such-command"], ["inspect", "a", "b"]],
+    [
+        [],
+        ["inspect"],
+        ["inspect", "x", "--bogus"],
+        ["inspect", "--bogus", "x"],
+        ["no-such-command"],
+        ["inspect", "a", "b"],
+    ],
     ids=["no-args", "no-src", "unknown-option-after", "unknown-option-before", "unknown-command", "two-srcs"],
 )
 def test_usage_errors_exit_2(capsys, argv: list[str]) -> None:
@@ -375,7 +398,9 @@ def test_hub_id_with_hf_hub_offline_exits_1_with_a_clear_message(tmp_path: Path)
         [sys.executable, "-m", "ckpt_tool", "inspect", "deepseek-ai/DeepSeek-V4-Flash"],
         cwd=tmp_path,  # no local folder of that name here, so the argument is a hub id
         env=subprocess_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf")),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 1, res.stderr
     line = one_error_line(res.stderr)
@@ -388,7 +413,9 @@ def test_hub_id_with_hf_hub_offline_json_prints_ok_false(tmp_path: Path) -> None
         [sys.executable, "-m", "ckpt_tool", "inspect", "hf://org/model@main", "--json"],
         cwd=tmp_path,
         env=subprocess_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf")),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 1
     doc = json.loads(res.stdout)
@@ -404,7 +431,8 @@ def test_plain_inspect_json_imports_neither_typer_nor_rich_nor_torch(fixture_dir
     code = (
         "import sys\nfrom ckpt_tool.cli.entry import main\n"
         f"rc = main(['inspect', {str(src)!r}, '--json'])\n"
-        "heavy = sorted(m for m in ('typer', 'rich', 'torch', 'click', 'pydantic', 'huggingface_hub') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('typer', 'rich', 'torch', 'click', 'pydantic', 'huggingface_hub') "
+        "if m in sys.modules)\n"
         "sys.stderr.write(f'rc={rc} heavy={heavy}')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -424,7 +452,9 @@ def test_plain_inspect_json_imports_neither_typer_nor_rich_nor_torch(fixture_dir
     ],
 )
 @pytest.mark.parametrize("variant", ["fp4", "missing-mtp", "truncated"])
-def test_quick_inspect_path_prints_what_the_typer_path_prints(capsys, monkeypatch, fixture_dir, variant: str, args: list[str]) -> None:
+def test_quick_inspect_path_prints_what_the_typer_path_prints(
+    capsys, monkeypatch, fixture_dir, variant: str, args: list[str]
+) -> None:
     from tests.cli_helpers import run_cli
 
     src = fixture_dir(variant)
@@ -436,8 +466,16 @@ def test_quick_inspect_path_prints_what_the_typer_path_prints(capsys, monkeypatc
 
 @pytest.mark.parametrize(
     "args",
-    [["inspect"], ["inspect", "a", "b"], ["inspect", "a", "--help"], ["inspect", "a", "--format", "xml"], ["inspect", "a", "--token"],
-     ["inspect", "--", "a"], ["convert", "a", "b"], ["inspect", "a", "--unknown"]],
+    [
+        ["inspect"],
+        ["inspect", "a", "b"],
+        ["inspect", "a", "--help"],
+        ["inspect", "a", "--format", "xml"],
+        ["inspect", "a", "--token"],
+        ["inspect", "--", "a"],
+        ["convert", "a", "b"],
+        ["inspect", "a", "--unknown"],
+    ],
 )
 def test_anything_but_a_plain_inspect_goes_to_typer(args: list[str]) -> None:
     from ckpt_tool.cli.entry import _plain_inspect
@@ -456,8 +494,8 @@ def test_plain_inspect_reads_every_option_form() -> None:
 def test_header_totals_and_a_tensor_tally_give_the_same_report(fixture_dir, variant: str) -> None:
     """inspect sums files and dtypes from the totals the header parse kept (local checkpoints) or by tallying
     every tensor (hub metadata): both must say the same."""
-    from ckpt_tool.checkpoint.summary import inspect_tensors
     from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.checkpoint.summary import inspect_tensors
 
     ck = open_checkpoint(fixture_dir(variant))
     from_headers = inspect_tensors("x", ck.tensors, ck.config, shards=ck.shards.values())

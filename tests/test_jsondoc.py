@@ -14,9 +14,12 @@ def test_dumps_sharing_is_byte_for_byte_json_dumps() -> None:
     doc = {
         "sources": 7,  # the same key outside the holders: left alone
         "files": [
-            {"file": "x", "tensors": [{"name": 'n "sources": null', "sources": shared}, {"name": "é\n", "sources": list(shared)}]},
+            {
+                "file": "x",
+                "tensors": [{"name": 'n "sources": null', "sources": shared}, {"name": "é\n", "sources": list(shared)}],
+            },
             {"file": "y", "tensors": []},
-            {"file": "z", "tensors": [{"sources": ()}, {"sources": ("\"sources\": null", "ü")}, {"sources": shared}]},
+            {"file": "z", "tensors": [{"sources": ()}, {"sources": ('"sources": null', "ü")}, {"sources": shared}]},
         ],
         "notes": ['"sources": null'],
     }

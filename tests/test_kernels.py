@@ -26,8 +26,8 @@ import textwrap
 import pytest
 import torch
 
-from ckpt_tool.verify import quant
 from ckpt_tool.errors import CheckpointError, UsageError
+from ckpt_tool.verify import quant
 from ckpt_tool.verify.kernels import _backend, fp8_block_gemm, mxfp4_gemm, resolve_backend
 
 RTOL = 1e-5

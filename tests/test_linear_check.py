@@ -8,21 +8,17 @@ import json
 import pytest
 import torch
 
-from ckpt_tool.verify import numeric
-
-from ckpt_tool.verify import quant
-
-from ckpt_tool.verify import reference
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.output.convert import convert
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.fixtures.make import EXPERTS
 from ckpt_tool.mapping.engine_table import ENGINES, engine_params
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.output.convert import convert
+from ckpt_tool.verify import numeric, quant, reference
 from ckpt_tool.verify.kernels import fp8_block_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.linear_check import LinearUnit, tensor_units, unit_tensors
-from ckpt_tool.mapping.plan import Options, plan_conversion
-from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.verify.rows import RowReader
-from ckpt_tool.fixtures.make import EXPERTS
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (4, "ep")]
 
@@ -38,14 +34,23 @@ def test_units_name_every_engine_parameter_exactly_once(fixture_dir, profile, va
             expected = set(engine_params(cfg, profile, comp, tp, moe))
             for rank in range(tp):
                 names = [n for u in units if rank in u.ranks for n in unit_tensors(u)]
-                stacked = {n for u in units if isinstance(u, LinearUnit) and u.expert is not None for n in unit_tensors(u)}
+                stacked = {
+                    n for u in units if isinstance(u, LinearUnit) and u.expert is not None for n in unit_tensors(u)
+                }
                 assert set(names) == expected, (comp, tp, moe, rank, sorted(set(names) ^ expected)[:5])
                 plain = [n for n in names if n not in stacked]
                 assert len(plain) == len(set(plain)), (comp, tp, moe)  # stacked expert tensors appear once per expert
             # every source tensor a unit reads exists in the checkpoint
             for u in units:
-                parts = [u.source] if not isinstance(u, LinearUnit) else [
-                    n for p in u.parts for n in ((p.source,) if u.kind == "bf16" else (p.source + ".weight", p.source + ".scale"))]
+                parts = (
+                    [u.source]
+                    if not isinstance(u, LinearUnit)
+                    else [
+                        n
+                        for p in u.parts
+                        for n in ((p.source,) if u.kind == "bf16" else (p.source + ".weight", p.source + ".scale"))
+                    ]
+                )
                 assert all(n in ckpt.tensors for n in parts), parts
 
 
@@ -69,7 +74,9 @@ def test_numeric_level_with_fp8_activations_passes(fixture_dir, tmp_path) -> Non
     from ckpt_tool.verify.verdict import VerifyReport
 
     ckpt = open_checkpoint(src)
-    plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(**json.loads((out / "ckpt-tool.json").read_text())["options"]))
+    plan = plan_conversion(
+        ckpt.require_config(), ckpt.tensors, Options(**json.loads((out / "ckpt-tool.json").read_text())["options"])
+    )
     headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
     report = VerifyReport(str(out), str(src), "numeric")
     numeric.check_numeric(out, plan, ckpt, headers, report, kernels="torch", device="cpu", tokens=8, seed=1, act="fp8")

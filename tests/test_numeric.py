@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.output.convert import convert
 from ckpt_tool.mapping.plan import Options
+from ckpt_tool.output.convert import convert
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,10 @@ def test_numeric_verify_under_triton_interpreter(fixture_dir, tmp_path, record_p
         # interpreter floor documented in numeric.py: max_rel <= 1.3e-3, cosine >= 0.9999999
         assert entry["logits_max_rel"] <= 5e-3 and entry["hidden_max_rel"] <= 5e-3, entry
         assert entry["logits_cosine"] >= 0.999999 and entry["hidden_cosine"] >= 0.999999, entry
-        print(f"  layer {entry['layer']}: logits max_rel {entry['logits_max_rel']:.3g} cos {entry['logits_cosine']:.9f}; "
-              f"hidden max_rel {entry['hidden_max_rel']:.3g} cos {entry['hidden_cosine']:.9f}")
+        print(
+            f"  layer {entry['layer']}: logits max_rel {entry['logits_max_rel']:.3g} cos {entry['logits_cosine']:.9f}; "
+            f"hidden max_rel {entry['hidden_max_rel']:.3g} cos {entry['hidden_cosine']:.9f}"
+        )
 
 
 def test_triton_kernels_without_interpreter_on_cpu_is_a_clear_usage_error(fixture_dir, tmp_path) -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import reference_planner as ref
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import reference_planner as ref
-from ckpt_tool.mapping import plan as fast
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import CkptToolError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.errors import CkptToolError
+from ckpt_tool.mapping import plan as fast
 from ckpt_tool.mapping.profiles import PROFILES
 
 HC = 4
@@ -28,7 +28,10 @@ MIX = (2 + HC) * HC
 
 
 def _linear(prefix: str, out: int, inp: int, sdt: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    return [(f"{prefix}.weight", "F8_E4M3", (out, inp)), (f"{prefix}.scale", sdt, (math.ceil(out / 128), math.ceil(inp / 128)))]
+    return [
+        (f"{prefix}.weight", "F8_E4M3", (out, inp)),
+        (f"{prefix}.scale", sdt, (math.ceil(out / 128), math.ceil(inp / 128))),
+    ]
 
 
 def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -36,7 +39,11 @@ def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[s
     H, sdt = d["hidden"], d["sdt"]
     s = [(f"{prefix}.attn_norm.weight", "BF16", (H,)), (f"{prefix}.ffn_norm.weight", "BF16", (H,))]
     for part in ("attn", "ffn"):
-        s += [(f"{prefix}.hc_{part}_fn", "F32", (MIX, HC * H)), (f"{prefix}.hc_{part}_base", "F32", (MIX,)), (f"{prefix}.hc_{part}_scale", "F32", (3,))]
+        s += [
+            (f"{prefix}.hc_{part}_fn", "F32", (MIX, HC * H)),
+            (f"{prefix}.hc_{part}_base", "F32", (MIX,)),
+            (f"{prefix}.hc_{part}_scale", "F32", (3,)),
+        ]
     a = f"{prefix}.attn"
     s += _linear(f"{a}.wq_a", d["q_lora"], H, sdt) + [(f"{a}.q_norm.weight", "BF16", (d["q_lora"],))]
     s += _linear(f"{a}.wq_b", d["heads"] * 128, d["q_lora"], sdt)
@@ -45,13 +52,21 @@ def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[s
     s += _linear(f"{a}.wo_b", H, d["o_groups"] * 128, sdt) + [(f"{a}.attn_sink", "F32", (d["heads"],))]
     if ratio:
         c, coff = f"{a}.compressor", 2 if ratio == 4 else 1
-        s += [(f"{c}.wkv.weight", "BF16", (coff * 128, H)), (f"{c}.wgate.weight", "BF16", (coff * 128, H)),
-              (f"{c}.ape", "F32", (ratio, coff * 128)), (f"{c}.norm.weight", "BF16", (128,))]
+        s += [
+            (f"{c}.wkv.weight", "BF16", (coff * 128, H)),
+            (f"{c}.wgate.weight", "BF16", (coff * 128, H)),
+            (f"{c}.ape", "F32", (ratio, coff * 128)),
+            (f"{c}.norm.weight", "BF16", (128,)),
+        ]
     if ratio == 4:
         i = f"{a}.indexer"
         s += _linear(f"{i}.wq_b", 2 * 128, d["q_lora"], sdt) + [(f"{i}.weights_proj.weight", "BF16", (2, H))]
-        s += [(f"{i}.compressor.wkv.weight", "BF16", (256, H)), (f"{i}.compressor.wgate.weight", "BF16", (256, H)),
-              (f"{i}.compressor.ape", "F32", (4, 256)), (f"{i}.compressor.norm.weight", "BF16", (128,))]
+        s += [
+            (f"{i}.compressor.wkv.weight", "BF16", (256, H)),
+            (f"{i}.compressor.wgate.weight", "BF16", (256, H)),
+            (f"{i}.compressor.ape", "F32", (4, 256)),
+            (f"{i}.compressor.norm.weight", "BF16", (128,)),
+        ]
     f, E, M = f"{prefix}.ffn", d["experts"], d["inter"]
     s += [(f"{f}.gate.weight", "BF16", (E, H))]
     s += [(f"{f}.gate.tid2eid", "I64", (d["vocab"], 2))] if hash_layer else [(f"{f}.gate.bias", "F32", (E,))]
@@ -60,7 +75,10 @@ def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[s
     for j in range(E):
         for w, (o, i) in (("w1", (M, H)), ("w2", (H, M)), ("w3", (M, H))):
             if d["expert_dtype"] == "fp4":
-                s += [(f"{f}.experts.{j}.{w}.weight", "I8", (o, i // 2)), (f"{f}.experts.{j}.{w}.scale", "F8_E8M0", (o, i // 32))]
+                s += [
+                    (f"{f}.experts.{j}.{w}.weight", "I8", (o, i // 2)),
+                    (f"{f}.experts.{j}.{w}.scale", "F8_E8M0", (o, i // 32)),
+                ]
             else:
                 s += _linear(f"{f}.experts.{j}.{w}", o, i, sdt)
     return s
@@ -71,46 +89,84 @@ def checkpoint(d: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     s = [("embed.weight", "BF16", (V, H))]
     for layer in range(d["layers"]):
         s += block(f"layers.{layer}", d, ratio=d["ratios"][layer], hash_layer=layer < d["hash_layers"])
-    s += [("norm.weight", "BF16", (H,)), ("head.weight", "BF16", (V, H)), ("hc_head_fn", "F32", (HC, HC * H)),
-          ("hc_head_base", "F32", (HC,)), ("hc_head_scale", "F32", (1,))]
+    s += [
+        ("norm.weight", "BF16", (H,)),
+        ("head.weight", "BF16", (V, H)),
+        ("hc_head_fn", "F32", (HC, HC * H)),
+        ("hc_head_base", "F32", (HC,)),
+        ("hc_head_scale", "F32", (1,)),
+    ]
     for i in range(d["mtp"]):
         p = f"mtp.{i}"
         s += [(f"{p}.enorm.weight", "BF16", (H,)), (f"{p}.hnorm.weight", "BF16", (H,))]
         s += _linear(f"{p}.e_proj", H, H, d["sdt"]) + _linear(f"{p}.h_proj", H, H, d["sdt"])
         s += block(p, d, ratio=0, hash_layer=False)
-        s += [(f"{p}.norm.weight", "BF16", (H,)), (f"{p}.hc_head_fn", "F32", (HC, HC * H)), (f"{p}.hc_head_base", "F32", (HC,)), (f"{p}.hc_head_scale", "F32", (1,))]
+        s += [
+            (f"{p}.norm.weight", "BF16", (H,)),
+            (f"{p}.hc_head_fn", "F32", (HC, HC * H)),
+            (f"{p}.hc_head_base", "F32", (HC,)),
+            (f"{p}.hc_head_scale", "F32", (1,)),
+        ]
         if d["mtp_emb_head"]:
             s += [(f"{p}.emb.tok_emb.weight", "BF16", (V, H)), (f"{p}.head.weight", "BF16", (V, H))]
     return s
 
 
 def config(d: dict) -> V4Config:
-    return V4Config.from_dict({
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": d["vocab"],
-        "hidden_size": d["hidden"], "num_hidden_layers": d["layers"], "num_nextn_predict_layers": d["mtp"],
-        "num_attention_heads": d["heads"], "num_key_value_heads": 1, "head_dim": 128, "qk_rope_head_dim": 64,
-        "q_lora_rank": d["q_lora"], "o_groups": d["o_groups"], "o_lora_rank": 128, "n_routed_experts": d["experts"],
-        "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": d["inter"],
-        "num_hash_layers": d["hash_layers"], "compress_ratios": d["ratios"] + [0] * d["mtp"], "hc_mult": HC,
-        "rms_norm_eps": 1e-6, "expert_dtype": d["expert_dtype"], "index_n_heads": 2, "index_head_dim": 128,
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
-    })
+    return V4Config.from_dict(
+        {
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "model_type": "deepseek_v4",
+            "vocab_size": d["vocab"],
+            "hidden_size": d["hidden"],
+            "num_hidden_layers": d["layers"],
+            "num_nextn_predict_layers": d["mtp"],
+            "num_attention_heads": d["heads"],
+            "num_key_value_heads": 1,
+            "head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": d["q_lora"],
+            "o_groups": d["o_groups"],
+            "o_lora_rank": 128,
+            "n_routed_experts": d["experts"],
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": d["inter"],
+            "num_hash_layers": d["hash_layers"],
+            "compress_ratios": d["ratios"] + [0] * d["mtp"],
+            "hc_mult": HC,
+            "rms_norm_eps": 1e-6,
+            "expert_dtype": d["expert_dtype"],
+            "index_n_heads": 2,
+            "index_head_dim": 128,
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+        }
+    )
 
 
 @st.composite
 def cases(draw):
     layers = draw(st.integers(0, 3))
     d = {
-        "hidden": draw(st.sampled_from([128, 512, 1024])), "vocab": draw(st.sampled_from([256, 384])),
-        "heads": draw(st.sampled_from([2, 8, 16])), "q_lora": draw(st.sampled_from([128, 1024])),
-        "o_groups": draw(st.sampled_from([1, 2])), "experts": draw(st.sampled_from([1, 2, 3, 4, 8])),
-        "inter": draw(st.sampled_from([128, 384, 640, 1024])), "layers": layers, "mtp": draw(st.integers(0, 2)),
-        "hash_layers": draw(st.integers(0, 2)), "ratios": draw(st.lists(st.sampled_from([0, 4, 128]), min_size=layers, max_size=layers)),
-        "expert_dtype": draw(st.sampled_from(["fp4", "fp8"])), "sdt": draw(st.sampled_from(["F8_E8M0", "F32"])),
+        "hidden": draw(st.sampled_from([128, 512, 1024])),
+        "vocab": draw(st.sampled_from([256, 384])),
+        "heads": draw(st.sampled_from([2, 8, 16])),
+        "q_lora": draw(st.sampled_from([128, 1024])),
+        "o_groups": draw(st.sampled_from([1, 2])),
+        "experts": draw(st.sampled_from([1, 2, 3, 4, 8])),
+        "inter": draw(st.sampled_from([128, 384, 640, 1024])),
+        "layers": layers,
+        "mtp": draw(st.integers(0, 2)),
+        "hash_layers": draw(st.integers(0, 2)),
+        "ratios": draw(st.lists(st.sampled_from([0, 4, 128]), min_size=layers, max_size=layers)),
+        "expert_dtype": draw(st.sampled_from(["fp4", "fp8"])),
+        "sdt": draw(st.sampled_from(["F8_E8M0", "F32"])),
         "mtp_emb_head": draw(st.booleans()),
     }
     specs = checkpoint(d)
-    corruption = draw(st.sampled_from(["none"] * 6 + ["drop", "unknown", "extra_expert", "extra_layer", "shape", "dtype", "shuffle"]))
+    corruption = draw(
+        st.sampled_from(["none"] * 6 + ["drop", "unknown", "extra_expert", "extra_layer", "shape", "dtype", "shuffle"])
+    )
     rnd = draw(st.randoms(use_true_random=False))
     if corruption == "drop":
         del specs[rnd.randrange(len(specs))]
@@ -143,9 +199,11 @@ def cases(draw):
             tensors.setdefault(name, TensorInfo(name, dtype, shape, f"model-{f:05d}.safetensors", pos, pos + n))
             pos += n
     opts = dict(
-        tp=draw(st.sampled_from([1, 2, 4, 8])), moe_parallel=draw(st.sampled_from(["tp", "ep"])),
+        tp=draw(st.sampled_from([1, 2, 4, 8])),
+        moe_parallel=draw(st.sampled_from(["tp", "ep"])),
         only=draw(st.sampled_from([None, None, "model", "mtp"])),
-        max_shard_size=draw(st.sampled_from([1, 4096, 2**20, 2**22, 5 * 2**30])), profile=draw(st.sampled_from(sorted(PROFILES))),
+        max_shard_size=draw(st.sampled_from([1, 4096, 2**20, 2**22, 5 * 2**30])),
+        profile=draw(st.sampled_from(sorted(PROFILES))),
     )
     return d, tensors, opts
 
@@ -153,14 +211,38 @@ def cases(draw):
 def normalized(plan) -> tuple:
     """Everything a plan says, in order, as plain values (the two planners have their own classes)."""
     return (
-        plan.options.as_dict(), plan.config, plan.sources, list(plan.dropped.items()), list(plan.materialized.items()),
-        plan.deviations, plan.unused_by_selection, plan.notes, plan.total_bytes, plan.tensor_count,
+        plan.options.as_dict(),
+        plan.config,
+        plan.sources,
+        list(plan.dropped.items()),
+        list(plan.materialized.items()),
+        plan.deviations,
+        plan.unused_by_selection,
+        plan.notes,
+        plan.total_bytes,
+        plan.tensor_count,
         [
-            (f.component, f.rank, f.part, f.name, f.data_bytes, [
-                (t.name, t.dtype, t.shape, t.rule, t.sources, t.nbytes, t.padding, len(t.segments),
-                 [(s.src, s.row0, s.row1, s.col0, s.col1, s.convert, s.pad, s.numel) for s in t.segments])
-                for t in f.tensors
-            ])
+            (
+                f.component,
+                f.rank,
+                f.part,
+                f.name,
+                f.data_bytes,
+                [
+                    (
+                        t.name,
+                        t.dtype,
+                        t.shape,
+                        t.rule,
+                        t.sources,
+                        t.nbytes,
+                        t.padding,
+                        len(t.segments),
+                        [(s.src, s.row0, s.row1, s.col0, s.col1, s.convert, s.pad, s.numel) for s in t.segments],
+                    )
+                    for t in f.tensors
+                ],
+            )
             for f in plan.files
         ],
     )
@@ -179,7 +261,11 @@ def test_fast_planner_plans_what_the_reference_planner_plans(case) -> None:
     d, tensors, opts = case
     cfg = config(d)
     fast_outcome = outcome(fast, cfg, tensors, opts)
-    event("pads shared experts" if fast_outcome[0] == "plan" and any("zero-filled" in n for n in fast_outcome[1][7]) else "no padding")
+    event(
+        "pads shared experts"
+        if fast_outcome[0] == "plan" and any("zero-filled" in n for n in fast_outcome[1][7])
+        else "no padding"
+    )
     assert fast_outcome == outcome(ref, cfg, tensors, opts)
 
 
@@ -195,8 +281,22 @@ PADDED = {  # (inter, expert dtype, tp, moe): shared experts of 3 or 5 blocks th
 @pytest.mark.parametrize("inter,expert_dtype,tp,moe", PADDED.values(), ids=list(PADDED))
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_fast_planner_pads_shared_experts_like_the_reference_planner(inter, expert_dtype, tp, moe, profile) -> None:
-    d = {"hidden": 256, "vocab": 256, "heads": 8, "q_lora": 1024, "o_groups": 8, "experts": 8, "inter": inter, "layers": 2,
-         "mtp": 1, "hash_layers": 1, "ratios": [0, 4], "expert_dtype": expert_dtype, "sdt": "F8_E8M0", "mtp_emb_head": False}
+    d = {
+        "hidden": 256,
+        "vocab": 256,
+        "heads": 8,
+        "q_lora": 1024,
+        "o_groups": 8,
+        "experts": 8,
+        "inter": inter,
+        "layers": 2,
+        "mtp": 1,
+        "hash_layers": 1,
+        "ratios": [0, 4],
+        "expert_dtype": expert_dtype,
+        "sdt": "F8_E8M0",
+        "mtp_emb_head": False,
+    }
     tensors, pos = {}, 0
     for name, dtype, shape in checkpoint(d):
         n = math.prod(shape) * DTYPE_BITS[dtype] // 8

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_tool.mapping.engine_table import ENGINES, engine_params
-from ckpt_tool.verify.numeric import CONVERTED_TENSORS
-from ckpt_tool.mapping.plan import Options, plan_conversion
-from ckpt_tool.mapping.profiles import (
-    ALIASES, DEFAULT_PROFILE, PROFILES, canonical_name, get_profile, newest_profile, series_of, verified_releases,
-)  # fmt: skip
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.make import GOOD_VARIANTS
+from ckpt_tool.mapping.engine_table import ENGINES, engine_params
+from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.profiles import (
+    ALIASES,
+    DEFAULT_PROFILE,
+    PROFILES,
+    canonical_name,
+    get_profile,
+    newest_profile,
+    series_of,
+    verified_releases,
+)  # fmt: skip
+from ckpt_tool.verify.numeric import CONVERTED_TENSORS
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "ep"), (2, "ep")]
 
@@ -60,7 +67,9 @@ def test_padding_profiles_agree_on_padded_shared_experts(fixture_dir, variant: s
     padding = [name for name, p in PROFILES.items() if p.pads]
     assert padding, "no profile pads any more: drop this test"
     for profile in padding:
-        assert get_profile(profile).engine.shared_pad, f"{profile} pads shared experts in its rules, not in its engine table"
+        assert get_profile(profile).engine.shared_pad, (
+            f"{profile} pads shared experts in its rules, not in its engine table"
+        )
         for (comp, rank), written in _plan_tables(src, profile, tp, "ep").items():
             bad = _disagreements(written, engine_params(cfg, profile, comp, tp, "ep"))
             assert not bad, (profile, variant, tp, comp, rank, bad[:5])
@@ -114,4 +123,6 @@ def test_covered_series_and_verified_releases_agree() -> None:
             seen[s] = p.name
     assert DEFAULT_PROFILE == newest_profile().name == seen[max(seen)]
     releases = [r for r, _ in verified_releases()]
-    assert releases == sorted(releases, key=lambda v: tuple(map(int, v.split(".")))) and len(set(releases)) == len(releases)
+    assert releases == sorted(releases, key=lambda v: tuple(map(int, v.split(".")))) and len(set(releases)) == len(
+        releases
+    )

@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tool.cli.entry import main
-from ckpt_tool.output.convert import convert
-from ckpt_tool.mapping.plan import Options
-from ckpt_tool.verify.levels import verify
 from ckpt_tool.fixtures.make import GOOD_VARIANTS
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.output.convert import convert
+from ckpt_tool.verify.levels import verify
 
 PROFILE_NAMES = ("vllm-seed", "vllm-0.33+")
 
@@ -109,11 +109,17 @@ def test_v033_is_the_seed_layout_renamed_with_engine_dtypes(converted, fixture_d
             assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), name
 
 
-PADDED = [("fp4-pad", 2, "ep"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]  # MXFP4 experts at 192/96 rows a rank: ep only
+PADDED = [
+    ("fp4-pad", 2, "ep"),
+    ("fp4-pad", 4, "ep"),
+    ("fp8-e8m0-pad", 2, "ep"),
+]  # MXFP4 experts at 192/96 rows a rank: ep only
 
 
 @pytest.mark.parametrize("variant,tp,moe", PADDED, ids=[f"{v}-tp{t}-{m}" for v, t, m in PADDED])
-def test_v033_zero_pads_shared_experts_as_vllm_loads_them(fixture_dir, tmp_path, variant: str, tp: int, moe: str) -> None:
+def test_v033_zero_pads_shared_experts_as_vllm_loads_them(
+    fixture_dir, tmp_path, variant: str, tp: int, moe: str
+) -> None:
     """3-block shared experts at tp 2/4: the SPEC expectation with vLLM 0.33's pad-then-split of every shared-expert
     weight and scale (zeros in the source dtype: an E8M0 zero in a float32 parameter is 2^-127), renamed."""
     from test_convert import expected_outputs, read_component
@@ -126,12 +132,19 @@ def test_v033_zero_pads_shared_experts_as_vllm_loads_them(fixture_dir, tmp_path,
     for comp in ("model", "mtp"):
         got = read_component(out / comp)
         for rank in range(tp):
-            want = {v033_name(n): v033_tensor(n, t, expert_dtype) for n, t in expected_outputs(src, tp, rank, moe, pad_shared=True)[comp].items()}
+            want = {
+                v033_name(n): v033_tensor(n, t, expert_dtype)
+                for n, t in expected_outputs(src, tp, rank, moe, pad_shared=True)[comp].items()
+            }
             assert set(got[rank]) == set(want), (comp, rank)
             for name, t in want.items():
                 have = got[rank][name][1]
                 assert have.dtype == t.dtype and have.shape == t.shape, (comp, rank, name, have.shape, t.shape)
-                assert torch.equal(have.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), (comp, rank, name)
+                assert torch.equal(have.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), (
+                    comp,
+                    rank,
+                    name,
+                )
                 if name.endswith("_shared_experts._layer.gate_up_proj.weight"):
                     assert t.shape[0] == 2 * blocks_a_rank * 128
     report = verify(out, src, level="values")
@@ -154,7 +167,9 @@ def test_fp8_expert_checkpoints_get_float32_linear_scales(converted) -> None:
     scales = {n: t.dtype for n, t in model.items() if "scale" in n}
     assert scales and set(scales.values()) == {torch.float32}
     fp4 = tensors_of(converted("fp4", "vllm-0.33+", 1))[("model", 0)]
-    assert fp4["model.layers.0.attn.wq_b.weight_scale_inv"].dtype == torch.float8_e8m0fnu  # E8M0 params with fp4 experts
+    assert (
+        fp4["model.layers.0.attn.wq_b.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    )  # E8M0 params with fp4 experts
 
 
 def test_profiles_command_lists_every_profile_with_its_verified_releases_and_aliases(capsys) -> None:
@@ -167,8 +182,14 @@ def test_profiles_command_lists_every_profile_with_its_verified_releases_and_ali
     assert main(["profiles", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in doc["profiles"]] == list(PROFILE_NAMES)
-    assert {p["name"]: p["vllm_verified"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["0.33.0", "0.34.0"]}
-    assert {p["name"]: p["vllm_covers"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["0.33.x", "0.34.x"]}
+    assert {p["name"]: p["vllm_verified"] for p in doc["profiles"]} == {
+        "vllm-seed": [],
+        "vllm-0.33+": ["0.33.0", "0.34.0"],
+    }
+    assert {p["name"]: p["vllm_covers"] for p in doc["profiles"]} == {
+        "vllm-seed": [],
+        "vllm-0.33+": ["0.33.x", "0.34.x"],
+    }
     assert {p["name"]: p["aliases"] for p in doc["profiles"]} == {"vllm-seed": [], "vllm-0.33+": ["vllm-0.33"]}
 
 
@@ -179,7 +200,9 @@ def test_unknown_target_is_a_usage_error_naming_the_known_ones(fixture_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_the_earlier_profile_name_still_works_and_the_manifest_records_the_current_one(fixture_dir, tmp_path, capsys) -> None:
+def test_the_earlier_profile_name_still_works_and_the_manifest_records_the_current_one(
+    fixture_dir, tmp_path, capsys
+) -> None:
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp", "--target", "vllm-0.33"])
     assert code == 0, capsys.readouterr().err
     manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
@@ -214,13 +237,18 @@ def test_auto_without_vllm_takes_the_newest_profile_and_says_so(fixture_dir, tmp
     manifest = json.loads((tmp_path / "out" / "ckpt-tool.json").read_text())
     assert manifest["profile"] == "vllm-0.33+"
     assert manifest["target"] == {
-        "profile": "vllm-0.33+", "vllm_verified": ["0.33.0", "0.34.0"], "vllm_covers": ["0.33", "0.34"],
-        "installed_vllm": None, "verified": None,
+        "profile": "vllm-0.33+",
+        "vllm_verified": ["0.33.0", "0.34.0"],
+        "vllm_covers": ["0.33", "0.34"],
+        "installed_vllm": None,
+        "verified": None,
     }
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.33.2", "0.33.1+cu130", "0.34.0", "0.34.1rc1"])
-def test_auto_picks_the_profile_covering_the_installed_vllm_without_a_word(fixture_dir, tmp_path, capsys, monkeypatch, version: str) -> None:
+def test_auto_picks_the_profile_covering_the_installed_vllm_without_a_word(
+    fixture_dir, tmp_path, capsys, monkeypatch, version: str
+) -> None:
     monkeypatch.setattr("ckpt_tool.mapping.target.installed_vllm", lambda: version)
     code = main(["convert", str(fixture_dir("fp4")), str(tmp_path / "out"), "--only", "mtp"])
     err = capsys.readouterr().err

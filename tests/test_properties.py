@@ -21,11 +21,19 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ckpt_tool.output.convert import convert
-from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, MAX_HEADER_SIZE, ShardHeader, _parse_careful, expected_nbytes, parse_header, read_shard_header
-from ckpt_tool.mapping.plan import ZERO, Options, plan_conversion
+from ckpt_tool.checkpoint.headers import (
+    DTYPE_BITS,
+    MAX_HEADER_SIZE,
+    ShardHeader,
+    _parse_careful,
+    expected_nbytes,
+    parse_header,
+    read_shard_header,
+)
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import CheckpointError, HeaderError
+from ckpt_tool.mapping.plan import ZERO, Options, plan_conversion
+from ckpt_tool.output.convert import convert
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FILE = "p.safetensors"
@@ -59,12 +67,22 @@ def parse_or_header_error(raw: bytes, file_size: int) -> None:
         check_accepted(h, len(raw), file_size)
         careful = _parse_careful(raw, FILE, file_size, len(raw))
         assert (h.tensors, list(h.tensors), h.names, h.dtypes, h.metadata, h.header_sha256, h.dtype_totals) == (
-            careful.tensors, list(careful.tensors), careful.names, careful.dtypes, careful.metadata, careful.header_sha256,
-            careful.dtype_totals)
+            careful.tensors,
+            list(careful.tensors),
+            careful.names,
+            careful.dtypes,
+            careful.metadata,
+            careful.header_sha256,
+            careful.dtype_totals,
+        )
         assert h.names == list(h.tensors) and h.dtypes == [t.dtype for t in h.tensors.values()]
         for parsed in (h, careful):  # what a forked helper hands back builds the same records
             again = ShardHeader.from_wire(marshal.loads(marshal.dumps(parsed.to_wire())))
-            assert (again.tensors, again.names, again.header_sha256) == (parsed.tensors, parsed.names, parsed.header_sha256)
+            assert (again.tensors, again.names, again.header_sha256) == (
+                parsed.tensors,
+                parsed.names,
+                parsed.header_sha256,
+            )
 
 
 json_leaf = st.one_of(
@@ -75,7 +93,9 @@ json_leaf = st.one_of(
     st.text(max_size=8),
 )
 json_value = st.recursive(
-    json_leaf, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4), max_leaves=12
+    json_leaf,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=12,
 )
 
 
@@ -103,7 +123,9 @@ dtype_st = st.one_of(
     st.dictionaries(st.just("BF16"), st.integers(0, 1), max_size=1),
     json_leaf,
 )
-dim_st = st.one_of(st.integers(0, 6), st.integers(-2, 2**65), st.floats(0, 4), st.text(max_size=2), st.booleans(), st.none())
+dim_st = st.one_of(
+    st.integers(0, 6), st.integers(-2, 2**65), st.floats(0, 4), st.text(max_size=2), st.booleans(), st.none()
+)
 entry_st = st.fixed_dictionaries(
     {
         "dtype": dtype_st,
@@ -116,7 +138,11 @@ header_st = st.dictionaries(st.text(max_size=8), st.one_of(entry_st, entry_st, e
 
 
 @SETTINGS
-@given(header=header_st, metadata=st.one_of(st.none(), st.dictionaries(st.text(max_size=4), json_leaf, max_size=3)), extra=st.integers(-64, 64))
+@given(
+    header=header_st,
+    metadata=st.one_of(st.none(), st.dictionaries(st.text(max_size=4), json_leaf, max_size=3)),
+    extra=st.integers(-64, 64),
+)
 def test_parse_header_structured_but_wrong(header: dict, metadata: object, extra: int) -> None:
     if metadata is not None:
         header = {"__metadata__": metadata, **header}
@@ -145,10 +171,30 @@ def valid_then_mutated(draw):
         entries[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nb]}
         offset += nb
     size_delta = 0
-    mutation = draw(st.sampled_from(["none", "dtype", "shape", "begin", "end", "swap", "size", "drop", "dup-offsets",
-                                     "dup-name", "colon-name", "reorder", "bool", "metadata", "nested", "newline"]))
+    mutation = draw(
+        st.sampled_from(
+            [
+                "none",
+                "dtype",
+                "shape",
+                "begin",
+                "end",
+                "swap",
+                "size",
+                "drop",
+                "dup-offsets",
+                "dup-name",
+                "colon-name",
+                "reorder",
+                "bool",
+                "metadata",
+                "nested",
+                "newline",
+            ]
+        )
+    )
     victim = entries[f"t{draw(st.integers(0, n - 1))}"]
-    delta = draw(st.sampled_from([-2**64, -9, -1, 1, 2, 7, 2**64]))
+    delta = draw(st.sampled_from([-(2**64), -9, -1, 1, 2, 7, 2**64]))
     if mutation == "dtype":
         victim["dtype"] = draw(st.sampled_from(sorted(DTYPE_BITS)))
     elif mutation == "shape":
@@ -172,7 +218,10 @@ def valid_then_mutated(draw):
     elif mutation == "bool" and victim["shape"]:
         victim["shape"][0] = victim["shape"][0] == 1
     elif mutation == "metadata":
-        entries = {"__metadata__": draw(st.sampled_from([{"format": "pt"}, {"a": 1}, {"k:v": "x:y"}, [], None])), **entries}
+        entries = {
+            "__metadata__": draw(st.sampled_from([{"format": "pt"}, {"a": 1}, {"k:v": "x:y"}, [], None])),
+            **entries,
+        }
     elif mutation == "nested":
         victim["shape"] = [{"n": d} for d in victim["shape"]] or [{}]
     raw = json.dumps(entries).encode()
@@ -196,7 +245,10 @@ _TMP = Path(tempfile.mkdtemp(prefix="ckpt-props-"))
 
 
 @SETTINGS
-@given(prefix=st.one_of(st.integers(0, 2**64 - 1).map(lambda n: struct.pack("<Q", n)), st.binary(max_size=8)), body=st.binary(max_size=300))
+@given(
+    prefix=st.one_of(st.integers(0, 2**64 - 1).map(lambda n: struct.pack("<Q", n)), st.binary(max_size=8)),
+    body=st.binary(max_size=300),
+)
 def test_read_shard_header_arbitrary_files(prefix: bytes, body: bytes) -> None:
     path = _TMP / "f.safetensors"
     path.write_bytes(prefix + body)
@@ -230,7 +282,9 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     tp=st.sampled_from([1, 2, 4]),
     moe=st.sampled_from(["tp", "ep"]),
@@ -238,7 +292,9 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     only=st.sampled_from([None, None, "model", "mtp"]),
     padded=st.booleans(),
 )
-def test_plan_places_every_source_byte_once_per_rank_set(fp4_ckpt, fp4_pad_ckpt, tp: int, moe: str, max_shard: int, only, padded) -> None:
+def test_plan_places_every_source_byte_once_per_rank_set(
+    fp4_ckpt, fp4_pad_ckpt, tp: int, moe: str, max_shard: int, only, padded
+) -> None:
     """(``padded``: fp4-pad, whose shared experts the engine zero-pads at tp 2 and 4: zeros come from no source.)"""
     ckpt = fp4_pad_ckpt if padded else fp4_ckpt
     if padded and tp > 1:
@@ -299,7 +355,9 @@ def converted(fixture_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("roundtrip")
     runs = {(1, "tp"): convert(src, root / "tp1", Options())}
     for tp, moe in SPLITS:
-        runs[(tp, moe)] = convert(src, root / f"tp{tp}-{moe}", Options(tp=tp, moe_parallel=moe, max_shard_size=1_000_000))
+        runs[(tp, moe)] = convert(
+            src, root / f"tp{tp}-{moe}", Options(tp=tp, moe_parallel=moe, max_shard_size=1_000_000)
+        )
     return runs
 
 
@@ -367,7 +425,9 @@ def test_fuzz_harness_smoke(tmp_path: Path, capsys) -> None:
     """bench/fuzz_header.py keeps working (a few thousand inputs; the full 10^5 run is a manual benchmark)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fuzz_header", Path(__file__).resolve().parents[1] / "bench" / "fuzz_header.py")
+    spec = importlib.util.spec_from_file_location(
+        "fuzz_header", Path(__file__).resolve().parents[1] / "bench" / "fuzz_header.py"
+    )
     fuzz = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fuzz)
     assert fuzz.run(n=3000, seed=1, fixture=None, crash_dir=tmp_path / "crashes", files_every=20, seconds=20) == 0

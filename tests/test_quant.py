@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_tool.verify import quant
 from ckpt_tool.errors import CheckpointError
+from ckpt_tool.verify import quant
 
 
 def _assert_equal_blocks(actual: torch.Tensor, expected: torch.Tensor, block: tuple[int, int], what: str) -> None:

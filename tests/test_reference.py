@@ -26,11 +26,25 @@ T = 12
 
 def tiny_config(**overrides) -> V4Config:
     fields = dict(
-        vocab_size=64, hidden_size=256, num_hidden_layers=2, num_nextn_predict_layers=1,
-        num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=4,
-        o_lora_rank=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=128, num_hash_layers=0, compress_ratios=(0, 0), hc_mult=4,
-        rms_norm_eps=1e-6, sliding_window=8,
+        vocab_size=64,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_nextn_predict_layers=1,
+        num_attention_heads=8,
+        head_dim=128,
+        qk_rope_head_dim=64,
+        q_lora_rank=128,
+        o_groups=4,
+        o_lora_rank=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        num_hash_layers=0,
+        compress_ratios=(0, 0),
+        hc_mult=4,
+        rms_norm_eps=1e-6,
+        sliding_window=8,
     )
     fields.update(overrides)
     return V4Config(**fields)

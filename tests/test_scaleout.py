@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
+from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.cli.entry import main
-from ckpt_tool.output.convert import convert, parse_ranks, select_files
 from ckpt_tool.errors import UsageError
 from ckpt_tool.mapping.plan import Options, plan_conversion
-from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.output.convert import convert, parse_ranks, select_files
 from ckpt_tool.verify.levels import verify
-from cli_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "2", "--max-shard-size", "300KB"]
@@ -26,11 +26,17 @@ PART_RE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def part_files(out: Path) -> list[str]:
-    return sorted(f"{c}/{p.name}" for c in ("model", "mtp") if (out / c).is_dir() for p in (out / c).glob("*.safetensors"))
+    return sorted(
+        f"{c}/{p.name}" for c in ("model", "mtp") if (out / c).is_dir() for p in (out / c).glob("*.safetensors")
+    )
 
 
 def run(capsys, *args) -> tuple[int, str]:
@@ -100,8 +106,22 @@ def test_shards_run_concurrently_into_one_out(fixture_dir, reference, tmp_path) 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), *OPTS, "--shard-index", str(k), "--shard-count", "4"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "ckpt_tool",
+                "convert",
+                str(src),
+                str(out),
+                *OPTS,
+                "--shard-index",
+                str(k),
+                "--shard-count",
+                "4",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for k in range(4)
     ]
@@ -177,13 +197,18 @@ def test_ranks_produce_exactly_the_chosen_ranks(fixture_dir, tmp_path, capsys) -
     convert(src, full, Options(tp=4))
     h, hf = tree_hashes(out), tree_hashes(full)
     parts = {k: v for k, v in h.items() if k.endswith(".safetensors")}
-    assert parts == {k: v for k, v in hf.items() if k.endswith(".safetensors") and PART_RE.match(Path(k).name).group(1) in "023"}
+    assert parts == {
+        k: v for k, v in hf.items() if k.endswith(".safetensors") and PART_RE.match(Path(k).name).group(1) in "023"
+    }
 
 
 def test_ranks_and_shards_combine(fixture_dir, tmp_path, capsys) -> None:
     src, out = fixture_dir("fp4"), tmp_path / "out"
     for k in range(2):
-        assert run(capsys, "convert", src, out, "--tp", "4", "--ranks", "1", "--shard-index", k, "--shard-count", 2)[0] == 0
+        assert (
+            run(capsys, "convert", src, out, "--tp", "4", "--ranks", "1", "--shard-index", k, "--shard-count", 2)[0]
+            == 0
+        )
     assert {int(PART_RE.match(Path(p).name).group(1)) for p in part_files(out)} == {1}
     assert run(capsys, "convert", src, out, "--tp", "4", "--ranks", "1", "--finalize")[0] == 0
     assert json.loads((out / "ckpt-tool.json").read_text())["ranks"] == [1]
@@ -203,7 +228,24 @@ def test_bad_selections_are_usage_or_input_errors(fixture_dir, tmp_path, capsys)
 def test_dry_run_shows_only_the_shard(fixture_dir, capsys) -> None:
     src = fixture_dir("fp4")
     capsys.readouterr()
-    assert main(["convert", str(src), "unused", "--tp", "2", "--dry-run", "--json", "--shard-index", "1", "--shard-count", "2"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(src),
+                "unused",
+                "--tp",
+                "2",
+                "--dry-run",
+                "--json",
+                "--shard-index",
+                "1",
+                "--shard-count",
+                "2",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=2))

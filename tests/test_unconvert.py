@@ -17,12 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tool.cli.entry import main
-from ckpt_tool.output.layout import MANIFEST, SOURCE_LAYOUT
-from ckpt_tool.output.convert import convert
 from ckpt_tool.errors import CheckpointError, OutputError
-from ckpt_tool.mapping.plan import Options
-from ckpt_tool.output.unconvert import unconvert
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.output.convert import convert
+from ckpt_tool.output.layout import MANIFEST, SOURCE_LAYOUT
+from ckpt_tool.output.unconvert import unconvert
 
 KB = 1024
 
@@ -69,7 +69,11 @@ def test_round_trip_is_byte_identical(fixture_dir, tmp_path, variant: str, tp: i
     assert file_hashes(back) == file_hashes(src)
 
 
-PADDED = [("fp4-pad", 2, "ep"), ("fp4-pad", 4, "ep"), ("fp8-e8m0-pad", 2, "ep")]  # MXFP4 experts at 192/96 rows a rank: ep only
+PADDED = [
+    ("fp4-pad", 2, "ep"),
+    ("fp4-pad", 4, "ep"),
+    ("fp8-e8m0-pad", 2, "ep"),
+]  # MXFP4 experts at 192/96 rows a rank: ep only
 
 
 @pytest.mark.parametrize("variant,tp,moe", PADDED, ids=[f"{v}-tp{t}-{m}" for v, t, m in PADDED])

@@ -42,27 +42,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_tool.verify import linear_check
-
-from ckpt_tool.verify import numeric
-
-from ckpt_tool.verify import reference
-from ckpt_tool.output.convert import convert
-from ckpt_tool.verify.linear_check import LinearUnit
-from ckpt_tool.mapping.plan import Options, plan_conversion
-from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.checkpoint.headers import read_shard_header
+from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.cli.render import coverage_text, github_annotations, github_summary, render_verify, write_junit
+from ckpt_tool.fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
+from ckpt_tool.mapping.plan import Options, plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
 from ckpt_tool.mapping.rules import Rule
-from ckpt_tool.cli.render import coverage_text, github_annotations, github_summary, render_verify, write_junit
-from ckpt_tool.verify.verdict import Check, skipped_check
+from ckpt_tool.output.convert import convert
+from ckpt_tool.verify import linear_check, numeric, reference
 from ckpt_tool.verify.levels import verify
-from ckpt_tool.verify.verdict import VerifyReport
-from cli_helpers import run_cli
-from ckpt_tool.fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
+from ckpt_tool.verify.linear_check import LinearUnit
+from ckpt_tool.verify.verdict import Check, VerifyReport, skipped_check
 
 MANIFEST = "ckpt-tool.json"
 S = MAIN_LAYERS  # engine layer of mtp.0
@@ -123,7 +118,11 @@ def read_tensor(out: Path, name: str, rank: int, comp: str = "mtp") -> torch.Ten
 
 
 def rewrite_tensors(
-    out: Path, rank: int, edits: dict[str, Callable[[torch.Tensor], torch.Tensor]], *, keep_shape: bool = True,
+    out: Path,
+    rank: int,
+    edits: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    *,
+    keep_shape: bool = True,
     comp: str = "mtp",
 ) -> None:
     """Replace tensors of one rank's output file in place (safetensors' own reader/writer), keeping the
@@ -141,7 +140,9 @@ def rewrite_tensors(
         assert new.dtype == old.dtype, (name, new.dtype, old.dtype)
         if keep_shape:
             assert new.shape == old.shape, (name, new.shape, old.shape)
-        changed.append(new.shape != old.shape or not torch.equal(new.view(torch.uint8), old.contiguous().view(torch.uint8)))
+        changed.append(
+            new.shape != old.shape or not torch.equal(new.view(torch.uint8), old.contiguous().view(torch.uint8))
+        )
         tensors[name] = new
     assert any(changed), f"{list(edits)}: the edit changed nothing"
     save_file(tensors, str(out / rel), metadata=meta)
@@ -184,7 +185,9 @@ def numeric_gate(out: Path, src: Path, *, tokens: int = 16, seed: int = 0) -> Ve
     return report
 
 
-def forward_only(out: Path, src: Path, *, tokens: int = 16, seed: int = 0, route_all: bool = True) -> list[tuple[dict, list[str]]]:
+def forward_only(
+    out: Path, src: Path, *, tokens: int = 16, seed: int = 0, route_all: bool = True
+) -> list[tuple[dict, list[str]]]:
     """The MTP forward alone: (metrics, tolerance violations) per MTP layer."""
     ckpt, plan = _plan_of(out, src)
     cfg = plan.config
@@ -192,7 +195,9 @@ def forward_only(out: Path, src: Path, *, tokens: int = 16, seed: int = 0, route
     inputs = numeric.make_inputs(cfg, tokens, seed, dev)
     results = []
     for i in range(cfg.num_nextn_predict_layers):
-        a, b = numeric.run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16", route_all=route_all)
+        a, b = numeric.run_layer(
+            cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16", route_all=route_all
+        )
         metrics = reference.compare_outputs(a, b)
         results.append((metrics, numeric.within_tolerance(metrics)))
     return results
@@ -286,7 +291,9 @@ def corrupt_wo_b_wrong_bytes(out: Path, src: Path, tp: int = 2, rank: int = 1) -
     return WO_B
 
 
-def corrupt_pad(out: Path, src: Path, name: str, rank: int, where: Callable[[torch.Tensor], torch.Tensor], value) -> str:
+def corrupt_pad(
+    out: Path, src: Path, name: str, rank: int, where: Callable[[torch.Tensor], torch.Tensor], value
+) -> str:
     """(z) the engine's zero padding of a shared-expert tensor overwritten (``where`` selects the padded part)."""
 
     def edit(t: torch.Tensor) -> torch.Tensor:
@@ -315,12 +322,30 @@ CORRUPTIONS = [
     # the engine's zero padding of the 3-block shared experts: rank 3 of tp 4 holds zeros only; rank 1 of tp 2 one
     # real block, then zeros (w1 rows 128:256 of its gate_up share; down_proj columns 128:256); with fp8 experts
     # the float32 scale pad is 2^-127 (E8M0 byte 0), so a plain 0.0 there is wrong too
-    ("z-pad-gate_up-rank-of-zeros", "fp4-pad", 4, "ep",
-     lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight", 3, lambda t: t[200:201, 7:8], 0x38), "values"),
-    ("z-pad-down-columns-part-real-rank", "fp4-pad", 2, "ep",
-     lambda o, s: corrupt_pad(o, s, SHARED + "down_proj.weight", 1, lambda t: t[:, 128:], 0x38), "values"),
-    ("z-pad-f32-scale-zero-not-2^-127", "fp8-e8m0-pad", 2, "ep",
-     lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight_scale_inv", 1, lambda t: t[3:4], 0.0), "values"),
+    (
+        "z-pad-gate_up-rank-of-zeros",
+        "fp4-pad",
+        4,
+        "ep",
+        lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight", 3, lambda t: t[200:201, 7:8], 0x38),
+        "values",
+    ),
+    (
+        "z-pad-down-columns-part-real-rank",
+        "fp4-pad",
+        2,
+        "ep",
+        lambda o, s: corrupt_pad(o, s, SHARED + "down_proj.weight", 1, lambda t: t[:, 128:], 0x38),
+        "values",
+    ),
+    (
+        "z-pad-f32-scale-zero-not-2^-127",
+        "fp8-e8m0-pad",
+        2,
+        "ep",
+        lambda o, s: corrupt_pad(o, s, SHARED + "gate_up_proj.weight_scale_inv", 1, lambda t: t[3:4], 0.0),
+        "values",
+    ),
 ]
 NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values"]
 
@@ -329,15 +354,19 @@ NUMERIC_GATE = [c for c in CORRUPTIONS if c[0][0] in "abcde" and c[5] == "values
 # good conversions pass
 
 
-GOOD = [(v, 1, "tp") for v in GOOD_VARIANTS] + [(v, 4, "tp") for v in GOOD_VARIANTS] + [
-    ("fp4", 4, "ep"),
-    ("fp8-e8m0", 4, "ep"),
-    # shared experts zero-padded by the engine: a rank part real part zeros (tp 2), a rank of zeros only (tp 4);
-    # their MXFP4 routed experts (192 / 96 rows a rank under --moe-parallel tp) convert with ep only
-    ("fp4-pad", 2, "ep"),
-    ("fp4-pad", 4, "ep"),
-    ("fp8-e8m0-pad", 2, "ep"),
-]
+GOOD = (
+    [(v, 1, "tp") for v in GOOD_VARIANTS]
+    + [(v, 4, "tp") for v in GOOD_VARIANTS]
+    + [
+        ("fp4", 4, "ep"),
+        ("fp8-e8m0", 4, "ep"),
+        # shared experts zero-padded by the engine: a rank part real part zeros (tp 2), a rank of zeros only (tp 4);
+        # their MXFP4 routed experts (192 / 96 rows a rank under --moe-parallel tp) convert with ep only
+        ("fp4-pad", 2, "ep"),
+        ("fp4-pad", 4, "ep"),
+        ("fp8-e8m0-pad", 2, "ep"),
+    ]
+)
 
 
 @pytest.mark.parametrize("variant,tp,moe", GOOD, ids=[f"{v}-tp{t}-{m}" for v, t, m in GOOD])
@@ -387,7 +416,9 @@ def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) 
     if only == "mtp":
         assert len(report.numeric) == 2 and report.skipped == []
     else:  # the MTP forward does not apply: skipped with its reason, not passed
-        assert report.numeric == [] and [(c.name, c.status) for c in report.skipped] == [("numeric:mtp-forward", "skipped")]
+        assert report.numeric == [] and [(c.name, c.status) for c in report.skipped] == [
+            ("numeric:mtp-forward", "skipped")
+        ]
         assert "--only model" in report.skipped[0].message
     assert report.coverage["percent"] == 100.0 and set(report.coverage["components"]) == {only}
     code, stdout, err = cli_verify(capsys, out, src, "--json")
@@ -395,7 +426,9 @@ def test_only_component_conversions_verify(fixture_dir, tmp_path, capsys, only) 
     doc = json.loads(stdout)
     assert doc["ok"] is True and [c["name"] for c in doc["skipped"]] == [c.name for c in report.skipped]
     assert "numeric:mtp-forward" not in doc["passed"]
-    assert {r["name"]: r["status"] for r in doc["results"]}.get("numeric:mtp-forward") == (None if only == "mtp" else "skipped")
+    assert {r["name"]: r["status"] for r in doc["results"]}.get("numeric:mtp-forward") == (
+        None if only == "mtp" else "skipped"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +456,9 @@ def test_rewrite_helper_alone_keeps_verify_green(fixture_dir, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("cid,variant,tp,moe,corrupt,level", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
-def test_corruption_fails_verify_naming_the_tensor(fixture_dir, tmp_path, capsys, cid, variant, tp, moe, corrupt, level) -> None:
+def test_corruption_fails_verify_naming_the_tensor(
+    fixture_dir, tmp_path, capsys, cid, variant, tp, moe, corrupt, level
+) -> None:
     src = fixture_dir(variant)
     out = do_convert(src, tmp_path / "out", tp, moe)
     name = corrupt(out, src)
@@ -473,8 +508,21 @@ def test_numeric_gate_alone_catches_corruption(fixture_dir, tmp_path, cid, varia
     first = report.failures[0]
     assert first.name.startswith("numeric:mtp/") and repr(name) in first.message, (first.name, first.message)
     # the MTP forward (every expert routed) sees it too, well past the noise floor
-    (metrics, bad), = forward_only(out, src)
-    print(f"{cid}: " + ", ".join(f"{k}={metrics[k]:.6g}" for k in ("logits_max_rel", "logits_cosine", "hidden_max_rel", "hidden_cosine", "top1_agreement", "top5_agreement")))
+    ((metrics, bad),) = forward_only(out, src)
+    print(
+        f"{cid}: "
+        + ", ".join(
+            f"{k}={metrics[k]:.6g}"
+            for k in (
+                "logits_max_rel",
+                "logits_cosine",
+                "hidden_max_rel",
+                "hidden_cosine",
+                "top1_agreement",
+                "top5_agreement",
+            )
+        )
+    )
     assert bad, f"{cid}: forward passed a corrupted conversion: {metrics}"
     assert metrics["logits_max_rel"] > 2e-2 and metrics["hidden_max_rel"] > 2e-2, metrics
     assert metrics["logits_cosine"] < 0.9999, metrics
@@ -493,7 +541,9 @@ def test_numeric_gate_alone_catches_garbage_in_the_engine_padding(fixture_dir, t
     def fill(value: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: (pad(as_bytes(t)).fill_(value), t)[1]
 
-    rewrite_tensors(out, rank, {base + ".weight": fill(0x38), base + ".weight_scale_inv": fill(127)})  # fp8 1.0, E8M0 2^0
+    rewrite_tensors(
+        out, rank, {base + ".weight": fill(0x38), base + ".weight_scale_inv": fill(127)}
+    )  # fp8 1.0, E8M0 2^0
     report = numeric_gate(out, src)
     assert not report.ok
     first = report.failures[0]
@@ -508,7 +558,7 @@ def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, t
     out = do_convert(src, tmp_path / "out", 2)
     corrupt_swap_fused(out, src, rank=1)
     assert not verify(out, src, level="values").ok  # the exact check does catch it
-    (metrics, bad), = forward_only(out, src)
+    ((metrics, bad),) = forward_only(out, src)
     assert bad == [], metrics
     report = numeric_gate(out, src)
     first = report.failures[0]
@@ -531,7 +581,9 @@ def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
     return seen
 
 
-@pytest.mark.parametrize("variant,tp,moe", [("fp4", 2, "tp"), ("fp8-e8m0", 4, "ep")], ids=["fp4-tp2", "fp8-e8m0-tp4-ep"])
+@pytest.mark.parametrize(
+    "variant,tp,moe", [("fp4", 2, "tp"), ("fp8-e8m0", 4, "ep")], ids=["fp4-tp2", "fp8-e8m0-tp4-ep"]
+)
 def test_corrupted_expert_no_token_reaches_is_caught(fixture_dir, tmp_path, monkeypatch, variant, tp, moe) -> None:
     """On 2 tokens the top-k reaches 4 of the 8 experts: corrupt one it does not reach. The plain forward
     passes it; the per-tensor check and the forward routed to every expert both fail, naming the tensor."""
@@ -543,9 +595,9 @@ def test_corrupted_expert_no_token_reaches_is_caught(fixture_dir, tmp_path, monk
     j = unreached[-1]
     rank, slot = (j // (EXPERTS // tp), j % (EXPERTS // tp)) if moe == "ep" else (tp - 1, j)
     name = corrupt_swap_w13(out, src, rank=rank, expert=slot)
-    (metrics, bad), = forward_only(out, src, tokens=2, route_all=False)
+    ((metrics, bad),) = forward_only(out, src, tokens=2, route_all=False)
     assert bad == [], metrics  # invisible to the top-k forward
-    (metrics, bad), = forward_only(out, src, tokens=2, route_all=True)
+    ((metrics, bad),) = forward_only(out, src, tokens=2, route_all=True)
     assert bad, metrics
     report = numeric_gate(out, src, tokens=2)
     first = report.failures[0]
@@ -585,20 +637,30 @@ def corrupt_main_sink(out: Path, src: Path, layer: int = 0) -> str:
 
 MAIN_CORRUPTIONS = [
     ("main-fused-wkv-first", "fp8", 2, corrupt_main_fused, "model.layers.1.attn.fused_wqa_wkv.weight"),
-    ("main-expert-e8m0-numeric", "fp4", 2, corrupt_main_expert_scale, "model.layers.2.ffn.experts.routed_experts.w2_weight"),
+    (
+        "main-expert-e8m0-numeric",
+        "fp4",
+        2,
+        corrupt_main_expert_scale,
+        "model.layers.2.ffn.experts.routed_experts.w2_weight",
+    ),
     ("main-sink-rank0", "fp4", 2, corrupt_main_sink, "model.layers.0.attn.attn_sink"),
 ]
 
 
 @pytest.mark.parametrize("cid,variant,tp,corrupt,tensor", MAIN_CORRUPTIONS, ids=[c[0] for c in MAIN_CORRUPTIONS])
-def test_main_layer_corruption_caught_by_numeric_alone(fixture_dir, tmp_path, cid, variant, tp, corrupt, tensor) -> None:
+def test_main_layer_corruption_caught_by_numeric_alone(
+    fixture_dir, tmp_path, cid, variant, tp, corrupt, tensor
+) -> None:
     """Main-model layers have no forward here: the per-tensor check alone fails, naming the tensor and layer."""
     src = fixture_dir(variant)
     out = do_convert(src, tmp_path / "out", tp)
     name = corrupt(out, src)
     report = numeric_gate(out, src)
     bad = [c for c in report.failures if c.name.startswith("numeric:model/")]
-    assert bad and bad[0].tensor == tensor and repr(name) in bad[0].message, [(c.name, c.message) for c in report.failures]
+    assert bad and bad[0].tensor == tensor and repr(name) in bad[0].message, [
+        (c.name, c.message) for c in report.failures
+    ]
     layer = name.split(".")[2]
     assert bad[0].name == f"numeric:model/layers.{layer}"
     assert all(c.ok for c in report.checks if c.name.startswith("numeric:mtp"))  # the MTP layer is untouched
@@ -620,18 +682,26 @@ def _swapped_fused_rules(monkeypatch, profile: str = "vllm-0.33+", where: str = 
     monkeypatch.setitem(PROFILES, profile, broken)
 
 
-@pytest.mark.parametrize("variant,where,component", [
-    ("fp8", "layers.{layer}.", "model"),
-    ("fp4", "mtp.{mtp}.", "mtp"),
-], ids=["main-layers-fp8", "mtp-fp4"])
-def test_broken_rule_table_passes_values_and_fails_numeric(fixture_dir, tmp_path, monkeypatch, variant, where, component) -> None:
+@pytest.mark.parametrize(
+    "variant,where,component",
+    [
+        ("fp8", "layers.{layer}.", "model"),
+        ("fp4", "mtp.{mtp}.", "mtp"),
+    ],
+    ids=["main-layers-fp8", "mtp-fp4"],
+)
+def test_broken_rule_table_passes_values_and_fails_numeric(
+    fixture_dir, tmp_path, monkeypatch, variant, where, component
+) -> None:
     """The brief's proof: a mapping bug (swapped fused parts) that the values level, re-deriving through the
     same plan, cannot see; the numeric level fails and names the engine tensor."""
     _swapped_fused_rules(monkeypatch, where=where)
     src = fixture_dir(variant)
     out = do_convert(src, tmp_path / "out", 2)
     report = verify(out, src, level="numeric", kernels="torch", device="cpu")
-    assert all(c.ok for c in report.checks if not c.name.startswith("numeric")), [(c.name, c.message) for c in report.failures]
+    assert all(c.ok for c in report.checks if not c.name.startswith("numeric")), [
+        (c.name, c.message) for c in report.failures
+    ]
     assert not report.ok
     first = report.failures[0]
     assert first.name.startswith(f"numeric:{component}/")
@@ -664,7 +734,9 @@ def test_an_expert_probe_removed_drops_coverage_and_fails_the_check(fixture_dir,
     ranks = cov["components"]["mtp"]["ranks"]
     assert {r for r, c in ranks.items() if c["checked"] < c["total"]} == set(holders), ranks
     assert cov["components"]["model"]["percent"] == 100.0
-    assert [c.name for c in report.failures] == ["numeric:coverage"]  # nothing compared wrong; something was not compared
+    assert [c.name for c in report.failures] == [
+        "numeric:coverage"
+    ]  # nothing compared wrong; something was not compared
     msg = report.failures[0].message
     assert f"mtp rank {holders[0]}: {W13}[expert {j}] part mtp.0.ffn.experts.{j}.w3" in msg, msg
     assert len(report.failures[0].details["not_computed"]) == len(holders)
@@ -693,7 +765,9 @@ def test_coverage_counts_a_stacked_expert_the_unit_table_forgets(fixture_dir, tm
     w2 = "model.layers.1.ffn.experts.routed_experts.w2_weight"
 
     def forgetful(*args, **kwargs):
-        return [u for u in real(*args, **kwargs) if not (isinstance(u, LinearUnit) and u.weight == w2 and u.expert == 3)]
+        return [
+            u for u in real(*args, **kwargs) if not (isinstance(u, LinearUnit) and u.weight == w2 and u.expert == 3)
+        ]
 
     monkeypatch.setattr(linear_check, "tensor_units", forgetful)
     report = numeric_gate(out, src)
@@ -741,7 +815,9 @@ def _three_outcomes() -> VerifyReport:
     report = VerifyReport("out", "src", "numeric")
     report.add(Check("manifest", True))
     report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model)"))
-    report.add(Check("values:model/a.safetensors", False, "tensor 'w': bytes differ", file="model/a.safetensors", tensor="w"))
+    report.add(
+        Check("values:model/a.safetensors", False, "tensor 'w': bytes differ", file="model/a.safetensors", tensor="w")
+    )
     return report
 
 
@@ -752,10 +828,14 @@ def test_each_check_is_passed_failed_or_skipped_and_json_keeps_them_apart() -> N
     doc = report.to_json()
     assert doc["checks"] == 3 and doc["failed"] == 1 and doc["passed"] == ["manifest"]
     assert [(c["name"], c["status"], c["message"]) for c in doc["skipped"]] == [
-        ("numeric:mtp-forward", "skipped", "OUT holds no MTP draft (converted with --only model)")]
+        ("numeric:mtp-forward", "skipped", "OUT holds no MTP draft (converted with --only model)")
+    ]
     assert [(c["name"], c["status"]) for c in doc["failures"]] == [("values:model/a.safetensors", "failed")]
     assert [(r["name"], r["status"]) for r in doc["results"]] == [
-        ("manifest", "passed"), ("numeric:mtp-forward", "skipped"), ("values:model/a.safetensors", "failed")]
+        ("manifest", "passed"),
+        ("numeric:mtp-forward", "skipped"),
+        ("values:model/a.safetensors", "failed"),
+    ]
     report.checks.pop()
     assert report.ok  # a skip alone does not fail the gate
     with pytest.raises(AssertionError):
@@ -881,12 +961,14 @@ def test_unknown_level_kernels_device_exit_2(fixture_dir, tmp_path, capsys, args
 
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["o_direct", "buffered"])
 @pytest.mark.parametrize("block", [4096, 12288])
-def test_values_reads_tensors_spanning_many_read_blocks(fixture_dir, tmp_path, monkeypatch, direct: str, block: int) -> None:
+def test_values_reads_tensors_spanning_many_read_blocks(
+    fixture_dir, tmp_path, monkeypatch, direct: str, block: int
+) -> None:
     """The values level reads each output file in blocks, ahead of the comparison, and hashes them in order:
     with blocks far smaller than the tensors every tensor spans several, the file's end is a partial block,
     and a good OUT still passes while one flipped byte is named (O_DIRECT and buffered reads alike)."""
-    from ckpt_tool.verify import levels as verify_mod
     from ckpt_tool.output import writer
+    from ckpt_tool.verify import levels as verify_mod
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", block)
     monkeypatch.setattr(writer, "DIRECT_IO", direct == "1")

@@ -31,8 +31,8 @@ from typing import Any
 
 from ckpt_tool.checkpoint.blocks import MX_BLOCK
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
 from ckpt_tool.checkpoint.headers import TensorInfo
+from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
 
 GLOBAL_GROUP = "globals"
 # A group whose missing names exceed this is summarised instead of listed.
@@ -187,7 +187,10 @@ def _blocks(config: V4Config) -> tuple[Dim, Dim]:
 def _fp8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:
     """A block-FP8 linear [out, in] and its scale [cdiv(out, 128), cdiv(in, 128)] (weight_block_size)."""
     bo, bi = _blocks(config)
-    return [(f"{prefix}.weight", _spec(FP8, out, inp)), (f"{prefix}.scale", _spec(BLOCK_SCALE, out.blocks(bo), inp.blocks(bi)))]
+    return [
+        (f"{prefix}.weight", _spec(FP8, out, inp)),
+        (f"{prefix}.scale", _spec(BLOCK_SCALE, out.blocks(bo), inp.blocks(bi))),
+    ]
 
 
 def _routed_expert(config: V4Config, w: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:
@@ -225,14 +228,31 @@ def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout
     ``wo_a`` [G*Or, H*Dh/G], compressors of ``coff = 2`` (ratio 4, with the indexer) or 1 times head_dim.
     """
     d = functools.partial(_dim, config)
-    D, H, Dh, Qr, G, Or, hc = (d(k) for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult"))
+    D, H, Dh, Qr, G, Or, hc = (
+        d(k)
+        for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
+    )
     mix = (2 + hc) * hc
     fixed = [("attn_norm.weight", _spec(BF16, D)), ("ffn_norm.weight", _spec(BF16, D))]
     for part in ("attn", "ffn"):
-        fixed += [(f"hc_{part}_fn", _spec(F32, mix, hc * D)), (f"hc_{part}_base", _spec(F32, mix)), (f"hc_{part}_scale", _spec(F32, Dim(3)))]
-    for lin, out, inp in (("wq_a", Qr, D), ("wq_b", H * Dh, Qr), ("wkv", Dh, D), ("wo_a", G * Or, H * Dh // G), ("wo_b", D, G * Or)):
+        fixed += [
+            (f"hc_{part}_fn", _spec(F32, mix, hc * D)),
+            (f"hc_{part}_base", _spec(F32, mix)),
+            (f"hc_{part}_scale", _spec(F32, Dim(3))),
+        ]
+    for lin, out, inp in (
+        ("wq_a", Qr, D),
+        ("wq_b", H * Dh, Qr),
+        ("wkv", Dh, D),
+        ("wo_a", G * Or, H * Dh // G),
+        ("wo_b", D, G * Or),
+    ):
         fixed += _fp8_linear(config, f"attn.{lin}", out, inp)
-    fixed += [("attn.q_norm.weight", _spec(BF16, Qr)), ("attn.kv_norm.weight", _spec(BF16, Dh)), ("attn.attn_sink", _spec(F32, H))]
+    fixed += [
+        ("attn.q_norm.weight", _spec(BF16, Qr)),
+        ("attn.kv_norm.weight", _spec(BF16, Dh)),
+        ("attn.attn_sink", _spec(F32, H)),
+    ]
     if ratio:
         coff = Dim(2 if ratio == 4 else 1, (RATIO_KEY,))
         fixed += _compressor("attn.compressor", Dim(ratio, (RATIO_KEY,)), coff * Dh, D, Dh)
@@ -405,7 +425,11 @@ def require_complete(config: V4Config, names: Iterable[str], only: str | None = 
 def describe_missing(group: str, names: list[str], required: int) -> str:
     """``layers.1.*: all 77 tensors missing`` or ``layers.1.attn.wo_b.weight, .scale missing``."""
     if len(names) == required:
-        return f"{group}.*: all {required} tensors missing" if group != GLOBAL_GROUP else f"all {required} global tensors missing ({', '.join(names)})"
+        return (
+            f"{group}.*: all {required} tensors missing"
+            if group != GLOBAL_GROUP
+            else f"all {required} global tensors missing ({', '.join(names)})"
+        )
     items = _collapse_experts(names)
     items = _collapse_linears(items)
     shown = items[:_MAX_LISTED]
@@ -467,7 +491,9 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
     return roles
 
 
-_EXPERT_INDEX = re.compile(r"\.ffn\.experts\.[0-9]+\.")  # any digits: the plain pattern substitutes 69k names ~1.5x faster
+_EXPERT_INDEX = re.compile(
+    r"\.ffn\.experts\.[0-9]+\."
+)  # any digits: the plain pattern substitutes 69k names ~1.5x faster
 
 
 def tensor_roles(names: list[str], lines: str | None = None) -> list[str]:
@@ -541,7 +567,8 @@ class Disagreement:
         if self.key is None:
             return (
                 f"tensor {t.name!r} in {t.file} is {actual}, but config.json implies {self.expected.describe()}{more}; "
-                "the checkpoint does not have DeepSeek V4's layout: convert the original checkpoint with its own config.json"
+                "the checkpoint does not have DeepSeek V4's layout: convert the original checkpoint with its own "
+                "config.json"
             )
         return (
             f"{_key_value(config, self.key, t.name)} in config.json, but tensor {t.name!r} in {t.file} is {actual}, "

@@ -13,7 +13,8 @@ from typing import Any
 
 from ckpt_tool.errors import CheckpointError
 
-# Keys every V4 config must carry (the released deepseek-ai/DeepSeek-V4-Flash and -Pro config.json; DeepSeek-V4's inference/model.py ModelArgs) and their Python types.
+# Keys every V4 config must carry (the released deepseek-ai/DeepSeek-V4-Flash and -Pro config.json; DeepSeek-V4's
+# inference/model.py ModelArgs) and their Python types.
 REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "vocab_size": int,
     "hidden_size": int,
@@ -85,28 +86,35 @@ class V4Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> V4Config:
         if not isinstance(raw, dict):
-            raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}; use the model's released config.json")
+            raise CheckpointError(
+                f"{where}: expected a JSON object, got {type(raw).__name__}; use the model's released config.json"
+            )
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise CheckpointError(
                 f"{where}: missing required key(s) {', '.join(missing)}; "
-                "a DeepSeek V4 config.json carries them all (as the released deepseek-ai/DeepSeek-V4-Flash one does); use the model's released config.json"
+                "a DeepSeek V4 config.json carries them all (as the released deepseek-ai/DeepSeek-V4-Flash one does); "
+                "use the model's released config.json"
             )
         for key, typ in REQUIRED_KEYS.items():
             value = raw[key]
             if isinstance(value, bool) or not isinstance(value, typ):
                 expected = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
                 raise CheckpointError(
-                    f"{where}: key {key!r} has value {value!r}, expected {expected}; use the model's released config.json"
+                    f"{where}: key {key!r} has value {value!r}, expected {expected}; use the model's released "
+                    "config.json"
                 )
         if raw["num_nextn_predict_layers"] < 0 or raw["num_hidden_layers"] < 0:
             raise CheckpointError(
-                f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0; use the model's released config.json"
+                f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0; use the model's released "
+                "config.json"
             )
         try:
             return cls._build(raw)
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise CheckpointError(f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json") from None
+            raise CheckpointError(
+                f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json"
+            ) from None
 
     @classmethod
     def _build(cls, raw: dict[str, Any]) -> V4Config:
@@ -165,5 +173,7 @@ class V4Config:
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
             from ckpt_tool.checkpoint.headers import json_problem
 
-            raise CheckpointError(f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json") from None
+            raise CheckpointError(
+                f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json"
+            ) from None
         return cls.from_dict(raw, where=str(path))

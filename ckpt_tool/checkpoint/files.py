@@ -54,7 +54,8 @@ class OpenFiles:
                 raise CheckpointError(f"{file}: {what + ': ' if what else ''}cannot be read ({exc.strerror})") from None
             if n == 0:
                 raise CheckpointError(
-                    f"{file}: {what + ': ' if what else ''}file ended early at byte {offset + got}; was it truncated or modified?"
+                    f"{file}: {what + ': ' if what else ''}file ended early at byte {offset + got}; was it truncated "
+                    "or modified?"
                 )
             got += n
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import CkptToolError
 from ckpt_tool.checkpoint.forked import TaskQueue, can_fork, helpers, usable_cpus
 from ckpt_tool.checkpoint.headers import read_index
 from ckpt_tool.checkpoint.paths import load_config, resolve_layout
+from ckpt_tool.errors import CkptToolError
 
 # Shards a checkpoint needs before helpers pay for themselves (a fork and hand-back cost ~10 ms).
 FORK_MIN_FILES = 8

@@ -115,15 +115,30 @@ class ShardHeader:
     def tensors(self) -> dict[str, TensorInfo]:
         kinds, shapes, begins, ends = self.columns
         start = self.data_start
-        infos = zip(self.names, self.dtypes, map(shapes.__getitem__, kinds), repeat(self.file),
-                    map(add, begins, repeat(start)), map(add, ends, repeat(start)))
+        infos = zip(
+            self.names,
+            self.dtypes,
+            map(shapes.__getitem__, kinds),
+            repeat(self.file),
+            map(add, begins, repeat(start)),
+            map(add, ends, repeat(start)),
+        )
         with gc_paused():
             return dict(zip(self.names, map(tuple.__new__, repeat(TensorInfo), infos)))
 
     def to_wire(self) -> tuple:
         """This header as builtins only (for ``marshal``); :meth:`from_wire` makes it again."""
-        return (self.file, self.header_len, self.file_size, self.metadata, self.names, self.dtypes, tuple(self.columns),
-                self.header_sha256, self.dtype_totals)
+        return (
+            self.file,
+            self.header_len,
+            self.file_size,
+            self.metadata,
+            self.names,
+            self.dtypes,
+            tuple(self.columns),
+            self.header_sha256,
+            self.dtype_totals,
+        )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ShardHeader:
@@ -181,7 +196,9 @@ def _loads(text: str, file: str, parse_float=None) -> object:
         return json.loads(text, object_pairs_hook=_reject_duplicates, parse_float=parse_float)
     except _DuplicateKey as dup:
         raise HeaderError(
-            file, f"key appears twice in a header object; tensor names and entry fields must be unique; {CORRUPT}", tensor=dup.key
+            file,
+            f"key appears twice in a header object; tensor names and entry fields must be unique; {CORRUPT}",
+            tensor=dup.key,
         ) from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over sys.get_int_max_str_digits()
         raise HeaderError(file, f"header is not valid JSON ({json_problem(exc)}); {CORRUPT}") from None
@@ -304,9 +321,13 @@ def _quick_tensors(
         # tensor (setdefault keeps the first position it was offered); everything per kind is looked up by id
         kinds: dict[tuple, int] = {}
         ids = list(map(kinds.setdefault, keys, count()))
-        known = {i: _tensor_entry(file, names[i], entries[i], data_start) for i in kinds.values()}  # full checks, once a kind
+        known = {
+            i: _tensor_entry(file, names[i], entries[i], data_start) for i in kinds.values()
+        }  # full checks, once a kind
         if (begins[:1] or [0]) != [0] or begins[1:] != ends[:-1] or (ends[-1:] or [0]) != [buffer_len]:
-            return None  # out of offset order, a gap, an overlap, truncated or trailing bytes: worded by the careful path
+            return (
+                None  # out of offset order, a gap, an overlap, truncated or trailing bytes: worded by the careful path
+            )
         nbytes = {i: info.nbytes for i, info in known.items()}
         if list(map(sub, ends, begins)) != list(map(nbytes.__getitem__, ids)):
             return None
@@ -332,7 +353,10 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
     except UnicodeDecodeError as exc:
         raise HeaderError(file, f"header is not valid UTF-8 ({exc.reason} at byte {exc.start}); {CORRUPT}") from None
     if not text.lstrip(" ").startswith("{"):
-        raise HeaderError(file, "header is not a JSON object (does not start with '{'); the file is not safetensors — download it again")
+        raise HeaderError(
+            file,
+            "header is not a JSON object (does not start with '{'); the file is not safetensors — download it again",
+        )
     try:
         with gc_paused():
             doc = _loads(text, file, parse_float=_no_float)
@@ -356,7 +380,9 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
     # (dtype, *shape) -> (shape tuple, nbytes) once validated: a V4 shard has a few dozen distinct ones
     # among ~1500 tensors. JSON true/false and floats equal ints as keys, so a header with those takes the
     # full checks for every tensor.
-    sizes: dict[tuple, tuple[tuple[int, ...], int]] | None = None if (floats or "true" in text or "false" in text) else {}
+    sizes: dict[tuple, tuple[tuple[int, ...], int]] | None = (
+        None if (floats or "true" in text or "false" in text) else {}
+    )
     infos: list[TensorInfo] = []
     append = infos.append
     with gc_paused():
@@ -370,7 +396,14 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
                     except TypeError:  # an unhashable shape element: the full checks name it
                         key, known = None, None
                     begin, end = offsets
-                    if known is not None and type(begin) is int and type(end) is int and 0 <= begin and end - begin == known[1] and end <= MAX_INT:
+                    if (
+                        known is not None
+                        and type(begin) is int
+                        and type(end) is int
+                        and 0 <= begin
+                        and end - begin == known[1]
+                        and end <= MAX_INT
+                    ):
                         append(TensorInfo(name, dtype, known[0], file, data_start + begin, data_start + end))
                         continue
                     info = _tensor_entry(file, name, entry, data_start)
@@ -424,8 +457,12 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
         metadata=dict(metadata),
         names=[t.name for t in infos],
         dtypes=[t.dtype for t in infos],
-        columns=Columns(list(range(len(infos))), {i: t.shape for i, t in enumerate(infos)},
-                        [t.start - data_start for t in infos], [t.end - data_start for t in infos]),
+        columns=Columns(
+            list(range(len(infos))),
+            {i: t.shape for i, t in enumerate(infos)},
+            [t.start - data_start for t in infos],
+            [t.end - data_start for t in infos],
+        ),
         header_sha256=hashlib.sha256(raw).hexdigest(),
         dtype_totals=dtype_totals(infos),
     )
@@ -453,7 +490,9 @@ def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> Tenso
     # this runs ~69k times for a full V4 checkpoint: cheap checks first, details only on failure
     if len(entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
         raise HeaderError(
-            file, f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)}); {CORRUPT}", tensor=name
+            file,
+            f"header entry must have exactly dtype, shape, data_offsets (got {sorted(entry)}); {CORRUPT}",
+            tensor=name,
         )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
@@ -464,13 +503,13 @@ def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> Tenso
             tensor=name,
         )
     if type(shape) is not list or not _small_uints(shape):
-        raise HeaderError(file, f"shape {shape!r} is not a list of non-negative integers (below 2^64); {CORRUPT}", tensor=name)
-    if (
-        type(offsets) is not list
-        or len(offsets) != 2
-        or not _small_uints(offsets)
-    ):
-        raise HeaderError(file, f"data_offsets {offsets!r} is not two non-negative integers (below 2^64); {CORRUPT}", tensor=name)
+        raise HeaderError(
+            file, f"shape {shape!r} is not a list of non-negative integers (below 2^64); {CORRUPT}", tensor=name
+        )
+    if type(offsets) is not list or len(offsets) != 2 or not _small_uints(offsets):
+        raise HeaderError(
+            file, f"data_offsets {offsets!r} is not two non-negative integers (below 2^64); {CORRUPT}", tensor=name
+        )
     begin, end = offsets
     if math.prod(shape) > MAX_INT:
         raise HeaderError(file, f"shape has more than 2^64 elements; {CORRUPT}", tensor=name)
@@ -497,10 +536,15 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
             size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
-                raise HeaderError(file, f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length); {CORRUPT}")
+                raise HeaderError(
+                    file,
+                    f"file is {size} bytes, too small to be safetensors (needs an 8-byte header length); {CORRUPT}",
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_SIZE:
-                raise HeaderError(file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; {CORRUPT}")
+                raise HeaderError(
+                    file, f"header length {header_len} exceeds the {MAX_HEADER_SIZE}-byte limit; {CORRUPT}"
+                )
             if 8 + header_len > size:
                 raise HeaderError(
                     file,
@@ -515,7 +559,9 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
     except PermissionError:
         raise CheckpointError(f"{file}: permission denied reading {path}") from None
     except OSError as exc:
-        raise CheckpointError(f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again") from None
+        raise CheckpointError(
+            f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again"
+        ) from None
     return parse_header(raw, file, size, header_len)
 
 
@@ -531,7 +577,8 @@ def safe_relative_name(name: object, where: str) -> str:
     parts = PurePosixPath(name).parts
     if not parts or any(p in ("..", ".") for p in parts) or ":" in parts[0]:
         raise CheckpointError(
-            f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it — fix the index or download it again"
+            f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it — fix the index or "
+            "download it again"
         )
     return "/".join(parts)
 
@@ -554,7 +601,9 @@ def read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{where}: not valid JSON ({json_problem(exc)}); download the index again") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{where}: no 'weight_map' object; this is not a safetensors index — download the index again")
+        raise CheckpointError(
+            f"{where}: no 'weight_map' object; this is not a safetensors index — download the index again"
+        )
     # 69k entries name ~46 files: validate each distinct file name once (this dominated inspect time).
     try:
         clean = all(type(f) is str and safe_relative_name(f, where) == f for f in set(weight_map.values()))

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import TensorInfo, read_index, read_shard_header
 from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
+from ckpt_tool.errors import CheckpointError
 
 _REPO_RE = re.compile(r"^(?:hf://)?([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?$")
 SMALL_FILES = ("config.json", INDEX_NAME)
@@ -61,7 +61,9 @@ def _looks_local(src: str) -> str | None:
     return None
 
 
-def parse_hub_ref(src: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> HubRef | None:
+def parse_hub_ref(
+    src: str, *, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
+) -> HubRef | None:
     """A hub reference if ``src`` is one, else None (a local path).
 
     ``hf://org/name`` is always the hub. An existing local path always wins. A missing ``org/name``
@@ -150,7 +152,9 @@ def cached_snapshot(ref: HubRef) -> Path:
     """The snapshot folder of ``ref`` in the local HF cache, without any network access."""
     hf, constants = _hf()
     try:
-        folder = hf.snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True, **ref.kw)
+        folder = hf.snapshot_download(
+            ref.repo_id, revision=ref.revision, allow_patterns=["config.json"], local_files_only=True, **ref.kw
+        )
     except Exception as exc:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
         why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
         raise CheckpointError(
@@ -195,7 +199,9 @@ def metadata_tensors(ref: HubRef, revision: str | None) -> dict[str, TensorInfo]
     return tensors
 
 
-def open_partial(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config) -> Checkpoint:
+def open_partial(
+    folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config
+) -> Checkpoint:
     """A checkpoint of hub snapshot ``folder`` opened from ``files`` alone, keeping the tensors ``names``.
 
     The same agreement checks as open_checkpoint, restricted to those shards: each exists and parses,
@@ -209,18 +215,26 @@ def open_partial(folder: Path, weight_map: dict[str, str], files: list[str], nam
     for file in files:
         path = folder / file
         if not path.is_file():
-            raise CheckpointError(f"{file}: named by {INDEX_NAME} and needed, but missing from {folder}; fetch this file")
+            raise CheckpointError(
+                f"{file}: named by {INDEX_NAME} and needed, but missing from {folder}; fetch this file"
+            )
         header = read_shard_header(path, file)
         stored, mapped = set(header.tensors), by_file.get(file, set())
         if stored != mapped:
             extra, absent = sorted(stored - mapped), sorted(mapped - stored)
-            what = f"stores {extra[0]!r} the index does not map to it" if extra else f"lacks {absent[0]!r} the index maps to it"
+            what = (
+                f"stores {extra[0]!r} the index does not map to it"
+                if extra
+                else f"lacks {absent[0]!r} the index maps to it"
+            )
             raise CheckpointError(f"{INDEX_NAME}: the index and the shards disagree: {file} {what}")
         shards[file] = header
         for name, info in header.tensors.items():
             if name in names:
                 tensors[name] = info
-    return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards=shards, tensors=tensors)
+    return Checkpoint(
+        root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards=shards, tensors=tensors
+    )
 
 
 def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = True) -> Checkpoint:
@@ -248,7 +262,11 @@ def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = Tru
     except Exception as exc:
         raise network_error(ref, "cannot resolve the repo on the hub", exc) from None
     try:
-        folder = Path(hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw))
+        folder = Path(
+            hf.snapshot_download(
+                ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw
+            )
+        )
     except Exception as exc:
         raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
     config, weight_map = _read_small(folder, ref)
@@ -261,18 +279,34 @@ def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = Tru
     needs.check(config, {n: header_tensors[n] for n in names if n in header_tensors})
     if not download:
         planned = {n: header_tensors[n] for n in names if n in header_tensors}
-        return Checkpoint(root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned)
+        return Checkpoint(
+            root=folder, config=config, config_error=None, index_file=INDEX_NAME, shards={}, tensors=planned
+        )
     try:
-        hf.snapshot_download(ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files], **ref.kw)
+        hf.snapshot_download(
+            ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS, *files], **ref.kw
+        )
     except Exception as exc:
-        raise network_error(ref, f"downloading {len(files)} shard(s) failed (rerun to resume the download)", exc) from None
+        raise network_error(
+            ref, f"downloading {len(files)} shard(s) failed (rerun to resume the download)", exc
+        ) from None
     missing = _missing(folder, files)
     if missing:
-        raise CheckpointError(f"{ref}: after the download {len(missing)} needed file(s) are still missing from {folder}: {', '.join(missing)}")
+        raise CheckpointError(
+            f"{ref}: after the download {len(missing)} needed file(s) are still missing from {folder}: "
+            f"{', '.join(missing)}"
+        )
     return _open(folder, weight_map, files, names, config, needs)
 
 
-def _open(folder: Path, weight_map: dict[str, str], files: list[str], names: set[str], config: V4Config, needs: ConversionNeeds) -> Checkpoint:
+def _open(
+    folder: Path,
+    weight_map: dict[str, str],
+    files: list[str],
+    names: set[str],
+    config: V4Config,
+    needs: ConversionNeeds,
+) -> Checkpoint:
     if needs.partial:  # part of the repo: open just those shards, keep just those tensors
         return open_partial(folder, weight_map, files, names, config)
     return open_checkpoint(folder)  # every shard: exactly the local-folder behaviour

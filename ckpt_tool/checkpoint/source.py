@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
 from ckpt_tool.checkpoint.paths import INDEX_NAME, load_config, resolve_layout
+from ckpt_tool.errors import CheckpointError
 
 __all__ = ["INDEX_NAME", "Checkpoint", "load_config", "open_checkpoint", "resolve_layout"]
 
@@ -31,7 +31,6 @@ class Checkpoint:
     index_file: str | None
     shards: dict[str, ShardHeader] = field(repr=False)
     tensors: dict[str, TensorInfo] = field(repr=False)
-
 
     @property
     def total_bytes(self) -> int:
@@ -52,7 +51,13 @@ def open_checkpoint(src: Path, *, need_config: bool = True, forked: bool = True)
     answer only for a consistent checkpoint; the serial path gives the same result and words every error.
     """
     with gc_paused():  # ~300k objects, none cyclic: the collector's passes cost more than the parse
-        read = read_shards_forked(src, _header_at, need_config=need_config, wire=ShardHeader.to_wire, unwire=ShardHeader.from_wire) if forked else None
+        read = (
+            read_shards_forked(
+                src, _header_at, need_config=need_config, wire=ShardHeader.to_wire, unwire=ShardHeader.from_wire
+            )
+            if forked
+            else None
+        )
         if read is not None:
             shards = dict(zip(read.files, read.values))
             tensors: dict[str, TensorInfo] = {}

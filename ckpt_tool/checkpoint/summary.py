@@ -10,7 +10,6 @@ from operator import itemgetter, not_
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.completeness import (
     STORED_FORMAT,
     Completeness,
@@ -24,10 +23,11 @@ from ckpt_tool.checkpoint.completeness import (
     name_lines,
     shape_kinds,
 )
-from ckpt_tool.errors import MTP_MISSING_MESSAGE
+from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import MTP_MISSING_MESSAGE
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,9 @@ _DTYPE, _DTYPE_SHAPE = itemgetter(1), itemgetter(1, 2)
 def _tally_header(header: ShardHeader) -> ShardTally:
     """The tally of a parsed header; its tensors' shapes by the header's kind numbers (no record per tensor)."""
     dtypes, shapes = header.dtypes, header.columns.shapes
-    return tally_file(header.file, header.names, dtypes, header.dtype_totals, header.columns.kinds, lambda i: (dtypes[i], shapes[i]))
+    return tally_file(
+        header.file, header.names, dtypes, header.dtype_totals, header.columns.kinds, lambda i: (dtypes[i], shapes[i])
+    )
 
 
 def inspect_tensors(
@@ -189,7 +191,13 @@ def inspect_tensors(
             for name, t in tensors.items():
                 by_file.setdefault(t.file, {})[name] = t
             tallies = [
-                tally_file(f, list(ts), list(map(_DTYPE, ts.values())), dtype_totals(ts.values()), map(_DTYPE_SHAPE, ts.values()))
+                tally_file(
+                    f,
+                    list(ts),
+                    list(map(_DTYPE, ts.values())),
+                    dtype_totals(ts.values()),
+                    map(_DTYPE_SHAPE, ts.values()),
+                )
                 for f, ts in by_file.items()
             ]
         disagreement = None
@@ -268,7 +276,8 @@ def summarize(
             file, name = first_expert_weight[expert_dtype]
             problems.append(
                 f"{file}: tensor {name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
-                f"experts are stored as {expert_dtype} ({expert_format}); fix config.json or use the matching checkpoint"
+                f"experts are stored as {expert_dtype} ({expert_format}); fix config.json or use the matching "
+                "checkpoint"
             )
     return InspectReport(
         source=source,
@@ -296,7 +305,14 @@ def inspect_local(src: str) -> InspectReport:
         if report is not None:
             return report
         ckpt = open_checkpoint(Path(src), need_config=False, forked=False)
-        return inspect_tensors(src, ckpt.tensors, ckpt.config, ckpt.config_error, whole=not src.endswith(".safetensors"), shards=ckpt.shards.values())
+        return inspect_tensors(
+            src,
+            ckpt.tensors,
+            ckpt.config,
+            ckpt.config_error,
+            whole=not src.endswith(".safetensors"),
+            shards=ckpt.shards.values(),
+        )
 
 
 def inspect_forked(src: str) -> InspectReport | None:
@@ -304,10 +320,14 @@ def inspect_forked(src: str) -> InspectReport | None:
     and checks completeness on its names (:func:`ckpt_tool.checkpoint.forked_read.read_shards_forked`); None where only
     the serial path can answer (it then gives the same report, or words the error: a header that
     disagrees with config.json is worded there, from the per-tensor records these tallies do not keep)."""
-    read = read_shards_forked(src, _tally_file_at, need_config=False, wire=tuple, unwire=ShardTally._make, on_index=_completeness)
+    read = read_shards_forked(
+        src, _tally_file_at, need_config=False, wire=tuple, unwire=ShardTally._make, on_index=_completeness
+    )
     if read is None:
         return None
-    if read.config is not None and not kinds_agree(read.config, chain.from_iterable(t.shape_kinds for t in read.values)):
+    if read.config is not None and not kinds_agree(
+        read.config, chain.from_iterable(t.shape_kinds for t in read.values)
+    ):
         return None
     return summarize(src, read.values, read.weight_map, read.config, read.config_error, completeness=read.on_index)
 

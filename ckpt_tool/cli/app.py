@@ -54,6 +54,7 @@ def _target_choices() -> type[Enum]:
 
 
 TargetChoice = _target_choices()
+TARGET_AUTO = TargetChoice("auto")
 Format = Literal[FORMATS]  # type: ignore[valid-type]
 
 
@@ -65,8 +66,15 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logging (accepted anywhere).")] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Print only errors and warnings: no progress, notes or summaries (accepted anywhere).")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks and debug logging (accepted anywhere).")
+    ] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "-q", "--quiet", help="Print only errors and warnings: no progress, notes or summaries (accepted anywhere)."
+        ),
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -110,29 +118,45 @@ def _fail(exc: BaseException, code: int = 1) -> None:
 
 
 def _os_error(exc: OSError, out: Path) -> CkptToolError:
-    from ckpt_tool.errors import OutputError
-
     import errno
+
+    from ckpt_tool.errors import OutputError
 
     if exc.errno == errno.ENOSPC:
         return OutputError(f"{exc.filename or out}: no space left on device; free space and rerun to resume")
     return OutputError(
-        f"{exc.filename or out}: {exc.strerror or exc}; check that SRC is readable and OUT is a folder you can create and write"
+        f"{exc.filename or out}: {exc.strerror or exc}; check that SRC is readable and OUT is a folder you can create "
+        "and write"
     )
 
 
 # Options several commands share
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (same as --format json).")]
 FormatOpt = Annotated[Format | None, typer.Option("--format", help="Output format: table (default) or json.")]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", metavar="REV", help="Hub source: branch, tag or commit (overrides org/name@REV).")]
-TokenOpt = Annotated[str | None, typer.Option("--token", metavar="TOKEN", help="Hub source: access token (default: HF_TOKEN or the stored login).")]
-CacheDirOpt = Annotated[str | None, typer.Option("--cache-dir", metavar="DIR", help="Hub source: cache folder (default: HF_HUB_CACHE / HF_HOME).")]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option("--revision", metavar="REV", help="Hub source: branch, tag or commit (overrides org/name@REV)."),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", metavar="TOKEN", help="Hub source: access token (default: HF_TOKEN or the stored login)."),
+]
+CacheDirOpt = Annotated[
+    str | None,
+    typer.Option("--cache-dir", metavar="DIR", help="Hub source: cache folder (default: HF_HUB_CACHE / HF_HOME)."),
+]
 
 
 @app.command()
 @_guarded("inspect")
 def inspect(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint folder, index .json, one .safetensors file, or hub repo id (org/name[@rev], hf://org/name).")],
+    src: Annotated[
+        str,
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint folder, index .json, one .safetensors file, or hub repo id (org/name[@rev], hf://org/name).",
+        ),
+    ],
     json_out: JsonOpt = False,
     fmt: FormatOpt = None,
     revision: RevisionOpt = None,
@@ -152,15 +176,31 @@ def inspect(
       ckpt-tool inspect ./DeepSeek-V4-Flash/model.safetensors.index.json --json
       ckpt-tool inspect deepseek-ai/DeepSeek-V4-Flash --revision main
     """
-    raise typer.Exit(run_inspect(src, as_json=_wants_json(json_out, fmt), revision=revision, token=token, cache_dir=cache_dir))
+    raise typer.Exit(
+        run_inspect(src, as_json=_wants_json(json_out, fmt), revision=revision, token=token, cache_dir=cache_dir)
+    )
 
 
 def _parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "K": 1024, "KB": 1000, "KIB": 1024, "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
-             "G": 1024**3, "GB": 1000**3, "GIB": 1024**3, "T": 1024**4, "TB": 1000**4, "TIB": 1024**4}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 1024,
+        "KB": 1000,
+        "KIB": 1024,
+        "M": 1024**2,
+        "MB": 1000**2,
+        "MIB": 1024**2,
+        "G": 1024**3,
+        "GB": 1000**3,
+        "GIB": 1024**3,
+        "T": 1024**4,
+        "TB": 1000**4,
+        "TIB": 1024**4,
+    }
     t = text.strip().upper().replace(" ", "")
     num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num)
     except ValueError:
@@ -173,22 +213,91 @@ def _parse_size(text: str) -> int:
 @app.command()
 @_guarded("convert")
 def convert(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Original DeepSeek V4 checkpoint: folder, index .json, .safetensors, or hub repo id (org/name[@rev], hf://org/name).")],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder: new, empty, or an earlier OUT of ckpt-tool. Never inside SRC.")],
-    tp: Annotated[int, typer.Option("--tp", min=1, metavar="T", help="Tensor-parallel degree: one set of files per rank (serve with the same).")] = 1,
-    moe_parallel: Annotated[Literal["tp", "ep"], typer.Option("--moe-parallel", help="Routed experts: tp splits each expert's intermediate dim; ep gives each rank whole experts (serve with --enable-expert-parallel).")] = "tp",
-    only: Annotated[Literal["model", "mtp"] | None, typer.Option("--only", help="Write only the target model or only the MTP draft.")] = None,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")] = "5GiB",
-    workers: Annotated[int | None, typer.Option("--workers", min=1, metavar="K", help="Output files written (and hashed) in parallel (default: one per CPU core, at most 8, while that many are pending); each holds up to ~34 MiB of buffers, all together at most ~256 MiB.")] = None,
-    target: Annotated[TargetChoice, typer.Option("--target", help="Engine profile: auto (the installed vLLM's; the newest for no vLLM or a newer one than any verified, with a warning) or one of 'ckpt-tool profiles'.")] = TargetChoice("auto"),  # type: ignore[valid-type]
+    src: Annotated[
+        str,
+        typer.Argument(
+            metavar="SRC",
+            help="Original DeepSeek V4 checkpoint: folder, index .json, .safetensors, or hub repo id (org/name[@rev], hf://org/name).",
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUT", help="Output folder: new, empty, or an earlier OUT of ckpt-tool. Never inside SRC."
+        ),
+    ],
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp", min=1, metavar="T", help="Tensor-parallel degree: one set of files per rank (serve with the same)."
+        ),
+    ] = 1,
+    moe_parallel: Annotated[
+        Literal["tp", "ep"],
+        typer.Option(
+            "--moe-parallel",
+            help="Routed experts: tp splits each expert's intermediate dim; ep gives each rank whole experts (serve "
+            "with --enable-expert-parallel).",
+        ),
+    ] = "tp",
+    only: Annotated[
+        Literal["model", "mtp"] | None,
+        typer.Option("--only", help="Write only the target model or only the MTP draft."),
+    ] = None,
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")
+    ] = "5GiB",
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            metavar="K",
+            help="Output files written (and hashed) in parallel (default: one per CPU core, at most 8, while that many "
+            "are pending); each holds up to ~34 MiB of buffers, all together at most ~256 MiB.",
+        ),
+    ] = None,
+    target: Annotated[
+        TargetChoice,
+        typer.Option(
+            "--target",
+            help="Engine profile: auto (the installed vLLM's; the newest for no vLLM or a newer one than any verified, "
+            "with a warning) or one of 'ckpt-tool profiles'.",
+        ),
+    ] = TARGET_AUTO,  # type: ignore[valid-type]
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")
+    ] = False,
     json_out: JsonOpt = False,
     fmt: FormatOpt = None,
-    ranks: Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Write only these TP ranks, e.g. 0,3-5 (the manifest records them).")] = None,
-    shard_index: Annotated[int, typer.Option("--shard-index", min=0, metavar="K", help="Scale-out: this machine's part K of --shard-count M.")] = 0,
-    shard_count: Annotated[int, typer.Option("--shard-count", min=1, metavar="M", help="Scale-out: write only planned files i with i % M == K; no manifest until --finalize.")] = 1,
-    finalize: Annotated[bool, typer.Option("--finalize", help="After all shards ran (same options): check every file against its checksum, write index, config and manifest.")] = False,
+    ranks: Annotated[
+        str | None,
+        typer.Option(
+            "--ranks", metavar="RANKS", help="Write only these TP ranks, e.g. 0,3-5 (the manifest records them)."
+        ),
+    ] = None,
+    shard_index: Annotated[
+        int,
+        typer.Option("--shard-index", min=0, metavar="K", help="Scale-out: this machine's part K of --shard-count M."),
+    ] = 0,
+    shard_count: Annotated[
+        int,
+        typer.Option(
+            "--shard-count",
+            min=1,
+            metavar="M",
+            help="Scale-out: write only planned files i with i % M == K; no manifest until --finalize.",
+        ),
+    ] = 1,
+    finalize: Annotated[
+        bool,
+        typer.Option(
+            "--finalize",
+            help="After all shards ran (same options): check every file against its checksum, write index, config and "
+            "manifest.",
+        ),
+    ] = False,
     revision: RevisionOpt = None,
     token: TokenOpt = None,
     cache_dir: CacheDirOpt = None,
@@ -213,27 +322,35 @@ def convert(
       ckpt-tool convert deepseek-ai/DeepSeek-V4-Flash ./v4-mtp --only mtp
       ckpt-tool convert ./DeepSeek-V4-Flash /shared/v4 --tp 8 --shard-index 2 --shard-count 4   # then --finalize
     """
-    from ckpt_tool.output.convert import convert as run_convert
-    from ckpt_tool.mapping.plan import Options
     from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, print_json, print_json_text
-    from ckpt_tool.cli.render import ConvertProgress, plan_json, render_plan, render_convert_summary
+    from ckpt_tool.cli.render import ConvertProgress, plan_json, render_convert_summary, render_plan
+    from ckpt_tool.mapping.plan import Options
     from ckpt_tool.mapping.target import resolve_target
+    from ckpt_tool.output.convert import convert as run_convert
 
     as_json = _wants_json(json_out, fmt)
     if shard_index >= shard_count:
         raise typer.BadParameter(f"{shard_index} is not below --shard-count {shard_count}", param_hint="--shard-index")
     if finalize and dry_run:
-        raise typer.BadParameter("--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize")
+        raise typer.BadParameter(
+            "--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize"
+        )
     try:
         chosen = resolve_target(target.value)
         if chosen.warning:
             from ckpt_tool.cli.render import warning_line
 
             warning_line(chosen.warning)  # before any work: on stderr in --json mode too
-        opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, max_shard_size=_parse_size(max_shard_size), profile=chosen.profile)
-        from ckpt_tool.output.convert import parse_ranks, select_files
+        opts = Options(
+            tp=tp,
+            moe_parallel=moe_parallel,
+            only=only,
+            max_shard_size=_parse_size(max_shard_size),
+            profile=chosen.profile,
+        )
         from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
         from ckpt_tool.mapping.plan import HubNeeds
+        from ckpt_tool.output.convert import parse_ranks, select_files
 
         rank_list = parse_ranks(ranks) if ranks is not None else None
         if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
@@ -243,15 +360,18 @@ def convert(
         if dry_run:
             from dataclasses import replace
 
-            from ckpt_tool.mapping.plan import plan_conversion
             from ckpt_tool.checkpoint.source import open_checkpoint
+            from ckpt_tool.mapping.plan import plan_conversion
 
             ckpt = open_checkpoint(source) if isinstance(source, Path) else source
             plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
             if rank_list is not None or shard_count > 1:
                 plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
             if as_json:
-                doc = json_document("convert", {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning})
+                doc = json_document(
+                    "convert",
+                    {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning},
+                )
                 print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
             else:
                 render_plan(plan)
@@ -260,8 +380,16 @@ def convert(
         with ConvertProgress(enabled=not as_json) as prog:
             try:
                 result = run_convert(
-                    source, out, opts, force=force, workers=workers, progress=prog.advance, on_plan=prog.start,
-                    ranks=rank_list, shard=(shard_index, shard_count), finalize=finalize,
+                    source,
+                    out,
+                    opts,
+                    force=force,
+                    workers=workers,
+                    progress=prog.advance,
+                    on_plan=prog.start,
+                    ranks=rank_list,
+                    shard=(shard_index, shard_count),
+                    finalize=finalize,
                 )
             except OSError as exc:  # one the library did not word, e.g. OUT's parent is a file: still one line
                 raise _os_error(exc, out) from exc
@@ -271,13 +399,22 @@ def convert(
         _fail_user(exc, "convert", as_json, {"out": str(out), "dry_run": dry_run})
     if as_json:
         doc = render_convert_summary(result, as_json=True)
-        doc.update(partial=result.partial, finalized=result.finalized, target_note=chosen.note, target_warning=chosen.warning, dry_run=False)
+        doc.update(
+            partial=result.partial,
+            finalized=result.finalized,
+            target_note=chosen.note,
+            target_warning=chosen.warning,
+            dry_run=False,
+        )
         print_json(json_document("convert", doc))
         return
     if finalize:
         from ckpt_tool.cli.render import human_bytes, summary_line
 
-        summary_line(f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest complete")
+        summary_line(
+            f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest "
+            "complete"
+        )
     else:
         render_convert_summary(result)
         if result.partial:
@@ -302,19 +439,65 @@ def _target_note(note: str | None) -> None:
 @_guarded("verify")
 def verify(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
-    source: Annotated[str | None, typer.Option("--source", metavar="SRC", help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]); needed by every level.")] = None,
-    level: Annotated[Literal["structure", "values", "numeric"], typer.Option("--level", help="How far to go; each level includes the ones before.")] = "numeric",
-    kernels: Annotated[Literal["auto", "triton", "torch"], typer.Option("--kernels", help="GEMM backend for the converted side.")] = "auto",
-    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option("--device", help="Where the numeric check runs.")] = "auto",
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--source",
+            metavar="SRC",
+            help="The original checkpoint OUT was converted from (folder, or hub repo id org/name[@rev]); needed by "
+            "every level.",
+        ),
+    ] = None,
+    level: Annotated[
+        Literal["structure", "values", "numeric"],
+        typer.Option("--level", help="How far to go; each level includes the ones before."),
+    ] = "numeric",
+    kernels: Annotated[
+        Literal["auto", "triton", "torch"], typer.Option("--kernels", help="GEMM backend for the converted side.")
+    ] = "auto",
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], typer.Option("--device", help="Where the numeric check runs.")
+    ] = "auto",
     tokens: Annotated[int, typer.Option("--tokens", min=1, metavar="N", help="Tokens in the numeric forward.")] = 16,
     seed: Annotated[int, typer.Option("--seed", metavar="S", help="Seed of the numeric inputs.")] = 0,
-    workers: Annotated[int | None, typer.Option("--workers", min=1, metavar="K", help="Output files the values level compares (and hashes) at once; default one per CPU, at most 4.")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            metavar="K",
+            help="Output files the values level compares (and hashes) at once; default one per CPU, at most 4.",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     fmt: FormatOpt = None,
-    junit: Annotated[Path | None, typer.Option("--junit", metavar="FILE", help="Also write a JUnit XML report (one testcase per check).")] = None,
-    github: Annotated[bool, typer.Option("--github", help="GitHub Actions: ::error annotations for failures, and a Markdown summary to $GITHUB_STEP_SUMMARY.")] = False,
-    engine: Annotated[bool, typer.Option("--engine", help="Also let vLLM judge OUT: its own model classes built for OUT's config and tp (no GPU), each rank's files held to its sharded_state loader's rules.")] = False,
-    engine_python: Annotated[str | None, typer.Option("--engine-python", metavar="PY", help="--engine: the interpreter of the environment you serve with (default: this one, if it has vLLM).")] = None,
+    junit: Annotated[
+        Path | None,
+        typer.Option("--junit", metavar="FILE", help="Also write a JUnit XML report (one testcase per check)."),
+    ] = None,
+    github: Annotated[
+        bool,
+        typer.Option(
+            "--github",
+            help="GitHub Actions: ::error annotations for failures, and a Markdown summary to $GITHUB_STEP_SUMMARY.",
+        ),
+    ] = False,
+    engine: Annotated[
+        bool,
+        typer.Option(
+            "--engine",
+            help="Also let vLLM judge OUT: its own model classes built for OUT's config and tp (no GPU), each rank's "
+            "files held to its sharded_state loader's rules.",
+        ),
+    ] = False,
+    engine_python: Annotated[
+        str | None,
+        typer.Option(
+            "--engine-python",
+            metavar="PY",
+            help="--engine: the interpreter of the environment you serve with (default: this one, if it has vLLM).",
+        ),
+    ] = None,
     revision: RevisionOpt = None,
     token: TokenOpt = None,
     cache_dir: CacheDirOpt = None,
@@ -341,13 +524,15 @@ def verify(
       ckpt-tool verify ./v4-tp8 --engine --engine-python /opt/serving-venv/bin/python
     """
     from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.cli.render import render_verify, write_junit, github_annotations, github_summary
+    from ckpt_tool.cli.render import github_annotations, github_summary, render_verify, write_junit
     from ckpt_tool.verify.levels import verify as run_verify
 
     as_json = _wants_json(json_out, fmt)
     try:
         if source is None and not engine:
-            raise UsageError("verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT")
+            raise UsageError(
+                "verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT"
+            )
         if engine_python is not None and not engine:
             raise UsageError("--engine-python names the interpreter --engine runs vLLM with; add --engine")
         if device == "cuda" and source is not None:
@@ -373,14 +558,25 @@ def verify(
             from ckpt_tool.cli.render import StageProgress
 
             with StageProgress(enabled=not as_json) as prog:
-                report = run_verify(out, src_path, level=level, kernels=kernels, device=device, tokens=tokens, seed=seed,
-                                    progress=prog, workers=workers)
+                report = run_verify(
+                    out,
+                    src_path,
+                    level=level,
+                    kernels=kernels,
+                    device=device,
+                    tokens=tokens,
+                    seed=seed,
+                    progress=prog,
+                    workers=workers,
+                )
             if judged is not None:  # beside the level: the engine's checks follow the level's
                 have = {c.name for c in report.checks}
                 report.checks += [c for c in judged.checks if c.name not in have]
                 report.engine = judged.engine
     except CkptToolError as exc:
-        _fail_user(exc, "verify", as_json, {"out": str(out), "source": source, "level": "engine" if source is None else level})
+        _fail_user(
+            exc, "verify", as_json, {"out": str(out), "source": source, "level": "engine" if source is None else level}
+        )
     from ckpt_tool.mapping.target import unverified_warning
 
     if warning := unverified_warning(report.target):
@@ -405,10 +601,26 @@ def verify(
 def unconvert(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="A folder written by ckpt-tool convert.")],
     dest: Annotated[Path, typer.Argument(metavar="DEST", help="Folder for the rebuilt original checkpoint (created).")],
-    source: Annotated[Path | None, typer.Option("--source", metavar="SRC", help="Only for OUTs without ckpt-tool-source.json: the checkpoint OUT was converted from (its headers are read).")] = None,
-    partial: Annotated[bool, typer.Option("--partial", help="Write the source tensors OUT holds even if some are not in it (--only, --ranks, dropped).")] = False,
+    source: Annotated[
+        Path | None,
+        typer.Option(
+            "--source",
+            metavar="SRC",
+            help="Only for OUTs without ckpt-tool-source.json: the checkpoint OUT was converted from (its headers are "
+            "read).",
+        ),
+    ] = None,
+    partial: Annotated[
+        bool,
+        typer.Option(
+            "--partial",
+            help="Write the source tensors OUT holds even if some are not in it (--only, --ranks, dropped).",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty DEST.")] = False,
-    no_checksums: Annotated[bool, typer.Option("--no-checksums", help="Skip re-hashing OUT's files against the manifest.")] = False,
+    no_checksums: Annotated[
+        bool, typer.Option("--no-checksums", help="Skip re-hashing OUT's files against the manifest.")
+    ] = False,
     json_out: JsonOpt = False,
     fmt: FormatOpt = None,
 ) -> None:
@@ -434,18 +646,29 @@ def unconvert(
         from ckpt_tool.cli.render import StageProgress
 
         with StageProgress(enabled=not as_json) as prog:
-            result = run_unconvert(out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums,
-                                   progress=prog)
+            result = run_unconvert(
+                out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums, progress=prog
+            )
     except CkptToolError as exc:
         _fail_user(exc, "unconvert", as_json, {"dest": str(dest)})
     if as_json:
-        print_json(json_document("unconvert", {
-            "dest": str(dest), "files": result.files, "identical_files": result.identical_files,
-            "tensors": result.tensors, "bytes": result.bytes, "missing": sorted(result.missing),
-        }))
+        print_json(
+            json_document(
+                "unconvert",
+                {
+                    "dest": str(dest),
+                    "files": result.files,
+                    "identical_files": result.identical_files,
+                    "tensors": result.tensors,
+                    "bytes": result.bytes,
+                    "missing": sorted(result.missing),
+                },
+            )
+        )
     else:
         summary_line(
-            f"unconverted {result.tensors} tensors ({human_bytes(result.bytes)}) into {dest}: {len(result.files)} file(s), "
+            f"unconverted {result.tensors} tensors ({human_bytes(result.bytes)}) into {dest}: {len(result.files)} "
+            "file(s), "
             f"{len(result.identical_files)} identical to the original files"
             + (f"; {len(result.missing)} source tensor(s) not in OUT" if result.missing else "")
         )

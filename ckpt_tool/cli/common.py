@@ -33,7 +33,9 @@ def apply_global_flags(debug: bool = False, quiet: bool = False) -> None:
     """Debug logging and quiet output, from the flags (anywhere or before the command) and CKPT_TOOL_DEBUG."""
     STATE["debug"] = STATE["debug"] or debug or bool(os.environ.get("CKPT_TOOL_DEBUG"))
     STATE["quiet"] = STATE["quiet"] or quiet
-    logging.basicConfig(level=logging.DEBUG if STATE["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if STATE["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if STATE["quiet"]:
         from ckpt_tool.cli.render import set_quiet
 
@@ -71,12 +73,14 @@ def drop_stdout() -> None:
         pass
 
 
-def run_inspect(src: str, *, as_json: bool, revision: str | None = None, token: str | None = None, cache_dir: str | None = None) -> int:
+def run_inspect(
+    src: str, *, as_json: bool, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
+) -> int:
     """``ckpt-tool inspect``: the report on stdout (a table, or one JSON document); returns the exit code."""
-    from ckpt_tool.errors import CkptToolError
     from ckpt_tool.checkpoint.hub import hub_headers, parse_hub_ref
     from ckpt_tool.checkpoint.summary import inspect_local, inspect_tensors
     from ckpt_tool.cli.jsondoc import json_document, print_json
+    from ckpt_tool.errors import CkptToolError
 
     try:
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)

@@ -18,6 +18,7 @@ from ckpt_tool.cli.common import FORMATS, STATE, apply_global_flags, interrupted
 
 _INSPECT_VALUE_OPTIONS = {"--format": "fmt", "--revision": "revision", "--token": "token", "--cache-dir": "cache_dir"}
 
+
 def _plain_inspect(args: list[str]) -> dict | None:
     """The keyword arguments of :func:`run_inspect` when ``args`` is a plain inspect command line, else None."""
     if len(args) < 2 or args[0] != "inspect":

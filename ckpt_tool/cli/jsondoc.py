@@ -16,13 +16,47 @@ from typing import Any
 SCHEMA_VERSION = 1
 JSON_FIELDS: dict[str, tuple[str, ...]] = {
     "inspect": (
-        "source", "files", "tensor_count", "total_bytes", "dtypes", "dtype_bytes", "quant", "main_layers",
-        "mtp_expected", "mtp_present", "mtp_missing", "mtp_tensor_counts", "config_error", "missing_tensors", "problems",
+        "source",
+        "files",
+        "tensor_count",
+        "total_bytes",
+        "dtypes",
+        "dtype_bytes",
+        "quant",
+        "main_layers",
+        "mtp_expected",
+        "mtp_present",
+        "mtp_missing",
+        "mtp_tensor_counts",
+        "config_error",
+        "missing_tensors",
+        "problems",
     ),
     "convert": (
-        "dry_run", "out", "options", "files_written", "files_skipped", "tensors", "tensor_count", "bytes", "total_bytes",
-        "bytes_written", "seconds", "mb_per_s", "peak_rss_bytes", "files", "dropped", "materialized", "deviations", "notes",
-        "warnings", "not_selected", "partial", "finalized", "target_note", "target_warning",
+        "dry_run",
+        "out",
+        "options",
+        "files_written",
+        "files_skipped",
+        "tensors",
+        "tensor_count",
+        "bytes",
+        "total_bytes",
+        "bytes_written",
+        "seconds",
+        "mb_per_s",
+        "peak_rss_bytes",
+        "files",
+        "dropped",
+        "materialized",
+        "deviations",
+        "notes",
+        "warnings",
+        "not_selected",
+        "partial",
+        "finalized",
+        "target_note",
+        "target_warning",
     ),
     # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
     # "message": what failed, or why it did not run), passed their names; results is every check in order as
@@ -32,7 +66,18 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     # target: the manifest's target (profile, vLLM releases it is verified against, the vLLM installed at convert
     # time, "verified": false when the profile is not verified for it).
     "verify": (
-        "out", "source", "level", "checks", "failed", "failures", "passed", "skipped", "results", "numeric", "coverage", "target",
+        "out",
+        "source",
+        "level",
+        "checks",
+        "failed",
+        "failures",
+        "passed",
+        "skipped",
+        "results",
+        "numeric",
+        "coverage",
+        "target",
         "engine",
     ),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
@@ -42,7 +87,8 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def json_document(command: str, body: dict | None = None, *, error: str | None = None) -> dict:
-    """``{"schema_version", "command", "ok", "error", <the command's fields>}``; ``ok`` is false when ``error`` is set."""
+    """``{"schema_version", "command", "ok", "error", <the command's fields>}``; ``ok`` is false when ``error`` is
+    set."""
     body = dict(body or {})
     body.pop("ok", None)
     fields = JSON_FIELDS[command]

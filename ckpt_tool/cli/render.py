@@ -12,6 +12,7 @@ from rich.table import Table
 from ckpt_tool.checkpoint.summary import InspectReport
 from ckpt_tool.verify.verdict import FAILED, SKIPPED
 
+
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader went away (``| head``): not an error. rich's default exits 1."""
@@ -98,7 +99,8 @@ def render_inspect(r: InspectReport) -> None:
     q = r.quant
     out.print(
         f"quantization: linears {q.linear_weight_dtype or '-'} with {q.linear_scale_dtype or '-'} block scales; "
-        f"routed experts {q.expert_weight_dtype or '-'} ({q.expert_format or '-'}) with {q.expert_scale_dtype or '-'} scales; "
+        f"routed experts {q.expert_weight_dtype or '-'} ({q.expert_format or '-'}) with {q.expert_scale_dtype or '-'} "
+        "scales; "
         f"config expert_dtype {q.config_expert_dtype or '-'}",
         highlight=False,
     )
@@ -124,7 +126,13 @@ def _segment_json(s) -> dict:
 
 
 def _tensor_json(t) -> dict:
-    doc = {"name": t.name, "dtype": t.dtype, "shape": t.shape, "sources": t.sources, "rule": t.rule}  # tuples: JSON arrays
+    doc = {
+        "name": t.name,
+        "dtype": t.dtype,
+        "shape": t.shape,
+        "sources": t.sources,
+        "rule": t.rule,
+    }  # tuples: JSON arrays
     if t.padding:  # the engine's zero padding: how the tensor is assembled (other tensors are plain slices)
         doc.update(padding=t.padding, segments=[_segment_json(s) for s in t.segments])
     return doc
@@ -167,7 +175,10 @@ def render_plan(plan) -> None:
     if not out.is_terminal:  # piped: whole names, one tensor a line (tab-separated), nothing cut at 80 columns
         _print_plan_plain(plan)
         return
-    t = Table(title=f"plan: tp={plan.options.tp} moe={plan.options.moe_parallel} only={plan.options.only or 'model+mtp'}", title_justify="left")
+    t = Table(
+        title=f"plan: tp={plan.options.tp} moe={plan.options.moe_parallel} only={plan.options.only or 'model+mtp'}",
+        title_justify="left",
+    )
     t.add_column("file")
     t.add_column("tensors", justify="right")
     t.add_column("bytes", justify="right")
@@ -219,11 +230,23 @@ class ConvertProgress:
 
     def __enter__(self) -> ConvertProgress:
         if self.enabled:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self.progress = Progress(
-                TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                console=err, transient=False,
+                TextColumn("converting"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=False,
             )
             self.progress.__enter__()
         return self
@@ -276,7 +299,8 @@ def render_convert_summary(result, as_json: bool = False):
     if _quiet["on"]:
         return doc
     out.print(
-        f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into {escape(str(result.out))}: "
+        f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into "
+        f"{escape(str(result.out))}: "
         f"{len(result.written)} file(s) written, {len(result.skipped)} resumed, {result.seconds:.2f} s, "
         f"{rate:.1f} MB/s, peak RSS {human_bytes(doc['peak_rss_bytes'])}",
         highlight=False,
@@ -289,7 +313,8 @@ def render_convert_summary(result, as_json: bool = False):
 
 
 def check_line(c) -> str:
-    """``structure:mtp/x.safetensors`` + ``mtp/x.safetensors: sha256 differs`` reads ``structure: mtp/x...: sha256 differs``."""
+    """``structure:mtp/x.safetensors`` + ``mtp/x.safetensors: sha256 differs`` reads ``structure: mtp/x...: sha256
+    differs``."""
     kind, _, where = c.name.partition(":")
     if where and c.message.startswith(where):
         return f"{kind}: {c.message}"
@@ -322,7 +347,8 @@ def render_verify(report) -> None:
 def engine_line(engine: dict) -> str:
     """verify --engine: which vLLM judged, with which interpreter, how many ranks (and how many it loaded for real)."""
     return (
-        f"engine: vLLM {engine.get('vllm_version')} ({engine.get('python')}) judged {engine.get('ranks')} rank(s) at tp "
+        f"engine: vLLM {engine.get('vllm_version')} ({engine.get('python')}) judged {engine.get('ranks')} rank(s) at "
+        "tp "
         f"{engine.get('tp')}{' with expert parallel' if engine.get('expert_parallel') else ''}, "
         f"{engine.get('real_loads')} loaded by its ShardedStateLoader, in {engine.get('seconds')} s"
     )
@@ -333,12 +359,19 @@ def write_junit(report, path) -> None:
     its reason) for each skipped one, both counted on the suite."""
     import xml.etree.ElementTree as ET
 
-    counts = {"tests": str(len(report.checks)), "failures": str(len(report.failures)), "errors": "0", "skipped": str(len(report.skipped))}
+    counts = {
+        "tests": str(len(report.checks)),
+        "failures": str(len(report.failures)),
+        "errors": "0",
+        "skipped": str(len(report.skipped)),
+    }
     suites = ET.Element("testsuites", **counts)
     suite = ET.SubElement(suites, "testsuite", name="ckpt-tool verify", **counts)
     for c in report.checks:
         engine = c.name.startswith("engine-vllm:")
-        case = ET.SubElement(suite, "testcase", classname=f"ckpt-tool.verify.{'engine' if engine else report.level}", name=c.name)
+        case = ET.SubElement(
+            suite, "testcase", classname=f"ckpt-tool.verify.{'engine' if engine else report.level}", name=c.name
+        )
         if engine and c.ok:  # which vLLM passed it
             ET.SubElement(case, "system-out").text = c.message
         if c.status == FAILED:
@@ -379,7 +412,8 @@ def github_summary(report) -> None:
         "",
         "| level | checks | passed | skipped | failed | numeric coverage |",
         "|---|---:|---:|---:|---:|---|",
-        f"| {report.level} | {len(report.checks)} | {len(report.passed)} | {len(report.skipped)} | {len(report.failures)} "
+        f"| {report.level} | {len(report.checks)} | {len(report.passed)} | {len(report.skipped)} | "
+        f"{len(report.failures)} "
         f"| {coverage_text(report.coverage)} |",
     ]
     from ckpt_tool.mapping.target import unverified_warning
@@ -387,18 +421,32 @@ def github_summary(report) -> None:
     if warning := unverified_warning(report.target):
         lines += ["", f"> ⚠️ {warning}"]
     if report.numeric:
-        lines += ["", "| layer | logits max rel | logits cosine | hidden max rel | top-1 | top-5 | ok |", "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| layer | logits max rel | logits cosine | hidden max rel | top-1 | top-5 | ok |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
         for n in report.numeric:
             lines.append(
-                f"| {n['layer']} (mtp.{n['mtp']}) | {n['logits_max_rel']:.2e} | {n['logits_cosine']:.6f} | {n['hidden_max_rel']:.2e} "
+                f"| {n['layer']} (mtp.{n['mtp']}) | {n['logits_max_rel']:.2e} | {n['logits_cosine']:.6f} | "
+                f"{n['hidden_max_rel']:.2e} "
                 f"| {n['top1_agreement']:.3f} | {n['top5_agreement']:.3f} | {'✅' if n.get('ok', True) else '❌'} |"
             )
     if report.engine:
-        lines += ["", engine_line(report.engine), "", "| component / rank | parameters | loaded by vLLM | ok |", "|---|---:|---|---|"]
+        lines += [
+            "",
+            engine_line(report.engine),
+            "",
+            "| component / rank | parameters | loaded by vLLM | ok |",
+            "|---|---:|---|---|",
+        ]
         for c in report.checks:
             if c.name.startswith("engine-vllm:"):
                 real = "yes" if c.details.get("real_load") is not None else "table only"
-                lines.append(f"| {c.name.partition(':')[2]} | {c.details.get('parameters', '-')} | {real} | {'✅' if c.ok else '❌'} |")
+                lines.append(
+                    f"| {c.name.partition(':')[2]} | {c.details.get('parameters', '-')} | {real} | "
+                    f"{'✅' if c.ok else '❌'} |"
+                )
     if report.failures:
         lines += ["", "### Failures", ""]
         lines += [f"- `{c.name}`: {c.message}" for c in report.failures[:50]]
@@ -433,11 +481,24 @@ class StageProgress:
 
     def __enter__(self) -> StageProgress:
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.progress = Progress(
-                TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False,
+                TextColumn("{task.fields[stage]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=False,
             )
             self.progress.__enter__()
         return self

@@ -19,8 +19,8 @@ Conversions work on little-endian bytes with numpy: never torch, so the writer s
 
 from __future__ import annotations
 
-from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.errors import CheckpointError
 
 BYTEWISE = ("copy", "raw_uint8")  # output bytes are the source bytes
 KINDS = (*BYTEWISE, "e8m0_to_f32", "int_to_i32")
@@ -101,7 +101,10 @@ def inverse(kind: str, raw: bytes, where: str):
         ok = sub | (((bits & 0x807FFFFF) == 0) & (b >= 1) & (b <= 254))
         if not ok.all():
             i = int(np.flatnonzero(~ok)[0])
-            raise CheckpointError(f"{where}: float32 scale {np.frombuffer(raw, dtype='<f4')[i]!r} at element {i} is not 2^(b-127) of an E8M0 byte")
+            raise CheckpointError(
+                f"{where}: float32 scale {np.frombuffer(raw, dtype='<f4')[i]!r} at element {i} is not 2^(b-127) of an "
+                "E8M0 byte"
+            )
         b[sub] = 0
         return b
     if kind == "int_to_i32":

@@ -22,7 +22,6 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile
 
 
-
 @dataclass(frozen=True)
 class EngineParam:
     name: str
@@ -70,7 +69,11 @@ class _Table:
         self.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
         # fused_wqa_wkv: MergedColumnParallelLinear(disable_tp) of wq_a [ql, D] and wkv [hd, D]
         self.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
-        self.add(f"{a}.fused_wqa_wkv.weight_scale_inv", (cdiv(ql, FP8_BLOCK) + cdiv(hd, FP8_BLOCK), cdiv(D, FP8_BLOCK)), self.scale_dtype)
+        self.add(
+            f"{a}.fused_wqa_wkv.weight_scale_inv",
+            (cdiv(ql, FP8_BLOCK) + cdiv(hd, FP8_BLOCK), cdiv(D, FP8_BLOCK)),
+            self.scale_dtype,
+        )
         self.add(f"{a}.q_norm.weight", (ql,), "BF16")
         self.add(f"{a}.kv_norm.weight", (hd,), "BF16")
         self.linear(f"{a}.wq_b", H * hd, ql, "col")
@@ -109,7 +112,11 @@ class _Table:
             sh, Ish = f"{p}.{n.shared}", I * c.n_shared_experts
             # gate_up_proj: MergedColumnParallelLinear of w1 and w3, each split over tp
             self.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
-            self.add(f"{sh}.gate_up_proj.weight_scale_inv", (2 * cdiv(Ish, FP8_BLOCK) // T, cdiv(D, FP8_BLOCK)), self.scale_dtype)
+            self.add(
+                f"{sh}.gate_up_proj.weight_scale_inv",
+                (2 * cdiv(Ish, FP8_BLOCK) // T, cdiv(D, FP8_BLOCK)),
+                self.scale_dtype,
+            )
             self.linear(f"{sh}.down_proj", D, Ish, "row")
         El, Il = (E // T, I) if self.ep else (E, I // T)
         r = f"{p}.{n.routed}"
@@ -125,7 +132,9 @@ class _Table:
             self.add(f"{r}.w2_weight_scale_inv", (El, D // FP8_BLOCK, Il // FP8_BLOCK), "F32")
 
 
-def engine_params(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp") -> dict[str, EngineParam]:
+def engine_params(
+    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp"
+) -> dict[str, EngineParam]:
     """Every parameter one rank of ``component`` (model | mtp) holds under ``profile`` (the same set on every rank)."""
     t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
     D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
@@ -163,12 +172,21 @@ def compare_with_engine(
     for name in sorted(set(written) - set(expected)):
         problems.append((f"tensor {name!r} is not a parameter of the engine (its loader raises KeyError)", name))
     for name in sorted(set(expected) - set(written)):
-        problems.append((f"engine parameter {name!r} is missing from the files (its loader raises 'Missing keys')", name))
+        problems.append(
+            (f"engine parameter {name!r} is missing from the files (its loader raises 'Missing keys')", name)
+        )
     for name in sorted(set(written) & set(expected)):
         shape, dtype = written[name]
         want = expected[name]
         if tuple(shape) != want.shape:
-            problems.append((f"tensor {name!r}: shape {list(shape)}, the engine's parameter takes {list(want.shape)}", name))
+            problems.append(
+                (f"tensor {name!r}: shape {list(shape)}, the engine's parameter takes {list(want.shape)}", name)
+            )
         elif want.dtype is not None and dtype != want.dtype:
-            problems.append((f"tensor {name!r}: dtype {dtype}, the engine's parameter is {want.dtype} (the loader would cast)", name))
+            problems.append(
+                (
+                    f"tensor {name!r}: dtype {dtype}, the engine's parameter is {want.dtype} (the loader would cast)",
+                    name,
+                )
+            )
     return problems

@@ -29,11 +29,11 @@ from itertools import chain
 from operator import attrgetter
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
-from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
-from ckpt_tool.errors import PlanError
+from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
+from ckpt_tool.errors import PlanError
+from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES, canonical_name
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split, indexable
 
@@ -146,7 +146,11 @@ class Segments(Sequence[Segment]):
             yield Segment(name, r0, r1, c0, c1, conv)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Segments) and (self.names, self.bounds, self.convert) == (other.names, other.bounds, other.convert):
+        if isinstance(other, Segments) and (self.names, self.bounds, self.convert) == (
+            other.names,
+            other.bounds,
+            other.convert,
+        ):
             return True
         if isinstance(other, (Segments, tuple, list)):
             return len(self) == len(other) and tuple(self) == tuple(other)
@@ -333,7 +337,9 @@ def _group_sources(
                     g.names = g.infos = None
                 else:
                     first = min(map(pos.__getitem__, have))
-                    groups[key] = _Group(rule, dict(bind), parts, first, *((per_idx, per_idx_infos) if complete else (None, None)))
+                    groups[key] = _Group(
+                        rule, dict(bind), parts, first, *((per_idx, per_idx_infos) if complete else (None, None))
+                    )
                 found.append(have)
                 claimed += len(have)
     rest: Sequence[str] = sources
@@ -420,7 +426,9 @@ def _check_piece(info: TensorInfo, split_dim: int | None, tp: int, sources: dict
         return
     _check_split(info.name, info, split_dim, tp, _sibling(sources, info.name))
     if split_dim == 1 and len(info.shape) != 2:
-        raise PlanError(f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}")
+        raise PlanError(
+            f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}"
+        )
 
 
 def _engine_pad(info: TensorInfo, dim: int, tp: int, sources: dict[str, TensorInfo]) -> tuple[int, int] | None:
@@ -493,7 +501,8 @@ def _check_mxfp4_rows(cfg: V4Config, tp: int) -> None:
     rows = cfg.moe_intermediate_size // tp
     if cfg.expert_dtype == "fp4" and tp > 1 and rows % MXFP4_ROW_ALIGN:
         raise PlanError(
-            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a rank, "
+            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a "
+            "rank, "
             "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
             "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
             "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
@@ -501,7 +510,12 @@ def _check_mxfp4_rows(cfg: V4Config, tp: int) -> None:
 
 
 def _plan_group(
-    g: _Group, cfg: V4Config, opts: Options, sources: dict[str, TensorInfo], srcs: tuple[str, ...], uniform_stacks: dict,
+    g: _Group,
+    cfg: V4Config,
+    opts: Options,
+    sources: dict[str, TensorInfo],
+    srcs: tuple[str, ...],
+    uniform_stacks: dict,
     padded: set[tuple[int, int]],
 ) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
     """Per rank: output shape, segments, the first source read (for ordering) and the elements of zero
@@ -547,7 +561,9 @@ def _plan_group(
     nsrc = len(rule.sources)
     if opts.moe_parallel == "ep":
         if E % tp:
-            raise PlanError(f"n_routed_experts={E} does not split over tp={tp} with --moe-parallel ep; choose a tp that divides it")
+            raise PlanError(
+                f"n_routed_experts={E} does not split over tp={tp} with --moe-parallel ep; choose a tp that divides it"
+            )
         split_dim = None
     else:
         split_dim = rule.expert_split_dim
@@ -569,8 +585,13 @@ def _plan_group(
 
 
 def _plan_padded(
-    infos: list[TensorInfo], pads: list[tuple[int, int] | None], split_dim: int, tp: int, conv: str,
-    sources: dict[str, TensorInfo], padded: set[tuple[int, int]],
+    infos: list[TensorInfo],
+    pads: list[tuple[int, int] | None],
+    split_dim: int,
+    tp: int,
+    conv: str,
+    sources: dict[str, TensorInfo],
+    padded: set[tuple[int, int]],
 ) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
     """Per rank of a rename/fuse whose split the engine zero-pads (see :func:`_engine_pad`): a padded part
     gives each rank ``per_rank`` rows (dim 0) or columns (dim 1), its share of the source first, then
@@ -621,7 +642,8 @@ def pad_note(size: int, per_rank: int, tp: int) -> str:
     first = size // per_rank  # the first rank holding zeros
     ranks = f"rank {first}" if first == tp - 1 else f"ranks {first}-{tp - 1}"
     return (
-        f"shared experts: intermediate {size} = {size // FP8_BLOCK} blocks of {FP8_BLOCK}, which tp={tp} does not divide; "
+        f"shared experts: intermediate {size} = {size // FP8_BLOCK} blocks of {FP8_BLOCK}, which tp={tp} does not "
+        "divide; "
         f"each rank holds {per_rank // FP8_BLOCK} block(s), the {(per_rank * tp - size) // FP8_BLOCK} past the end "
         f"zero-filled as the engine pads them (on {ranks})"
     )
@@ -654,13 +676,17 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
 
     sources = dict(tensors)
     materialized: dict[str, str] = {}
-    for i in range(config.num_nextn_predict_layers) if opts.only != "model" else ():  # nothing of the draft is written with --only model
+    for i in (
+        range(config.num_nextn_predict_layers) if opts.only != "model" else ()
+    ):  # nothing of the draft is written with --only model
         for alias_pat, real in MATERIALIZE.items():
             alias = alias_pat.format(mtp=i)
             if alias in sources or (alias.endswith("emb.tok_emb.weight") and i > 0):
                 continue
             if real not in tensors:
-                raise PlanError(f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either")
+                raise PlanError(
+                    f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either"
+                )
             r = tensors[real]
             sources[alias] = TensorInfo(alias, r.dtype, r.shape, r.file, r.start, r.end)
             materialized[alias] = real
@@ -675,7 +701,8 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             also = f" (nor do {len(rest)} more: {shown}{', ...' if len(rest) > 5 else ''})"
         raise PlanError(
             f"{sources[first].file}: tensor {first!r}: matches no rule of profile {opts.profile!r}{also}; is this a "
-            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra tensors"
+            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra "
+            "tensors"
         )
 
     uniform_stacks = _uniform_stacks(groups)
@@ -698,7 +725,9 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             continue
         first = next(iter(g.parts.values()))
         dtype = conversions.out_dtype(first.dtype, rule.convert)
-        for rank, (shape, segs, head, zeros) in enumerate(_plan_group(g, config, opts, sources, srcs, uniform_stacks, padded)):
+        for rank, (shape, segs, head, zeros) in enumerate(
+            _plan_group(g, config, opts, sources, srcs, uniform_stacks, padded)
+        ):
             info = sources[head]
             read = segs.names if isinstance(segs, Segments) else srcs  # under ep a rank reads its own experts only
             outputs[(rule.component, rank)].append(
@@ -709,12 +738,14 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
     deviations = []
     if materialized:
         deviations.append(
-            "materialized " + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
+            "materialized "
+            + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
             + " (vLLM's stock loaders leave them uninitialised; its sharded loader needs the keys)"
         )
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
-            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store the raw byte b as a number: vLLM #51946, #43416)"
+            "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store "
+            "the raw byte b as a number: vLLM #51946, #43416)"
         )
     return Plan(
         options=opts,
@@ -725,7 +756,8 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ()) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
+        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ())
+        + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
 
 
@@ -792,7 +824,8 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
         missing = [s.format(**g.bind) for i, s in enumerate(rule.sources) if (i, None) not in g.parts]
         if missing:
             raise PlanError(
-                f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; the checkpoint is incomplete — "
+                f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; the checkpoint is incomplete "
+                "— "
                 "download it again"
             )
     infos = list(g.parts.values())
@@ -801,7 +834,9 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
         raise PlanError(f"{where}: parts have different dtypes: " + ", ".join(f"{t.name}={t.dtype}" for t in infos))
     tails = {t.shape[1:] for t in infos}
     if len(tails) > 1:
-        raise PlanError(f"{where}: parts disagree in trailing shape: " + ", ".join(f"{t.name}={list(t.shape)}" for t in infos))
+        raise PlanError(
+            f"{where}: parts disagree in trailing shape: " + ", ".join(f"{t.name}={list(t.shape)}" for t in infos)
+        )
     if rule.kind == "stack":
         shapes = {}
         for (idx, _e), t in g.parts.items():
@@ -818,7 +853,7 @@ def _pack(outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]], opts: O
     reads sources mostly sequentially.
     """
     files: list[OutFile] = []
-    for (component, rank) in sorted(outputs):
+    for component, rank in sorted(outputs):
         ts = [t for _key, t in sorted(outputs[(component, rank)], key=lambda kt: kt[0])]
         part: list[OutTensor] = []
         size = 0

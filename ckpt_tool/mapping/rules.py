@@ -29,7 +29,8 @@ from enum import Enum
 
 
 class Split(str, Enum):
-    """How a tensor is divided over tensor-parallel ranks (as vLLM's parallel layers divide it: vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py)."""
+    """How a tensor is divided over tensor-parallel ranks (as vLLM's parallel layers divide it:
+    vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py)."""
 
     REPLICATE = "replicate"
     DIM0 = "dim0"  # column parallel / vocab parallel / attn_sink heads: contiguous rows chunk r
@@ -62,7 +63,9 @@ def Rename(src: str, dst: str, split: Split = Split.REPLICATE, convert: str = "c
     return Rule("rename", (src,), dst, split, convert, note=note, **kw)
 
 
-def Fuse(srcs: tuple[str, ...], dst: str, split: Split = Split.REPLICATE, convert: str = "copy", note: str = "", **kw) -> Rule:
+def Fuse(
+    srcs: tuple[str, ...], dst: str, split: Split = Split.REPLICATE, convert: str = "copy", note: str = "", **kw
+) -> Rule:
     return Rule("fuse", srcs, dst, split, convert, note=note, **kw)
 
 
@@ -180,7 +183,11 @@ def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_
             Rename(f"{ix}.wq_b.scale", f"{dix}.wq_b.weight_scale_inv", **c),
             Rename(f"{ix}.weights_proj.weight", f"{dix}.weights_proj.weight", **c),
             # the substr rule only matches `.attn.compressor.`, so the indexer's stays un-prefixed
-            Fuse((f"{ix}.compressor.wkv.weight", f"{ix}.compressor.wgate.weight"), f"{dix}.compressor.fused_wkv_wgate.weight", **c),
+            Fuse(
+                (f"{ix}.compressor.wkv.weight", f"{ix}.compressor.wgate.weight"),
+                f"{dix}.compressor.fused_wkv_wgate.weight",
+                **c,
+            ),
             Rename(f"{ix}.compressor.ape", f"{dix}.compressor.ape", **c),
             Rename(f"{ix}.compressor.norm.weight", f"{dix}.compressor.norm.weight", **c),
         ]
@@ -189,13 +196,45 @@ def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_
         Rename(f"{f}.gate.weight", f"{df}.gate.weight", **c),
         Rename(f"{f}.gate.bias", f"{df}.gate.e_score_correction_bias", note="noaux_tc bias", **c),
         Rename(f"{f}.gate.tid2eid", f"{df}.gate.tid2eid", note="hash layers; stored dtype kept", **c),
-        Fuse((f"{f}.shared_experts.w1.weight", f"{f}.shared_experts.w3.weight"), f"{df}.shared_experts.gate_up_proj.weight", Split.DIM0, note="MergedColumnParallelLinear: cat(w1 chunk r, w3 chunk r)", **c),
-        Fuse((f"{f}.shared_experts.w1.scale", f"{f}.shared_experts.w3.scale"), f"{df}.shared_experts.gate_up_proj.weight_scale_inv", Split.DIM0, **c),
-        Rename(f"{f}.shared_experts.w2.weight", f"{df}.shared_experts.down_proj.weight", Split.DIM1, note="RowParallelLinear", **c),
+        Fuse(
+            (f"{f}.shared_experts.w1.weight", f"{f}.shared_experts.w3.weight"),
+            f"{df}.shared_experts.gate_up_proj.weight",
+            Split.DIM0,
+            note="MergedColumnParallelLinear: cat(w1 chunk r, w3 chunk r)",
+            **c,
+        ),
+        Fuse(
+            (f"{f}.shared_experts.w1.scale", f"{f}.shared_experts.w3.scale"),
+            f"{df}.shared_experts.gate_up_proj.weight_scale_inv",
+            Split.DIM0,
+            **c,
+        ),
+        Rename(
+            f"{f}.shared_experts.w2.weight",
+            f"{df}.shared_experts.down_proj.weight",
+            Split.DIM1,
+            note="RowParallelLinear",
+            **c,
+        ),
         Rename(f"{f}.shared_experts.w2.scale", f"{df}.shared_experts.down_proj.weight_scale_inv", Split.DIM1, **c),
-        StackExperts((f"{f}.experts.{{expert}}.w1.weight", f"{f}.experts.{{expert}}.w3.weight"), f"{df}.experts.w13_weight", expert_w, 0, note="FusedMoE w13: per expert w1 rows then w3 rows", **c),
-        StackExperts((f"{f}.experts.{{expert}}.w1.scale", f"{f}.experts.{{expert}}.w3.scale"), f"{df}.experts.w13_{escale}", expert_s, 0, **c),
-        StackExperts((f"{f}.experts.{{expert}}.w2.weight",), f"{df}.experts.w2_weight", expert_w, 1, note="FusedMoE w2", **c),
+        StackExperts(
+            (f"{f}.experts.{{expert}}.w1.weight", f"{f}.experts.{{expert}}.w3.weight"),
+            f"{df}.experts.w13_weight",
+            expert_w,
+            0,
+            note="FusedMoE w13: per expert w1 rows then w3 rows",
+            **c,
+        ),
+        StackExperts(
+            (f"{f}.experts.{{expert}}.w1.scale", f"{f}.experts.{{expert}}.w3.scale"),
+            f"{df}.experts.w13_{escale}",
+            expert_s,
+            0,
+            **c,
+        ),
+        StackExperts(
+            (f"{f}.experts.{{expert}}.w2.weight",), f"{df}.experts.w2_weight", expert_w, 1, note="FusedMoE w2", **c
+        ),
         StackExperts((f"{f}.experts.{{expert}}.w2.scale",), f"{df}.experts.w2_{escale}", expert_s, 1, **c),
     ]
     return r
@@ -219,7 +258,12 @@ def vllm_seed_rules(expert_dtype: str) -> list[Rule]:
         # seed: `.emb.tok_emb.weight` → `model.embed_tokens.weight`; only mtp.0's reaches the engine
         # (for spec layers past the first, names without `.layers` are skipped).
         Rename(f"{m}.emb.tok_emb.weight", "model.embed_tokens.weight", Split.DIM0, when_mtp="first", **mc),
-        Drop(f"{m}.emb.tok_emb.weight", note="seed skips embed_tokens of MTP layers after the first", when_mtp="rest", **mc),
+        Drop(
+            f"{m}.emb.tok_emb.weight",
+            note="seed skips embed_tokens of MTP layers after the first",
+            when_mtp="rest",
+            **mc,
+        ),
         Rename(f"{m}.head.weight", f"{S}.shared_head.head.weight", Split.DIM0, note="SharedHead ParallelLMHead", **mc),
         Rename(f"{m}.norm.weight", f"{S}.shared_head.norm.weight", **mc),
         Rename(f"{m}.enorm.weight", f"{S}.enorm.weight", **mc),

@@ -57,7 +57,9 @@ def is_verified(profile: str, version: str | None) -> bool | None:
 
 
 def profile_list() -> str:
-    return "; ".join(f"{p.name} ({'vLLM ' + ', '.join(p.verified) if p.verified else p.verified_by})" for p in PROFILES.values())
+    return "; ".join(
+        f"{p.name} ({'vLLM ' + ', '.join(p.verified) if p.verified else p.verified_by})" for p in PROFILES.values()
+    )
 
 
 def resolve_target(name: str, *, vllm_version: str | None = None) -> Target:
@@ -100,7 +102,8 @@ def unverified_warning(target: dict | None) -> str | None:
     if not target or target.get("verified") is not False:
         return None
     return (
-        f"OUT was converted with profile {target.get('profile')} beside vLLM {target.get('installed_vllm')}, which that "
+        f"OUT was converted with profile {target.get('profile')} beside vLLM {target.get('installed_vllm')}, which "
+        "that "
         f"profile is not verified against (verified: {', '.join(target.get('vllm_verified') or []) or 'none'}); "
         "`ckpt-tool verify OUT --engine` checks it with the vLLM you serve with"
     )

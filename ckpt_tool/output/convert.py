@@ -27,16 +27,39 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import OutputError, UsageError
 from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
-from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.output.layout import (
-    MANIFEST, SOURCE_LAYOUT, LOCK, COMPONENTS, JOURNAL_RE, SHARD_LOCK_RE, journal_name, lock_name, source_fingerprint, run_fingerprint, source_layout, OutputLock, read_manifest, journals, index_doc, read_journal, manifest_doc,
+    COMPONENTS,
+    JOURNAL_RE,
+    LOCK,
+    MANIFEST,
+    SHARD_LOCK_RE,
+    SOURCE_LAYOUT,
+    OutputLock,
+    index_doc,
+    journal_name,
+    journals,
+    lock_name,
+    manifest_doc,
+    read_journal,
+    read_manifest,
+    run_fingerprint,
+    source_fingerprint,
+    source_layout,
 )  # fmt: skip
-from ckpt_tool.output.writer import ProgressFn, SourceFiles, default_workers, file_size, output_error, sha256_file, write_output_file
+from ckpt_tool.output.writer import (
+    ProgressFn,
+    SourceFiles,
+    default_workers,
+    file_size,
+    output_error,
+    sha256_file,
+    write_output_file,
+)
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -71,7 +94,9 @@ def parse_ranks(text: str) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
-def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1) -> list[OutFile]:
+def select_files(
+    plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1
+) -> list[OutFile]:
     """The planned files of ``ranks`` (all if None), then every ``shard_count``-th of them from ``shard_index``.
 
     Deterministic: the partition depends only on the plan, so every machine computes the same one,
@@ -82,7 +107,9 @@ def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: in
     if ranks is not None:
         bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
         if bad:
-            raise UsageError(f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})")
+            raise UsageError(
+                f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})"
+            )
         chosen = set(ranks)
         files = [f for f in plan.files if f.rank in chosen]
     else:
@@ -90,17 +117,7 @@ def select_files(plan: Plan, ranks: Sequence[int] | None = None, shard_index: in
     return [f for i, f in enumerate(files) if i % shard_count == shard_index]
 
 
-
-
-
-
 # ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
 
 
 def check_paths(src_root: Path, out: Path) -> None:
@@ -117,7 +134,8 @@ def check_paths(src_root: Path, out: Path) -> None:
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise OutputError(
-            f"{out}: is a non-empty folder that is not a ckpt-tool OUT (it holds {shown}); choose a new or empty folder "
+            f"{out}: is a non-empty folder that is not a ckpt-tool OUT (it holds {shown}); choose a new or empty "
+            "folder "
             "(--force only replaces an earlier ckpt-tool OUT, never other files)"
         )
 
@@ -150,14 +168,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
         raise output_error(exc, path) from None
 
 
-
-
-
-
-
-
-
-
 def _clear_previous(out: Path) -> None:
     """--force: remove what an earlier conversion wrote (only our own files). The manifest goes first,
     so an interrupted clear never leaves a complete manifest over missing files."""
@@ -169,8 +179,6 @@ def _clear_previous(out: Path) -> None:
         d = out / comp
         if d.is_dir():
             shutil.rmtree(d)
-
-
 
 
 def _open(src: Path | Checkpoint) -> Checkpoint:
@@ -221,14 +229,17 @@ def convert(
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"{out}: cannot create the output folder ({exc.strerror or exc}); choose a folder you can write") from None
+        raise OutputError(
+            f"{out}: cannot create the output folder ({exc.strerror or exc}); choose a folder you can write"
+        ) from None
     result = ConvertResult(plan, out, partial=partial)
     with OutputLock(out, lock_name(shard)):
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("complete"):
             if not force:
                 raise OutputError(
-                    f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or choose a new OUT"
+                    f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or "
+                    "choose a new OUT"
                 )
             if partial:  # never delete what other shards wrote: drop the manifest, rewrite our own files
                 (out / MANIFEST).unlink(missing_ok=True)
@@ -266,7 +277,12 @@ def convert(
         for f in plan.files:
             dest = out / f.relpath
             done = known.get(f.relpath)
-            if done and dest.is_file() and dest.stat().st_size == done["size"] == file_size(f) and sha256_file(dest) == done["sha256"]:
+            if (
+                done
+                and dest.is_file()
+                and dest.stat().st_size == done["size"] == file_size(f)
+                and sha256_file(dest) == done["sha256"]
+            ):
                 result.skipped.append(f.relpath)
                 if f.relpath not in journal["files"]:
                     journal["files"][f.relpath] = done
@@ -355,7 +371,9 @@ def serving_files(root: Path) -> list[str]:
     return names
 
 
-def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None) -> None:
+def _write_final(
+    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None
+) -> None:
     """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete")."""
     copied: dict[str, dict] = {}
     for comp in COMPONENTS:
@@ -366,7 +384,10 @@ def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerpr
             if comp == "model":
                 for name in serving_files(ckpt.root):
                     shutil.copyfile(ckpt.root / name, out / comp / name)
-                    copied[f"{comp}/{name}"] = {"size": (out / comp / name).stat().st_size, "sha256": sha256_file(out / comp / name)}
+                    copied[f"{comp}/{name}"] = {
+                        "size": (out / comp / name).stat().st_size,
+                        "sha256": sha256_file(out / comp / name),
+                    }
     layout = source_layout(ckpt)
     _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
     doc = manifest_doc(plan, source, fingerprint, outputs)
@@ -378,7 +399,9 @@ def _write_final(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerpr
     _write_json_atomic(out / MANIFEST, doc)
 
 
-def _finalize(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None) -> ConvertResult:
+def _finalize(
+    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None
+) -> ConvertResult:
     """Check every planned file against the shard journals and write the final index/config/manifest."""
     result = ConvertResult(plan, out)
     if not out.is_dir():
@@ -386,10 +409,14 @@ def _finalize(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint
     with OutputLock(out):
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("complete"):
-            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (sorted(set(ranks)) if ranks is not None else None):
+            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (
+                sorted(set(ranks)) if ranks is not None else None
+            ):
                 result.skipped = [f.relpath for f in plan.files]
                 return result  # already finalized: nothing to do
-            raise OutputError(f"{out}: holds a finished conversion of another source or with other options; choose a new OUT")
+            raise OutputError(
+                f"{out}: holds a finished conversion of another source or with other options; choose a new OUT"
+            )
         recorded = _recorded_files(out, fingerprint)
         problems: list[str] = []
         for f in plan.files:
@@ -398,11 +425,19 @@ def _finalize(ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint
             if not dest.is_file():
                 problems.append(f"{f.relpath}: missing part (planned file not in OUT); run the shard that writes it")
             elif rec is None:
-                problems.append(f"{f.relpath}: not recorded by any journal of this conversion (its shard did not finish); rerun that shard")
+                problems.append(
+                    f"{f.relpath}: not recorded by any journal of this conversion (its shard did not finish); rerun "
+                    "that shard"
+                )
             elif dest.stat().st_size != rec["size"] or dest.stat().st_size != file_size(f):
-                problems.append(f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard")
+                problems.append(
+                    f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard"
+                )
             elif sha256_file(dest) != rec["sha256"]:
-                problems.append(f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun its shard")
+                problems.append(
+                    f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun "
+                    "its shard"
+                )
             else:
                 result.skipped.append(f.relpath)
         if problems:
@@ -423,9 +458,3 @@ def _drop_journals(out: Path, fingerprint: str) -> None:
     for lock in out.iterdir():
         if SHARD_LOCK_RE.match(lock.name):
             lock.unlink(missing_ok=True)
-
-
-
-
-
-

@@ -42,12 +42,10 @@ def journal_name(shard: tuple[int, int] | None) -> str:
     return f".ckpt-tool-journal-{shard[0]}-of-{shard[1]}.json"
 
 
-
 def lock_name(shard: tuple[int, int] | None) -> str:
     if shard is None or shard[1] == 1:
         return LOCK
     return f".ckpt-tool-{shard[0]}-of-{shard[1]}.lock"
-
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict:
@@ -56,11 +54,9 @@ def source_fingerprint(ckpt: Checkpoint) -> dict:
     return {"root": str(ckpt.root), "files": files, "config_sha256": hashlib.sha256(cfg).hexdigest()}
 
 
-
 def run_fingerprint(source: dict, opts: Options) -> str:
     doc = {"tool": __version__, "files": source["files"], "config": source["config_sha256"], "options": opts.as_dict()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-
 
 
 def source_layout(ckpt: Checkpoint) -> dict:
@@ -78,7 +74,6 @@ def source_layout(ckpt: Checkpoint) -> dict:
     if ckpt.index_file and (ckpt.root / ckpt.index_file).is_file():
         index_text = (ckpt.root / ckpt.index_file).read_text(encoding="utf-8")
     return {"format": 1, "index_file": ckpt.index_file, "index": index_text, "files": files}
-
 
 
 class OutputLock:
@@ -104,7 +99,8 @@ class OutputLock:
                 fh.close()
                 self.__exit__()
                 raise OutputError(
-                    f"{self.out}: another ckpt-tool convert is writing this folder (lock {name} is held); wait for it to finish"
+                    f"{self.out}: another ckpt-tool convert is writing this folder (lock {name} is held); wait for it "
+                    "to finish"
                 ) from None
             self.handles.append(fh)
         return self
@@ -116,7 +112,6 @@ class OutputLock:
         self.handles.clear()
 
 
-
 def read_manifest(out: Path) -> dict | None:
     path = out / MANIFEST
     if not path.is_file():
@@ -125,7 +120,6 @@ def read_manifest(out: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
 
 
 def options_from_manifest(manifest: dict) -> Options:
@@ -139,10 +133,8 @@ def options_from_manifest(manifest: dict) -> Options:
     )
 
 
-
 def journals(out: Path) -> list[Path]:
     return sorted(p for p in out.iterdir() if JOURNAL_RE.match(p.name)) if out.is_dir() else []
-
 
 
 def index_doc(plan: Plan, component: str) -> dict:
@@ -158,7 +150,6 @@ def index_doc(plan: Plan, component: str) -> dict:
     return {"tp": plan.options.tp, "ranks": ranks, "total_size": total}
 
 
-
 def read_journal(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -167,7 +158,6 @@ def read_journal(path: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None  # a torn journal: start over, files get rewritten
     return doc if isinstance(doc, dict) and "files" in doc else None
-
 
 
 def target_doc(profile: str) -> dict:
@@ -188,7 +178,6 @@ def target_doc(profile: str) -> dict:
     }
 
 
-
 def manifest_doc(plan: Plan, source: dict, fingerprint: str, outputs: dict) -> dict:
     return {
         "tool": "ckpt-tool",
@@ -207,4 +196,3 @@ def manifest_doc(plan: Plan, source: dict, fingerprint: str, outputs: dict) -> d
         "notes": list(plan.notes),
         "complete": True,
     }
-

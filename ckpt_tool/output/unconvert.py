@@ -29,13 +29,20 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.output.layout import COMPONENTS, MANIFEST, SOURCE_LAYOUT, options_from_manifest, read_manifest, source_layout
 from ckpt_tool.checkpoint.files import OpenFiles
-from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, parse_header, read_shard_header
+from ckpt_tool.errors import CheckpointError, OutputError
+from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources, plan_conversion
+from ckpt_tool.output.layout import (
+    COMPONENTS,
+    MANIFEST,
+    SOURCE_LAYOUT,
+    options_from_manifest,
+    read_manifest,
+    source_layout,
+)
 from ckpt_tool.output.writer import sha256_file
 
 BLOCK_BYTES = 16 * 1024 * 1024
@@ -59,7 +66,9 @@ class _Piece:
     offset: int  # absolute byte offset of the region's first element in the output file
     convert: str
     out_eb: int
-    stride: int  # output bytes from one row of the region to the next (more than its width: zero padding after each row)
+    stride: (
+        int  # output bytes from one row of the region to the next (more than its width: zero padding after each row)
+    )
 
 
 @dataclass
@@ -89,7 +98,8 @@ def _load_layout(out: Path, manifest: dict, source: Path | None) -> dict:
     path = out / SOURCE_LAYOUT
     if not rec or not path.is_file():
         raise CheckpointError(
-            f"{out}: has no {SOURCE_LAYOUT} (converted by an older ckpt-tool); pass --source SRC, the checkpoint it was converted from"
+            f"{out}: has no {SOURCE_LAYOUT} (converted by an older ckpt-tool); pass --source SRC, the checkpoint it "
+            "was converted from"
         )
     if sha256_file(path) != rec.get("sha256"):
         raise CheckpointError(f"{path}: sha256 differs from the manifest's; the file changed after conversion")
@@ -103,10 +113,15 @@ def _source_headers(layout: dict, manifest: dict) -> dict[str, tuple[bytes, Shar
         raw = rec["header"].encode("utf-8")
         want = (recorded.get(file) or {}).get("header_sha256")
         if want != hashlib.sha256(raw).hexdigest():
-            raise CheckpointError(f"{file}: its recorded header does not match the manifest's source fingerprint (another source?)")
+            raise CheckpointError(
+                f"{file}: its recorded header does not match the manifest's source fingerprint (another source?)"
+            )
         headers[file] = (raw, parse_header(raw, file, int(rec["size"]), len(raw)))
     if set(headers) != set(recorded):
-        raise CheckpointError("the source headers and the manifest name different source files: " + ", ".join(sorted(set(headers) ^ set(recorded))))
+        raise CheckpointError(
+            "the source headers and the manifest name different source files: "
+            + ", ".join(sorted(set(headers) ^ set(recorded)))
+        )
     return headers
 
 
@@ -148,7 +163,9 @@ def plan_from_out(out: Path, manifest: dict, headers: dict[str, tuple[bytes, Sha
     files = tuple(f for f in plan.files if f.relpath in outputs)
     unknown = sorted(set(outputs) - {f.relpath for f in files})
     if unknown:
-        raise CheckpointError(f"{unknown[0]}: recorded in {MANIFEST} but not part of the re-made plan; OUT and its manifest disagree")
+        raise CheckpointError(
+            f"{unknown[0]}: recorded in {MANIFEST} but not part of the re-made plan; OUT and its manifest disagree"
+        )
     return replace(plan, files=files)
 
 
@@ -161,14 +178,18 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
             raise CheckpointError(f"{f.relpath}: output file is missing from {out}")
         header = read_shard_header(path, f.relpath)
         if header.file_size != outputs[f.relpath].get("size"):
-            raise CheckpointError(f"{f.relpath}: size {header.file_size} differs from the manifest's {outputs[f.relpath].get('size')}")
+            raise CheckpointError(
+                f"{f.relpath}: size {header.file_size} differs from the manifest's {outputs[f.relpath].get('size')}"
+            )
         if check_checksums and sha256_file(path) != outputs[f.relpath].get("sha256"):
             raise CheckpointError(f"{f.relpath}: sha256 differs from the manifest; the file changed after conversion")
         for t in f.tensors:
             got = header.tensors.get(t.name)
             if got is None or got.dtype != t.dtype or tuple(got.shape) != tuple(t.shape):
                 have = f"{got.dtype}{list(got.shape)}" if got else "absent"
-                raise CheckpointError(f"{f.relpath}: tensor {t.name!r} is {have}, the plan says {t.dtype}{list(t.shape)}")
+                raise CheckpointError(
+                    f"{f.relpath}: tensor {t.name!r} is {have}, the plan says {t.dtype}{list(t.shape)}"
+                )
             out_eb = DTYPE_BITS[t.dtype] // 8
             offset = got.start
             for seg in t.segments:
@@ -184,7 +205,10 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
                 reg.pieces.setdefault((seg.row0, seg.row1, seg.col0, seg.col1), []).append(piece)
                 offset += seg.numel * out_eb
             if offset != got.end:
-                raise CheckpointError(f"{f.relpath}: tensor {t.name!r} holds {got.end - got.start} bytes, its segments {offset - got.start}")
+                raise CheckpointError(
+                    f"{f.relpath}: tensor {t.name!r} holds {got.end - got.start} bytes, its segments "
+                    f"{offset - got.start}"
+                )
     return regions
 
 
@@ -216,7 +240,8 @@ def _rebuild(info: TensorInfo, reg: _Regions, reader: OpenFiles, fd: int, dest_s
                     first = data
                 elif not np.array_equal(first, data):
                     raise CheckpointError(
-                        f"{info.name}: copies disagree (rows {a}:{b}, cols {c0}:{c1}) between {pieces[0].path.name} and {p.path.name}; "
+                        f"{info.name}: copies disagree (rows {a}:{b}, cols {c0}:{c1}) between {pieces[0].path.name} "
+                        f"and {p.path.name}; "
                         "replicated tensors must be identical on every rank"
                     )
             buf[a - R0 : b - R0, c0 * eb : c1 * eb] = first
@@ -271,7 +296,7 @@ def unconvert(
 
     result = UnconvertResult(dest)
     recoverable: set[str] = set()
-    for file, (_raw, h) in headers.items():
+    for _raw, h in headers.values():
         for name in h.tensors:
             reg = regions.get(name)
             if reg is not None and reg.covered():

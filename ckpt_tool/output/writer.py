@@ -34,10 +34,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_tool.mapping import conversions
 from ckpt_tool.checkpoint.files import OpenFiles
-from ckpt_tool.errors import OutputError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.errors import OutputError
+from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
@@ -53,6 +53,8 @@ def default_workers(pending_files: int) -> int:
     core hashes, one file at a time would be CPU-bound. Memory stays within MAX_BUFFERS either way.
     """
     return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS, pending_files))
+
+
 PIECE = 1024 * 1024  # scratch for gathers and conversions: small enough to stay in CPU cache
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length granularity we keep to (covers 512-byte devices too)
 SMALL_COLUMN_SLICE = 64 * 1024  # column slices narrower than this are gathered from row blocks
@@ -199,7 +201,9 @@ class SegmentReader:
         eb, row_bytes = self.geometry(info)
         c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
         rows_per_block = max(1, PIECE // row_bytes)
-        src = memoryview(self.buf) if row_bytes <= PIECE else memoryview(bytearray(row_bytes))  # one row > PIECE: <= CHUNK
+        src = (
+            memoryview(self.buf) if row_bytes <= PIECE else memoryview(bytearray(row_bytes))
+        )  # one row > PIECE: <= CHUNK
         gather = memoryview(self.gather)
         row = seg.row0
         while row < seg.row1:
@@ -213,7 +217,11 @@ class SegmentReader:
             row += n
 
     def gather_padded(
-        self, seg: Segment, info: TensorInfo, check: Callable[[memoryview], None] | None, emit: Callable[[memoryview | bytes], None]
+        self,
+        seg: Segment,
+        info: TensorInfo,
+        check: Callable[[memoryview], None] | None,
+        emit: Callable[[memoryview | bytes], None],
     ) -> None:
         """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements: blocks of
         whole source rows are read, the slices checked or converted, and placed row by row with numpy in
@@ -498,7 +506,9 @@ def write_output_file(
                 for seg in t.segments:
                     _fill_segment(pipe, reader, files, seg, t.dtype)
                 if pipe.written - start != t.nbytes:  # pragma: no cover - a plan/writer disagreement is a bug
-                    raise AssertionError(f"{out.relpath}: {t.name} wrote {pipe.written - start} bytes, planned {t.nbytes}")
+                    raise AssertionError(
+                        f"{out.relpath}: {t.name} wrote {pipe.written - start} bytes, planned {t.nbytes}"
+                    )
             written = pipe.written
             digest = pipe.finish()
             os.ftruncate(fd, written)

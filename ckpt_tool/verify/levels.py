@@ -30,13 +30,13 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from ckpt_tool.mapping import conversions
-from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.checkpoint.files import OpenFiles
-from ckpt_tool.errors import CkptToolError
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
-from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
+from ckpt_tool.errors import CkptToolError
+from ckpt_tool.mapping import conversions
+from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
+from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
 
 __all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
@@ -72,13 +72,27 @@ def verify(
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
-        report.add(Check("manifest", False, f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion", file=str(manifest_path)))
+        report.add(
+            Check(
+                "manifest",
+                False,
+                f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion",
+                file=str(manifest_path),
+            )
+        )
         return report
     except (OSError, json.JSONDecodeError) as exc:
         report.add(Check("manifest", False, f"{manifest_path}: unreadable ({exc})", file=str(manifest_path)))
         return report
     if manifest.get("complete") is not True:
-        report.add(Check("manifest", False, f"{manifest_path}: conversion is not complete; rerun convert to finish it", file=str(manifest_path)))
+        report.add(
+            Check(
+                "manifest",
+                False,
+                f"{manifest_path}: conversion is not complete; rerun convert to finish it",
+                file=str(manifest_path),
+            )
+        )
         return report
     report.add(Check("manifest", True))
     report.target = manifest.get("target")
@@ -114,7 +128,18 @@ def verify(
     elif level == "numeric" and report.ok:
         from ckpt_tool.verify.numeric import check_numeric
 
-        check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device=device, tokens=tokens, seed=seed, progress=progress)
+        check_numeric(
+            out,
+            plan,
+            ckpt,
+            headers,
+            report,
+            kernels=kernels,
+            device=device,
+            tokens=tokens,
+            seed=seed,
+            progress=progress,
+        )
     return report
 
 
@@ -125,11 +150,16 @@ def _numeric_needs_every_rank(ranks: list[int], tp: int) -> Check:
     held = ",".join(map(str, ranks))
     missing = ",".join(str(r) for r in range(tp) if r not in ranks)
     return Check(
-        "numeric", False,
-        f"--level numeric needs every rank: OUT holds rank(s) {held} of --tp {tp} (converted with --ranks {held}; rank(s) "
-        f"{missing} missing) and the numeric level recombines all ranks as the engine does. Instead, verify this share with "
-        f"--level values (structure and exact values of every file it holds), and for the numeric level convert every rank "
-        f"into one OUT (on one machine, or --shard-index K --shard-count M per machine into a shared OUT, then --finalize) "
+        "numeric",
+        False,
+        f"--level numeric needs every rank: OUT holds rank(s) {held} of --tp {tp} (converted with --ranks {held}; "
+        "rank(s) "
+        f"{missing} missing) and the numeric level recombines all ranks as the engine does. Instead, verify this share "
+        "with "
+        "--level values (structure and exact values of every file it holds), and for the numeric level convert every "
+        "rank "
+        "into one OUT (on one machine, or --shard-index K --shard-count M per machine into a shared OUT, then "
+        "--finalize) "
         f"and verify that OUT with --level numeric",
         details={"ranks": ranks, "tp": tp, "missing": [r for r in range(tp) if r not in ranks]},
     )
@@ -143,19 +173,27 @@ def _same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool
     current = fingerprint["files"]
     if recorded != current:
         changed = sorted(f for f in set(recorded) | set(current) if recorded.get(f) != current.get(f))
-        report.add(Check(
-            "source-fingerprint", False,
-            f"{ckpt.root} is not the checkpoint OUT was converted from ({len(changed)} of {len(set(recorded) | set(current))} "
-            f"shard file(s) differ, e.g. {changed[0]}); pass the original checkpoint as --source, or reconvert",
-            file=changed[0],
-        ))
+        report.add(
+            Check(
+                "source-fingerprint",
+                False,
+                f"{ckpt.root} is not the checkpoint OUT was converted from ({len(changed)} of "
+                f"{len(set(recorded) | set(current))} "
+                f"shard file(s) differ, e.g. {changed[0]}); pass the original checkpoint as --source, or reconvert",
+                file=changed[0],
+            )
+        )
         return False
     if recorded_source.get("config_sha256") != fingerprint["config_sha256"]:
-        report.add(Check(
-            "source-fingerprint", False,
-            f"{ckpt.root}/config.json differs from the one OUT was converted with; pass the original checkpoint as --source, or reconvert",
-            file="config.json",
-        ))
+        report.add(
+            Check(
+                "source-fingerprint",
+                False,
+                f"{ckpt.root}/config.json differs from the one OUT was converted with; pass the original checkpoint as "
+                "--source, or reconvert",
+                file="config.json",
+            )
+        )
         return False
     report.add(Check("source-fingerprint", True))
     return True
@@ -168,7 +206,14 @@ def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyRepo
 
     opts = plan.options
     if opts.profile not in ENGINES:
-        report.add(Check("engine", False, f"profile {opts.profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"))
+        report.add(
+            Check(
+                "engine",
+                False,
+                f"profile {opts.profile!r} has no engine table; add one to its profile module in "
+                "ckpt_tool/mapping/profiles/",
+            )
+        )
         return
     ranks = sorted({(f.component, f.rank) for f in plan.files})
     for comp, rank in ranks:
@@ -185,13 +230,24 @@ def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyRepo
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             msg = f"{where} vs the {opts.profile} engine: {problems[0][0]}{more}"
-            report.add(Check(name, False, msg, file=where, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+            report.add(
+                Check(
+                    name, False, msg, file=where, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}
+                )
+            )
         else:
             report.add(Check(name, True, file=where, details={"parameters": len(expected)}))
 
 
 def check_structure(
-    out: Path, plan: Plan, manifest: dict, report: VerifyReport, src_root: Path, *, hash_files: bool = True, workers: int = 1
+    out: Path,
+    plan: Plan,
+    manifest: dict,
+    report: VerifyReport,
+    src_root: Path,
+    *,
+    hash_files: bool = True,
+    workers: int = 1,
 ) -> dict[str, ShardHeader]:
     """Files, names, dtypes, shapes per rank; index.json; manifest checksums (``hash_files=False``: the
     values level hashes each file while it compares it, one read instead of two). Returns parsed headers."""
@@ -232,7 +288,11 @@ def check_structure(
             got, exp = header.tensors[name], want[name]
             if got.dtype != exp.dtype or tuple(got.shape) != tuple(exp.shape):
                 problems.append(
-                    (f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected {exp.dtype}{list(exp.shape)}", name)
+                    (
+                        f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected "
+                        f"{exp.dtype}{list(exp.shape)}",
+                        name,
+                    )
                 )
         rec = outputs.get(rel)
         if rec is None:
@@ -243,7 +303,16 @@ def check_structure(
             problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
         if problems:
             msg = problems[0][0] + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
-            report.add(Check(f"structure:{rel}", False, msg, file=rel, tensor=problems[0][1], details={"problems": [p for p, _ in problems]}))
+            report.add(
+                Check(
+                    f"structure:{rel}",
+                    False,
+                    msg,
+                    file=rel,
+                    tensor=problems[0][1],
+                    details={"problems": [p for p, _ in problems]},
+                )
+            )
         else:
             report.add(Check(f"structure:{rel}", True, file=rel))
 
@@ -257,11 +326,22 @@ def check_structure(
             report.add(Check(f"index:{comp}", False, f"{path}: unreadable ({exc})", file=str(path)))
             continue
         ok = doc == index_doc(plan, comp)
-        report.add(Check(f"index:{comp}", ok, "" if ok else f"{path}: does not match the plan (tensors, ranks or total_size)", file=f"{comp}/index.json"))
+        report.add(
+            Check(
+                f"index:{comp}",
+                ok,
+                "" if ok else f"{path}: does not match the plan (tensors, ranks or total_size)",
+                file=f"{comp}/index.json",
+            )
+        )
         cfg_path = out / comp / "config.json"
         want = (src_root / "config.json").read_bytes()
         got = cfg_path.read_bytes() if cfg_path.is_file() else None
-        msg = "" if got == want else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
+        msg = (
+            ""
+            if got == want
+            else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
+        )
         report.add(Check(f"config:{comp}", got == want, msg, file=f"{comp}/config.json"))
     if any(f.component == "model" for f in plan.files):
         _check_serving_files(out, src_root, report)
@@ -279,8 +359,16 @@ def _check_serving_files(out: Path, src_root: Path, report: VerifyReport) -> Non
             problems.append(f"{dest}: missing (vllm serve OUT/model needs the source's {name})")
         elif dest.read_bytes() != (src_root / name).read_bytes():
             problems.append(f"{dest}: differs from the source's {name}")
-    msg = f"{problems[0]}; reconvert" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else ""
-    report.add(Check("serving-files:model", not problems, msg, file="model", details={"problems": problems} if problems else {}))
+    msg = (
+        f"{problems[0]}; reconvert" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        if problems
+        else ""
+    )
+    report.add(
+        Check(
+            "serving-files:model", not problems, msg, file="model", details={"problems": problems} if problems else {}
+        )
+    )
 
 
 def _out_width(t: OutTensor) -> int:
@@ -417,8 +505,15 @@ def _read_block(fd: int, buf: mmap.mmap, pos: int, want: int, reader: _HashingRe
 
 
 def check_values(
-    out: Path, plan: Plan, src_root: Path, headers: dict[str, ShardHeader], report: VerifyReport, progress: Progress,
-    *, workers: int = 1, manifest: dict | None = None,
+    out: Path,
+    plan: Plan,
+    src_root: Path,
+    headers: dict[str, ShardHeader],
+    report: VerifyReport,
+    progress: Progress,
+    *,
+    workers: int = 1,
+    manifest: dict | None = None,
 ) -> None:
     """Re-derive every output tensor from the source and compare exactly.
 
@@ -444,15 +539,33 @@ def check_values(
         src.close()
     for f, (bad, first_tensor, digest) in zip(jobs, results):
         if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
-            report.add(Check(f"structure:{f.relpath}", False, f"{f.relpath}: sha256 differs from the manifest; the file changed after conversion", file=f.relpath))
+            report.add(
+                Check(
+                    f"structure:{f.relpath}",
+                    False,
+                    f"{f.relpath}: sha256 differs from the manifest; the file changed after conversion",
+                    file=f.relpath,
+                )
+            )
         if bad:
             more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
-            report.add(Check(f"values:{f.relpath}", False, bad[0] + more, file=f.relpath, tensor=first_tensor, details={"problems": bad}))
+            report.add(
+                Check(
+                    f"values:{f.relpath}",
+                    False,
+                    bad[0] + more,
+                    file=f.relpath,
+                    tensor=first_tensor,
+                    details={"problems": bad},
+                )
+            )
         else:
             report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
 
 
-def _values_of_file(out: Path, f, header: ShardHeader, plan: Plan, src: OpenFiles, progress: Progress) -> tuple[list[str], str | None, str]:
+def _values_of_file(
+    out: Path, f, header: ShardHeader, plan: Plan, src: OpenFiles, progress: Progress
+) -> tuple[list[str], str | None, str]:
     reader = _HashingReader(out / f.relpath, header.file_size)
     try:
         found: list[tuple[int, str, str]] = []
@@ -501,7 +614,13 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
         while r < seg.row1:
             n = min(rows_per_block, seg.row1 - r)
             raw = bytes(src.read(info.file, info.start + r * src_row, n * src_row, what=f"tensor {info.name!r}"))
-            want = raw if whole_rows else np.frombuffer(raw, np.uint8).reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb].tobytes()
+            want = (
+                raw
+                if whole_rows
+                else np.frombuffer(raw, np.uint8)
+                .reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb]
+                .tobytes()
+            )
             if seg.convert not in conversions.BYTEWISE:
                 want = conversions.forward(seg.convert, want, info)
             if seg.pad:  # each row followed by the engine's zero padding
@@ -532,10 +651,13 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
 
 def _pad_message(t: OutTensor, seg: Segment, row: int, col: int) -> str:
     """A byte of the engine's zero padding that is not the zero element, at ``[row, col]`` of the segment's output."""
-    where = "after " + (f"source {seg.src} (rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1})" if seg.pad else "the source rows")
+    where = "after " + (
+        f"source {seg.src} (rows {seg.row0}:{seg.row1}, cols {seg.col0}:{seg.col1})" if seg.pad else "the source rows"
+    )
     zero = "0" if seg.convert != "e8m0_to_f32" else "2^-127 (the float32 value of E8M0 byte 0)"
     return (
-        f"tensor {t.name!r}: the engine's zero padding ({seg.zeros} elements {where}) holds something other than {zero}, "
+        f"tensor {t.name!r}: the engine's zero padding ({seg.zeros} elements {where}) holds something other than "
+        f"{zero}, "
         f"first at element [{row}, {col}] of the output seen as 2-D; reconvert"
     )
 
@@ -557,7 +679,7 @@ def hub_source_for_verify(ref, out: Path) -> Path | Checkpoint:
     if manifest is None:
         raise CheckpointError(f"{out / MANIFEST}: missing; OUT is not a finished ckpt-tool conversion")
     opts = options_from_manifest(manifest)
-    recorded = set(((manifest.get("source") or {}).get("files") or {}))
+    recorded = set((manifest.get("source") or {}).get("files") or {})
     if opts.only == "mtp":
         part = open_hub_source(ref, HubNeeds(opts))  # the shards the conversion read (fetched if absent)
         if recorded == set(part.shards):

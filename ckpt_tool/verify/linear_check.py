@@ -36,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tool.verify import quant
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
-from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
-from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.checkpoint.source import Checkpoint
+from ckpt_tool.errors import CheckpointError, UsageError
+from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
+from ckpt_tool.mapping.plan import Plan
+from ckpt_tool.verify import quant
 from ckpt_tool.verify.rows import RowReader, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
@@ -123,12 +123,24 @@ class _Builder:
         self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks))
 
     def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str, per_rank: int | None = None) -> None:
-        self.units.append(LinearUnit(
-            self.group, f"{base}.weight", f"{base}.weight_scale_inv", "fp8", tuple(Part(s, r) for s, r in parts),
-            inp, layout, self.all_ranks, per_rank=per_rank))
+        self.units.append(
+            LinearUnit(
+                self.group,
+                f"{base}.weight",
+                f"{base}.weight_scale_inv",
+                "fp8",
+                tuple(Part(s, r) for s, r in parts),
+                inp,
+                layout,
+                self.all_ranks,
+                per_rank=per_rank,
+            )
+        )
 
     def bf16(self, name: str, parts: list[tuple[str, int]], inp: int, layout: str = "full") -> None:
-        self.units.append(LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks))
+        self.units.append(
+            LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks)
+        )
 
     def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
         c, n = self.cfg, self.n
@@ -151,15 +163,20 @@ class _Builder:
             coff = 2 if ratio == 4 else 1
             cm, sc = f"{p}.{n.compressor}", f"{sa}.compressor"
             self.exact(f"{cm}.ape", f"{sc}.ape")
-            self.bf16(f"{cm}.fused_wkv_wgate.weight", [(f"{sc}.wkv.weight", coff * Dh), (f"{sc}.wgate.weight", coff * Dh)], D)
+            self.bf16(
+                f"{cm}.fused_wkv_wgate.weight", [(f"{sc}.wkv.weight", coff * Dh), (f"{sc}.wgate.weight", coff * Dh)], D
+            )
             self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
         if ratio == 4:
             ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
             self.fp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
             self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
             self.exact(f"{ix}.compressor.ape", f"{si}.compressor.ape")
-            self.bf16(f"{ix}.compressor.fused_wkv_wgate.weight",
-                      [(f"{si}.compressor.wkv.weight", 2 * ihd), (f"{si}.compressor.wgate.weight", 2 * ihd)], D)
+            self.bf16(
+                f"{ix}.compressor.fused_wkv_wgate.weight",
+                [(f"{si}.compressor.wkv.weight", 2 * ihd), (f"{si}.compressor.wgate.weight", 2 * ihd)],
+                D,
+            )
             self.exact(f"{ix}.compressor.norm.weight", f"{si}.compressor.norm.weight")
         E, I = c.n_routed_experts, c.moe_intermediate_size
         g, sf = f"{p}.{n.gate}", f"{sp}.ffn"
@@ -185,18 +202,46 @@ class _Builder:
             else:
                 ranks, local, lay13, lay2 = self.all_ranks, (j,) * self.tp, "col", "row"
             se = f"{sf}.experts.{j}"
-            self.units.append(LinearUnit(self.group, f"{r}.w13_weight", f"{r}.w13_{sfx}", kind,
-                                         (Part(f"{se}.w1", I), Part(f"{se}.w3", I)), D, lay13, ranks, j, local))
-            self.units.append(LinearUnit(self.group, f"{r}.w2_weight", f"{r}.w2_{sfx}", kind,
-                                         (Part(f"{se}.w2", D),), I, lay2, ranks, j, local))
+            self.units.append(
+                LinearUnit(
+                    self.group,
+                    f"{r}.w13_weight",
+                    f"{r}.w13_{sfx}",
+                    kind,
+                    (Part(f"{se}.w1", I), Part(f"{se}.w3", I)),
+                    D,
+                    lay13,
+                    ranks,
+                    j,
+                    local,
+                )
+            )
+            self.units.append(
+                LinearUnit(
+                    self.group,
+                    f"{r}.w2_weight",
+                    f"{r}.w2_{sfx}",
+                    kind,
+                    (Part(f"{se}.w2", D),),
+                    I,
+                    lay2,
+                    ranks,
+                    j,
+                    local,
+                )
+            )
 
 
-def tensor_units(cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str, source_names: set[str]) -> list[Unit]:
+def tensor_units(
+    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str, source_names: set[str]
+) -> list[Unit]:
     """Every engine tensor of one rank set of ``component`` as check units (see the module docstring)."""
     if profile not in ENGINES:
-        raise UsageError(f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/")
+        raise UsageError(
+            f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"
+        )
     b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
-    D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    D, V = cfg.hidden_size, cfg.vocab_size
     b.group = "embed/head"
     if component == "model":
         b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
@@ -206,7 +251,12 @@ def tensor_units(cfg: V4Config, profile: str, component: str, tp: int, moe_paral
             b.exact(f"model.hc_head_{t}", f"hc_head_{t}")
         for layer in range(cfg.num_hidden_layers):
             b.group = f"layers.{layer}"
-            b.block(f"model.layers.{layer}", f"layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
+            b.block(
+                f"model.layers.{layer}",
+                f"layers.{layer}",
+                ratio=cfg.compress_ratio(layer),
+                hash_layer=layer < cfg.num_hash_layers,
+            )
         return b.units
     # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
     emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
@@ -265,7 +315,9 @@ class Coverage:
         self.units = dict(units)  # the caller may narrow what it runs; what is expected stays
         self.ranks = {comp: sorted({f.rank for f in plan.files if f.component == comp}) for comp in units}
         self.computed: dict[str, dict[tuple[str, str], int]] = {comp: {} for comp in units}
-        self.unnamed: dict[str, list[tuple[int, str]]] = {comp: _unnamed(plan, headers, comp, us) for comp, us in units.items()}
+        self.unnamed: dict[str, list[tuple[int, str]]] = {
+            comp: _unnamed(plan, headers, comp, us) for comp, us in units.items()
+        }
 
     def add(self, component: str, computed: dict[tuple[str, str], int]) -> None:
         """A runner's record: ``(unit label, source part) -> bits of the ranks computed``."""
@@ -310,7 +362,10 @@ class Coverage:
                 if len(missed) < self.SHOWN:
                     missed.append(f"{comp} rank {r}: {what} (no numeric check computes it)")
             ranks = {str(r): _tally(c, t) for r, (c, t) in tally.items()}
-            components[comp] = {**_tally(sum(c for c, _ in tally.values()), sum(t for _, t in tally.values())), "ranks": ranks}
+            components[comp] = {
+                **_tally(sum(c for c, _ in tally.values()), sum(t for _, t in tally.values())),
+                "ranks": ranks,
+            }
         whole = _tally(sum(c["checked"] for c in components.values()), sum(c["total"] for c in components.values()))
         return {"unit": "one source part of one engine tensor on one rank", **whole, "components": components}, missed
 
@@ -339,7 +394,11 @@ def _unnamed(plan: Plan, headers: dict[str, ShardHeader], comp: str, units: list
             if name not in named.get(f.rank, ()):
                 found.append((f.rank, f"{f.relpath}: {name}"))
             elif (f.rank, name) in slots and info.shape:
-                found += [(f.rank, f"{f.relpath}: {name} slot {k}") for k in range(info.shape[0]) if k not in slots[f.rank, name]]
+                found += [
+                    (f.rank, f"{f.relpath}: {name} slot {k}")
+                    for k in range(info.shape[0])
+                    if k not in slots[f.rank, name]
+                ]
     return found
 
 
@@ -359,8 +418,16 @@ def probe(unit: LinearUnit, seed: int, device: torch.device) -> torch.Tensor:
 class _Sides:
     """Row reads of source tensors (DeepSeek names) and of each output rank's tensors (engine names)."""
 
-    def __init__(self, ckpt: Checkpoint, out: Path, plan: Plan, headers: dict[str, ShardHeader], component: str,
-                 reader: RowReader, device: torch.device) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        out: Path,
+        plan: Plan,
+        headers: dict[str, ShardHeader],
+        component: str,
+        reader: RowReader,
+        device: torch.device,
+    ) -> None:
         self.ckpt, self.reader, self.device = ckpt, reader, device
         self.locate: dict[int, dict[str, tuple[Path, TensorInfo]]] = {}
         for f in plan.files:
@@ -404,7 +471,9 @@ class LinearRunner:
         self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
 
     # the two GEMMs: source = torch reference, engine = the kernels
-    def _reference(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+    def _reference(
+        self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str
+    ) -> torch.Tensor:
         from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 
         if kind == "bf16":
@@ -426,9 +495,13 @@ class LinearRunner:
         if u.kind == "bf16":
             return self.sides.source_rows(part.source, a, b), None
         s0, s1 = _scale_rows(u.kind, a, b)
-        return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(f"{part.source}.scale", s0, s1)
+        return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(
+            f"{part.source}.scale", s0, s1
+        )
 
-    def _engine_tile(self, u: LinearUnit, rank: int, slot: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _engine_tile(
+        self, u: LinearUnit, rank: int, slot: int, a: int, b: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [a, b) of the rank's matrix (of stacked expert ``slot``)."""
         _, info = self.sides.engine_info(rank, u.weight)
         base = slot * info.shape[1] if u.expert is not None else 0
@@ -479,7 +552,7 @@ class LinearRunner:
             worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
             ran: set[int] = set()  # ranks whose rows of the part were compared
 
-            def note(holder, ref: torch.Tensor, got: torch.Tensor) -> None:
+            def note(holder, ref: torch.Tensor, got: torch.Tensor, worst: dict = worst) -> None:
                 w = worst.setdefault(holder, [0.0, 0.0])
                 d = (ref - got).abs().max().item() if ref.numel() else 0.0
                 w[0] = max(w[0], d) if not math.isnan(d) else math.inf
@@ -489,11 +562,18 @@ class LinearRunner:
                 w_src, s_src = self._source_tile(u, part, a, b)
                 if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
                     i = u.ranks.index(owner) if owner is not None else 0
-                    holders = [(owner, local_off + a - i * u.share(part.rows))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
+                    holders = (
+                        [(owner, local_off + a - i * u.share(part.rows))]
+                        if u.layout == "col"
+                        else [(r, off + a) for r in u.ranks]
+                    )
                     for r, local in holders:
                         got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
                         if not torch.equal(got, w_src):
-                            return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
+                            return (
+                                f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows "
+                                f"{a}:{b})"
+                            )
                         ran.add(r)
                     continue
                 ref = self._reference(u.kind, x_src, w_src, s_src, f"source {part.source}")
@@ -525,15 +605,21 @@ class LinearRunner:
                     where = "ranks summed" if holder == "sum" else f"rank {holder}"
                     scale = f" (scale {u.scale!r})" if u.scale else ""
                     expert = "" if u.expert is None else f" expert {u.expert}"
-                    return (f"tensor {u.weight!r}{scale}{expert} ({where}): output of part {part.source} disagrees with "
-                            f"the source linear: max_rel {rel:.3g} (needs <= {LINEAR_MAX_REL:g})")
+                    return (
+                        f"tensor {u.weight!r}{scale}{expert} ({where}): output of part {part.source} disagrees with "
+                        f"the source linear: max_rel {rel:.3g} (needs <= {LINEAR_MAX_REL:g})"
+                    )
             if u.layout == "col" and u.per_rank is not None:
                 for a, b, r in self._pad_tiles(u, part.rows):
                     w, s = self._engine_tile(u, r, slots[r], local_off + a, local_off + b)
                     y = self._kernel(u.kind, x, w, s, f"{u.label} rank {r}")
                     if y.count_nonzero():
-                        return (f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's zero "
-                                f"padding after part {part.source} but compute nonzero output (max |y| {y.abs().max().item():.3g})")
+                        return (
+                            f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's "
+                            "zero "
+                            f"padding after part {part.source} but compute nonzero output (max |y| "
+                            f"{y.abs().max().item():.3g})"
+                        )
                     self._done(u, part.source, [r])
             off += part.rows
             local_off += u.share(part.rows) if u.layout == "col" else part.rows
@@ -567,8 +653,17 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_every_tensor(
-    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *,
-    kernels: str, device: torch.device, seed: int, act: str = "bf16", progress: Progress | None = None,
+    out: Path,
+    plan: Plan,
+    ckpt: Checkpoint,
+    headers: dict[str, ShardHeader],
+    report: VerifyReport,
+    *,
+    kernels: str,
+    device: torch.device,
+    seed: int,
+    act: str = "bf16",
+    progress: Progress | None = None,
     skip_mtp_experts: bool = False,
 ) -> Coverage:
     """Add one check per layer (and one for embed/head) per component; return the coverage: every unit
@@ -579,7 +674,10 @@ def check_every_tensor(
     progress = progress or NoProgress()
     opts, cfg = plan.options, plan.config
     components = sorted({f.component for f in plan.files})
-    plans = {comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors)) for comp in components}
+    plans = {
+        comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors))
+        for comp in components
+    }
     coverage = Coverage(plan, headers, plans)
     if skip_mtp_experts and "mtp" in plans:
         plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]

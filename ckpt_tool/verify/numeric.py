@@ -30,15 +30,15 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tool.verify import quant
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.source import Checkpoint
+from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames
+from ckpt_tool.verify import quant
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
-from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.verify.rows import RowReader, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
@@ -80,6 +80,7 @@ SOURCE_LINEARS = {
     "shared.w2": "ffn.shared_experts.w2",
     "shared.w3": "ffn.shared_experts.w3",
 }
+
 
 def converted_tensor_names(engine: EngineNames) -> dict[str, str]:
     """Converted side: role -> engine name in one MTP layer ({S} = num_hidden_layers + i), from the profile's
@@ -135,7 +136,9 @@ def _gemm_by_tiles(x: torch.Tensor, rows: int, inp: int, align: int, tile, gemm)
 class SourceShard:
     """Side A: the original checkpoint, one rank, dequantized in plain torch a tile at a time."""
 
-    def __init__(self, cfg: V4Config, ckpt: Checkpoint, mtp: int, device: torch.device, reader: RowReader, act: str = "bf16") -> None:
+    def __init__(
+        self, cfg: V4Config, ckpt: Checkpoint, mtp: int, device: torch.device, reader: RowReader, act: str = "bf16"
+    ) -> None:
         self.cfg, self.mtp, self.act = cfg, mtp, act
         self.rank, self.tp = 0, 1
         self.local_experts = list(range(cfg.n_routed_experts))
@@ -164,8 +167,14 @@ class SourceShard:
 
         p, cfg = f"mtp.{self.mtp}.", self.cfg
         if role == "head":
-            return _gemm_by_tiles(x, cfg.vocab_size, x.shape[-1], 1, lambda a, b: (self._rows(self.head_name, a, b), None),
-                                  lambda x2, w, s: x2 @ w.float().T)
+            return _gemm_by_tiles(
+                x,
+                cfg.vocab_size,
+                x.shape[-1],
+                1,
+                lambda a, b: (self._rows(self.head_name, a, b), None),
+                lambda x2, w, s: x2 @ w.float().T,
+            )
         r0 = 0
         if role.startswith("expert."):
             _, j, w = role.split(".")
@@ -198,8 +207,17 @@ class ConvertedShard:
     """Side B: one rank of the converted checkpoint, linears through the quantized GEMM kernels a tile at a time."""
 
     def __init__(
-        self, cfg: V4Config, plan: Plan, out: Path, headers: dict[str, ShardHeader], rank: int, mtp: int,
-        device: torch.device, reader: RowReader, kernels: str, act: str,
+        self,
+        cfg: V4Config,
+        plan: Plan,
+        out: Path,
+        headers: dict[str, ShardHeader],
+        rank: int,
+        mtp: int,
+        device: torch.device,
+        reader: RowReader,
+        kernels: str,
+        act: str,
     ) -> None:
         opts = plan.options
         self.cfg, self.rank, self.tp = cfg, rank, opts.tp
@@ -236,8 +254,18 @@ class ConvertedShard:
         name = self.names["embed"]
         return torch.cat([self._rows(name, int(i), int(i) + 1) for i in ids.tolist()]).float()
 
-    def _linear(self, x: torch.Tensor, weight: str, scale: str, r0: int, rows: int, *, mx: bool, slot: int | None = None,
-                what: str) -> torch.Tensor:
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: str,
+        scale: str,
+        r0: int,
+        rows: int,
+        *,
+        mx: bool,
+        slot: int | None = None,
+        what: str,
+    ) -> torch.Tensor:
         """Rows [r0, r0 + rows) of ``weight`` (of stacked expert ``slot``) through the kernel."""
         from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
 
@@ -270,8 +298,9 @@ class ConvertedShard:
         if role == "head":
             name = n["head"]
             rows = self._info(name)[1].shape[0]
-            return _gemm_by_tiles(x, rows, x.shape[-1], 1, lambda a, b: (self._rows(name, a, b), None),
-                                  lambda x2, w, s: x2 @ w.float().T)
+            return _gemm_by_tiles(
+                x, rows, x.shape[-1], 1, lambda a, b: (self._rows(name, a, b), None), lambda x2, w, s: x2 @ w.float().T
+            )
         if role in ("e_proj", "h_proj", "wq_b", "wo_b"):
             return self._fp8(x, n[role])
         if role in ("wq_a", "wkv"):
@@ -281,7 +310,10 @@ class ConvertedShard:
         if role.startswith("wo_a."):
             g, Or = int(role.split(".")[1]), cfg.o_lora_rank
             return self._fp8(x, n["wo_a"], g * Or, Or)
-        if role in ("shared.w1", "shared.w3"):  # w1 rows then w3 rows, each the rank's share (zero-padded by the engine)
+        if role in (
+            "shared.w1",
+            "shared.w3",
+        ):  # w1 rows then w3 rows, each the rank's share (zero-padded by the engine)
             half = self._info(n["gate_up_proj"] + ".weight")[1].shape[0] // 2
             return self._fp8(x, n["gate_up_proj"], 0 if role == "shared.w1" else half, half)
         if role == "shared.w2":
@@ -372,7 +404,11 @@ class _ProbedShard:
 
 
 def compare_expert_probes(
-    cfg: V4Config, plan: Plan, source: _ProbedShard, converted: list[_ProbedShard], mtp: int,
+    cfg: V4Config,
+    plan: Plan,
+    source: _ProbedShard,
+    converted: list[_ProbedShard],
+    mtp: int,
 ) -> tuple[list[tuple[str, str]], set[tuple[int, str]]]:
     """Each routed expert's probe outputs: the source linear against the ranks recombined (tp: w1/w3 rows
     concatenated, w2 partial sums added; ep: the owner's). Returns (message, tensor) failures and what was
@@ -396,26 +432,47 @@ def compare_expert_probes(
                 continue  # not computed: the coverage counts it missing
             compared.update((c.rank, f"mtp.{mtp}.ffn.experts.{j}.{which}") for c in holders)
             if which == "w2" or len(holders) == 1:  # row parallel: partial sums added; ep: the owner's
-                pairs = [("ranks summed" if len(outs) > 1 else f"rank {holders[0].rank}", want, torch.stack(outs).sum(0))]
+                pairs = [
+                    ("ranks summed" if len(outs) > 1 else f"rank {holders[0].rank}", want, torch.stack(outs).sum(0))
+                ]
             else:  # column parallel: each rank's output columns are its slice of the source rows
                 n = want.shape[-1] // len(outs)
-                pairs = [(f"rank {c.rank}", want[:, i * n : (i + 1) * n], o) for i, (c, o) in enumerate(zip(holders, outs))]
+                pairs = [
+                    (f"rank {c.rank}", want[:, i * n : (i + 1) * n], o) for i, (c, o) in enumerate(zip(holders, outs))
+                ]
             for where, ref, got in pairs:
                 rel = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
                 if rel <= LINEAR_MAX_REL:
                     continue
                 w = f"{base}.{'w2' if which == 'w2' else 'w13'}_weight"
-                bad.append((f"tensor {w!r} (scale {w.replace('_weight', '_' + sfx)!r}) expert {j} ({where}): output of part "
-                            f"mtp.{mtp}.ffn.experts.{j}.{which} disagrees with the source linear: max_rel {rel:.3g} "
-                            f"(needs <= {LINEAR_MAX_REL:g})", w))
+                bad.append(
+                    (
+                        f"tensor {w!r} (scale {w.replace('_weight', '_' + sfx)!r}) expert {j} ({where}): output of "
+                        "part "
+                        f"mtp.{mtp}.ffn.experts.{j}.{which} disagrees with the source linear: max_rel {rel:.3g} "
+                        f"(needs <= {LINEAR_MAX_REL:g})",
+                        w,
+                    )
+                )
                 break
     return bad, compared
 
 
 def run_layer(
-    cfg: V4Config, plan: Plan, ckpt: Checkpoint, out: Path, mtp: int, inputs: NumericInputs, *, device: torch.device,
-    kernels: str, act: str, headers: dict[str, ShardHeader] | None = None, route_all: bool = True,
-    probes: list[_ProbedShard] | None = None, seed: int = 0,
+    cfg: V4Config,
+    plan: Plan,
+    ckpt: Checkpoint,
+    out: Path,
+    mtp: int,
+    inputs: NumericInputs,
+    *,
+    device: torch.device,
+    kernels: str,
+    act: str,
+    headers: dict[str, ShardHeader] | None = None,
+    route_all: bool = True,
+    probes: list[_ProbedShard] | None = None,
+    seed: int = 0,
 ) -> tuple[MTPOutput, MTPOutput]:
     """Side A and side B of one MTP layer on the same inputs.
 
@@ -428,20 +485,35 @@ def run_layer(
         headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"}
     with RowReader() as reader, torch.no_grad():
         source: list = [SourceShard(cfg, ckpt, mtp, device, reader, act)]
-        converted: list = [ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act) for r in range(plan.options.tp)]
+        converted: list = [
+            ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act)
+            for r in range(plan.options.tp)
+        ]
         if probes is not None:
             tp_split = plan.options.moe_parallel == "tp"
             source = [_ProbedShard(source[0], seed, False, device)]
             converted = [_ProbedShard(c, seed, tp_split, device) for c in converted]
             probes.extend(source + converted)
         a = mtp_layer_forward(cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all)
-        b = mtp_layer_forward(cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all)
+        b = mtp_layer_forward(
+            cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all
+        )
     return a, b
 
 
 def check_numeric(
-    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, *, kernels: str,
-    device: str, tokens: int, seed: int, act: str = "bf16", progress: Progress | None = None,
+    out: Path,
+    plan: Plan,
+    ckpt: Checkpoint,
+    headers: dict[str, ShardHeader],
+    report: VerifyReport,
+    *,
+    kernels: str,
+    device: str,
+    tokens: int,
+    seed: int,
+    act: str = "bf16",
+    progress: Progress | None = None,
 ) -> None:
     """The numeric level: every output tensor against the source (linear_check), then the forward of
     every MTP layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage:
@@ -456,10 +528,25 @@ def check_numeric(
     has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
     # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
     # dequantized once per side; everything else by check_every_tensor.
-    coverage = check_every_tensor(out, plan, ckpt, headers, report, kernels=kernels, device=dev, seed=seed, act=act,
-                                  progress=progress, skip_mtp_experts=has_mtp)
+    coverage = check_every_tensor(
+        out,
+        plan,
+        ckpt,
+        headers,
+        report,
+        kernels=kernels,
+        device=dev,
+        seed=seed,
+        act=act,
+        progress=progress,
+        skip_mtp_experts=has_mtp,
+    )
     if not has_mtp:
-        report.add(skipped_check("numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"))
+        report.add(
+            skipped_check(
+                "numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"
+            )
+        )
     inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
     for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
         S = cfg.num_hidden_layers + i
@@ -469,20 +556,47 @@ def check_numeric(
         if progress is not None:
             progress.advance(0, f"mtp.{i} forward")
         try:
-            a, b = run_layer(cfg, plan, ckpt, out, i, inputs, device=dev, kernels=kernels, act=act, headers=headers,
-                             probes=probes, seed=seed)
+            a, b = run_layer(
+                cfg,
+                plan,
+                ckpt,
+                out,
+                i,
+                inputs,
+                device=dev,
+                kernels=kernels,
+                act=act,
+                headers=headers,
+                probes=probes,
+                seed=seed,
+            )
         except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
             report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
             continue
         bad, compared = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
         coverage.credit("mtp", compared)
-        report.add(problems_check(f"numeric:mtp/mtp.{i} (layer {S}) routed experts", f"mtp/mtp.{i} (layer {S})", bad,
-                                  {"experts": cfg.n_routed_experts, "parts_compared": len(compared)}))
+        report.add(
+            problems_check(
+                f"numeric:mtp/mtp.{i} (layer {S}) routed experts",
+                f"mtp/mtp.{i} (layer {S})",
+                bad,
+                {"experts": cfg.n_routed_experts, "parts_compared": len(compared)},
+            )
+        )
         metrics = compare_outputs(a, b)
         bad = within_tolerance(metrics)
-        entry = {"layer": S, "mtp": i, "backend": backend, "device": str(dev), "tokens": tokens, "seed": seed,
-                 "route_all": True, **metrics,
-                 "tolerances": {k: f"{op} {v}" for k, (op, v) in TOLERANCES.items()}, "ok": not bad}
+        entry = {
+            "layer": S,
+            "mtp": i,
+            "backend": backend,
+            "device": str(dev),
+            "tokens": tokens,
+            "seed": seed,
+            "route_all": True,
+            **metrics,
+            "tolerances": {k: f"{op} {v}" for k, (op, v) in TOLERANCES.items()},
+            "ok": not bad,
+        }
         report.numeric.append(entry)
         msg = "" if not bad else f"layer {S}: converted MTP layer disagrees with the source forward: " + ", ".join(bad)
         report.add(Check(name, not bad, msg, details=entry))
@@ -491,10 +605,19 @@ def check_numeric(
     report.coverage = summary
     total, short = summary["total"], summary["total"] - summary["checked"]
     if not total:
-        report.add(skipped_check("numeric:coverage", "n/a: OUT holds nothing the numeric level computes (0 of 0 units)", details=summary))
+        report.add(
+            skipped_check(
+                "numeric:coverage", "n/a: OUT holds nothing the numeric level computes (0 of 0 units)", details=summary
+            )
+        )
     elif short:
-        report.add(Check("numeric:coverage", False,
-                         f"{short} of {total} units not computed numerically ({summary['percent']} % covered), e.g. {missed[0]}",
-                         details={**summary, "not_computed": missed}))
+        report.add(
+            Check(
+                "numeric:coverage",
+                False,
+                f"{short} of {total} units not computed numerically ({summary['percent']} % covered), e.g. {missed[0]}",
+                details={**summary, "not_computed": missed},
+            )
+        )
     else:
         report.add(Check("numeric:coverage", True, details=summary))

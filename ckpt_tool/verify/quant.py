@@ -59,8 +59,7 @@ def _as_e8m0_bits(t: torch.Tensor, what: str | None) -> torch.Tensor:
     """Return the raw E8M0 bytes of ``t`` as uint8, rejecting any other dtype."""
     if t.dtype not in _E8M0_DTYPES:
         raise CheckpointError(
-            f"{_label(what, 'E8M0 scale')}: expected dtype float8_e8m0fnu or uint8 (raw E8M0 bytes), "
-            f"got {t.dtype}"
+            f"{_label(what, 'E8M0 scale')}: expected dtype float8_e8m0fnu or uint8 (raw E8M0 bytes), got {t.dtype}"
         )
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
@@ -216,9 +215,7 @@ def fp8_block_dequant(
     return w * s_full
 
 
-def check_mxfp4_shapes(
-    packed: torch.Tensor, scale: torch.Tensor, what: str | None = None
-) -> tuple[int, int]:
+def check_mxfp4_shapes(packed: torch.Tensor, scale: torch.Tensor, what: str | None = None) -> tuple[int, int]:
     """Validate MXFP4 dtypes/shapes; return ``(N, K)`` of the unpacked weight.
 
     ``packed`` must be int8/uint8 ``[N, K/2]`` and ``scale`` E8M0/uint8 ``[N, ceil(K/32)]``.

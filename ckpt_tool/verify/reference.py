@@ -387,8 +387,9 @@ class DenseShard:
 
     _REPLICATED_LINEAR = ("e_proj", "h_proj", "wq_a", "wkv")
 
-    def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], rank: int = 0, tp: int = 1,
-                 moe_parallel: str = "tp") -> None:
+    def __init__(
+        self, cfg: V4Config, weights: dict[str, torch.Tensor], rank: int = 0, tp: int = 1, moe_parallel: str = "tp"
+    ) -> None:
         if moe_parallel not in ("tp", "ep"):
             raise ValueError(f"moe_parallel must be 'tp' or 'ep', not {moe_parallel!r}")
         E = cfg.n_routed_experts
@@ -476,8 +477,15 @@ def make_random_layer(cfg: V4Config, seed: int = 0) -> dict[str, torch.Tensor]:
         return 1 + randn(n, std=0.1)
 
     w: dict[str, torch.Tensor] = {}
-    for name, n in (("enorm", D), ("hnorm", D), ("attn_norm", D), ("ffn_norm", D), ("norm", D),
-                    ("q_norm", Qr), ("kv_norm", Dh)):
+    for name, n in (
+        ("enorm", D),
+        ("hnorm", D),
+        ("attn_norm", D),
+        ("ffn_norm", D),
+        ("norm", D),
+        ("q_norm", Qr),
+        ("kv_norm", Dh),
+    ):
         w[name] = norm(n)
     for kind in ("attn", "ffn"):
         w[f"hc_{kind}_fn"] = randn((2 + hc) * hc, hc * D, std=0.1 / math.sqrt(hc * D))

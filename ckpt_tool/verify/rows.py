@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from ckpt_tool.checkpoint.files import OpenFiles
-from ckpt_tool.errors import CheckpointError
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.source import Checkpoint
+from ckpt_tool.errors import CheckpointError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.uint8,
@@ -81,7 +81,9 @@ class RowReader:
         """Rows ``[r0, r1)`` of ``info`` (in file ``path``) as a ``[r1 - r0, last dim]`` tensor."""
         dtype = TORCH_DTYPES.get(info.dtype)
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which the numeric level does not read")
+            raise CheckpointError(
+                f"{path}: tensor {info.name!r} has dtype {info.dtype}, which the numeric level does not read"
+            )
         cols = info.shape[-1] if info.shape else 1
         row_bytes = cols * torch.tensor([], dtype=dtype).element_size()
         if not 0 <= r0 <= r1 <= row_count(info):

@@ -37,7 +37,10 @@ class Check:
     def __post_init__(self) -> None:
         if not self.status:
             self.status = PASSED if self.ok else FAILED
-        assert self.status in (PASSED, FAILED, SKIPPED) and (self.status == FAILED) == (not self.ok), (self.status, self.ok)
+        assert self.status in (PASSED, FAILED, SKIPPED) and (self.status == FAILED) == (not self.ok), (
+            self.status,
+            self.ok,
+        )
         assert self.status != SKIPPED or self.message, f"{self.name}: a skipped check needs its reason"
 
 
@@ -53,7 +56,9 @@ def problems_check(name: str, where: str, problems: list[tuple[str, str | None]]
         return Check(name, True, details=passed)
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     message, tensor = problems[0]
-    return Check(name, False, f"{where}: {message}{more}", tensor=tensor, details={"problems": [m for m, _ in problems]})
+    return Check(
+        name, False, f"{where}: {message}{more}", tensor=tensor, details={"problems": [m for m, _ in problems]}
+    )
 
 
 @dataclass

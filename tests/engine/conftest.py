@@ -1,4 +1,5 @@
-"""Engine tests: each verified vLLM release's own classes and loaders, run in a subprocess (tests/engine/vllm_worker.py).
+"""Engine tests: each verified vLLM release's own classes and loaders, run in a subprocess
+(tests/engine/vllm_worker.py).
 
 The matrix's columns come from the profiles' data (``ckpt_tool.mapping.profiles.verified_releases``): every release a
 profile is verified against is installed into its own site folder from its own pinned requirements file
@@ -95,7 +96,9 @@ def run_worker(engine_site, vllm_release):
                 pytrace=False,
             )
         judged = out.get("meta", {}).get("vllm_version")
-        assert judged == vllm_release.version, f"the worker imported vLLM {judged} from {engine_site}, not {vllm_release.version}"
+        assert judged == vllm_release.version, (
+            f"the worker imported vLLM {judged} from {engine_site}, not {vllm_release.version}"
+        )
         return out["results"]
 
     return run

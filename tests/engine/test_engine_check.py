@@ -70,8 +70,18 @@ def converted(fixture_dir, tmp_path_factory, vllm_release):
         key = (variant, tp, ep, target)
         if key not in made:
             out = root / f"{variant}-tp{tp}{'-ep' if ep else ''}-{target}"
-            cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(fixture_dir(variant)), str(out), "--tp", str(tp),
-                   "--target", target] + (["--moe-parallel", "ep"] if ep else [])
+            cmd = [
+                sys.executable,
+                "-m",
+                "ckpt_tool",
+                "convert",
+                str(fixture_dir(variant)),
+                str(out),
+                "--tp",
+                str(tp),
+                "--target",
+                target,
+            ] + (["--moe-parallel", "ep"] if ep else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             assert proc.returncode == 0, proc.stderr
             made[key] = out
@@ -100,14 +110,24 @@ def verify(*args, site: Path | None = None, summary: Path | None = None) -> subp
     env.pop("GITHUB_STEP_SUMMARY", None)
     if summary is not None:
         env["GITHUB_STEP_SUMMARY"] = str(summary)
-    return subprocess.run([sys.executable, "-m", "ckpt_tool", "verify", *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt_tool", "verify", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def probe(request: dict, site: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, str(PROBE)], input=json.dumps({"protocol": 1, "site": str(site), **request}),
-                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(PROBE)],
+        input=json.dumps({"protocol": 1, "site": str(site), **request}),
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     answer = json.loads(proc.stdout)
     assert answer["fatal"] is None, answer["fatal"]
     return answer
@@ -121,8 +141,11 @@ def test_meta_build_filters_like_vllm_on_cpu_for_every_fixture_case(engine_site,
     for variant, tp, ep in CASES:
         out = converted(variant, tp, ep)
         setting = {"config_dir": str(out / "model"), "draft_dir": str(out / "mtp"), "tp": tp, "ep": ep}
-        jobs += [{**setting, "component": c, "rank": r, "folder": str(out / c), "real_load": True}
-                 for c in ("model", "mtp") for r in range(tp)]
+        jobs += [
+            {**setting, "component": c, "rank": r, "folder": str(out / c), "real_load": True}
+            for c in ("model", "mtp")
+            for r in range(tp)
+        ]
     answer = probe({"jobs": jobs}, engine_site)
     assert answer["versions"]["vllm_version"] == release_of(engine_site)
     assert len(answer["results"]) == len(jobs)
@@ -132,7 +155,9 @@ def test_meta_build_filters_like_vllm_on_cpu_for_every_fixture_case(engine_site,
         assert load["cpu_table"] == res["table"], where
         assert load["exception"] is None, (where, load["exception"])
         slices = [r["message"] for r in load["log"]]
-        assert slices and all(m.startswith("loading tensor of shape") and ".attn_sink' of shape" in m for m in slices), (where, slices)
+        assert slices and all(
+            m.startswith("loading tensor of shape") and ".attn_sink' of shape" in m for m in slices
+        ), (where, slices)
         assert any(k.endswith(".ffn.gate.weight") for k in res["aliases"]), where  # the MoE module's second name
 
 
@@ -160,7 +185,9 @@ raises = []
 for device in ("cpu", "meta"):  # a non-contiguous tensor vLLM cannot view(-1): it raises, and so must the meta path
     t = torch.empty(8, 16, device=device)
     try:
-        (ShardedStateLoader._filter_subtensors if device == "cpu" else stubs.filter_tensors)({"t": t, "cols": t[:, 4:8]})
+        (ShardedStateLoader._filter_subtensors if device == "cpu" else stubs.filter_tensors)(
+            {"t": t, "cols": t[:, 4:8]}
+        )
         raises.append(None)
     except RuntimeError as e:
         raises.append(type(e).__name__)
@@ -171,10 +198,18 @@ print(json.dumps({"cpu": cpu, "meta": list(meta), "aliases": aliases, "raises": 
 def test_meta_filter_equals_vllms_own_on_alias_patterns(engine_site, tmp_path) -> None:
     """Shared parameters, views, sub-ranges, overlaps, empty tensors: the kept keys (and their order) on the meta
     device are the ones vLLM's _filter_subtensors keeps on the CPU."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1",
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    proc = subprocess.run([sys.executable, "-c", ALIAS_SCRIPT, str(STUBS), str(engine_site)], capture_output=True,
-                          text=True, env=env, cwd=tmp_path)
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", ALIAS_SCRIPT, str(STUBS), str(engine_site)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["meta"] == got["cpu"]
@@ -185,18 +220,35 @@ def test_meta_filter_equals_vllms_own_on_alias_patterns(engine_site, tmp_path) -
     assert got["raises"] == ["RuntimeError", "RuntimeError"]
 
 
-def test_good_out_passes_beside_a_level_and_names_the_release(engine_site, serving_python, converted, fixture_dir, tmp_path) -> None:
+def test_good_out_passes_beside_a_level_and_names_the_release(
+    engine_site, serving_python, converted, fixture_dir, tmp_path
+) -> None:
     out = converted("fp4", 2)
     summary = tmp_path / "summary.md"
-    proc = verify(out, "--source", fixture_dir("fp4"), "--level", "structure", "--engine", "--engine-python",
-                  serving_python, "--json", "--junit", tmp_path / "v.xml", "--github", summary=summary)
+    proc = verify(
+        out,
+        "--source",
+        fixture_dir("fp4"),
+        "--level",
+        "structure",
+        "--engine",
+        "--engine-python",
+        serving_python,
+        "--json",
+        "--junit",
+        tmp_path / "v.xml",
+        "--github",
+        summary=summary,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     release = release_of(engine_site)
     assert doc["ok"] and doc["level"] == "structure" and doc["engine"]["vllm_version"] == release
     assert doc["engine"]["ranks"] == doc["engine"]["real_loads"] == 4
     engine_checks = [f"engine-vllm:{c}/rank-{r}" for c in ("model", "mtp") for r in range(2)]
-    assert set(engine_checks) <= set(doc["passed"]) and "structure:model/model-rank-0-part-0.safetensors" in doc["passed"]
+    assert (
+        set(engine_checks) <= set(doc["passed"]) and "structure:model/model-rank-0-part-0.safetensors" in doc["passed"]
+    )
     cases = {c.get("name"): c for c in ET.parse(tmp_path / "v.xml").getroot().iter("testcase")}
     for name in engine_checks:  # one testcase per component and rank, saying which vLLM passed it
         assert cases[name].get("classname") == "ckpt-tool.verify.engine"
@@ -213,12 +265,16 @@ def test_out_for_another_profile_fails_naming_keys_on_every_rank(engine_site, se
     failed = {f["name"]: f for f in doc["failures"]}
     assert sorted(failed) == sorted(f"engine-vllm:{c}/rank-{r}" for c in ("model", "mtp") for r in range(2))
     release = release_of(engine_site)
-    for name, f in failed.items():
+    for _name, f in failed.items():
         assert f"judged by vLLM {release}" in f["message"]
         # the seed's routed-expert names: the first keys the loader would meet, named in the message
-        assert ".ffn.experts.w13_weight' in model-rank-" in f["message"] and "not a parameter key" in f["message"], f["message"]
+        assert ".ffn.experts.w13_weight' in model-rank-" in f["message"] and "not a parameter key" in f["message"], f[
+            "message"
+        ]
         assert f["tensor"].endswith(".ffn.experts.w13_weight")
-        assert any("ffn.experts.routed_experts.w13_weight" in p and "Missing keys" in p for p in f["details"]["problems"])
+        assert any(
+            "ffn.experts.routed_experts.w13_weight" in p and "Missing keys" in p for p in f["details"]["problems"]
+        )
 
 
 def test_one_renamed_tensor_fails_naming_it(engine_site, converted, tmp_path) -> None:
@@ -247,17 +303,27 @@ def test_one_renamed_tensor_fails_naming_it(engine_site, converted, tmp_path) ->
 
 
 def _patched_python(engine_site: Path, folder: Path, mode: str) -> Path:
-    return _script(folder / f"python-{mode}", f'PATCH={mode} PYTHONPATH="{engine_site}" exec "{sys.executable}" "{PATCHED}" "$@"')
+    return _script(
+        folder / f"python-{mode}", f'PATCH={mode} PYTHONPATH="{engine_site}" exec "{sys.executable}" "{PATCHED}" "$@"'
+    )
 
 
 def test_a_forks_patched_model_file_is_the_judge(engine_site, converted, tmp_path) -> None:
     """The same good OUT, judged by a vLLM whose MTP class holds one more parameter: the MTP ranks fail naming it."""
-    proc = verify(converted("fp4", 2), "--engine", "--engine-python", _patched_python(engine_site, tmp_path, "extra-param"), "--json")
+    proc = verify(
+        converted("fp4", 2),
+        "--engine",
+        "--engine-python",
+        _patched_python(engine_site, tmp_path, "extra-param"),
+        "--json",
+    )
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
     assert [f["name"] for f in doc["failures"]] == ["engine-vllm:mtp/rank-0", "engine-vllm:mtp/rank-1"]
     for f in doc["failures"]:
-        assert f["tensor"] == "patched_scale" and "parameter 'patched_scale' (bfloat16[8]) is in no file" in f["message"]
+        assert (
+            f["tensor"] == "patched_scale" and "parameter 'patched_scale' (bfloat16[8]) is in no file" in f["message"]
+        )
 
 
 def test_a_vllm_whose_class_cannot_be_built_is_one_line_exit_2(engine_site, converted, tmp_path) -> None:

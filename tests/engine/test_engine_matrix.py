@@ -26,7 +26,6 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.engine
 
 
-
 def target_of(release) -> str:
     """The profile converted for ``release``: the one verified against it, unless ENGINE_TARGET names another."""
     return os.environ.get("ENGINE_TARGET") or release.profile
@@ -141,7 +140,8 @@ def compare(results: list[dict], tp: int, manifest: dict, num_hidden_layers: int
             st = by[("stock-load", component, rank)]
             if sh["exception"]:
                 problems.append(
-                    f"{where}: ShardedStateLoader raised {sh['exception']['type']}: {sh['exception']['message'][:400]}\n"
+                    f"{where}: ShardedStateLoader raised {sh['exception']['type']}: "
+                    f"{sh['exception']['message'][:400]}\n"
                     f"  (harness precheck of {sh['folder']} against the engine table:)\n"
                     f"{_summary_of_precheck(sh['precheck'])}"
                 )
@@ -154,7 +154,9 @@ def compare(results: list[dict], tp: int, manifest: dict, num_hidden_layers: int
                         warnings_left.append(f"{where}: {rec['message']}")
             warnings_left += [f"{where}: {w}" for w in sh["load_warnings"]]
             if st["exception"]:
-                problems.append(f"{where}: stock load raised {st['exception']['type']}: {st['exception']['message'][:400]}")
+                problems.append(
+                    f"{where}: stock load raised {st['exception']['type']}: {st['exception']['message'][:400]}"
+                )
                 continue
             assert sh["keys"] == st["keys"], f"{where}: the two builds disagree on the engine table"
 
@@ -177,11 +179,15 @@ def compare(results: list[dict], tp: int, manifest: dict, num_hidden_layers: int
                         target_sharded = load_file(by[("sharded-load", "model", rank)]["job"]["dump"])[ref]
                         target_stock = load_file(by[("stock-load", "model", rank)]["job"]["dump"])[ref]
                         if _bits_equal(a, target_sharded) and _bits_equal(a, target_stock):
-                            allowed.append(f"{where}: {key} materialized from the target's {ref} (stock leaves it uninitialised)")
+                            allowed.append(
+                                f"{where}: {key} materialized from the target's {ref} (stock leaves it uninitialised)"
+                            )
                             continue
                         problems.append(f"{where}: {key} is materialized but differs from the target's {ref}")
                         continue
-                    problems.append(f"{where}: {key}: stock load leaves it uninitialised and the manifest lists no materialization")
+                    problems.append(
+                        f"{where}: {key}: stock load leaves it uninitialised and the manifest lists no materialization"
+                    )
                     continue
                 srcs = sources_of.get(key, [])
                 if (
@@ -197,17 +203,31 @@ def compare(results: list[dict], tp: int, manifest: dict, num_hidden_layers: int
                     problems.append(f"{where}: {key}: E8M0 expert scale is neither stock's byte b nor 2^(b-127)")
                     continue
                 same_kind = a.shape == b.shape and a.dtype == b.dtype
-                diff = int((a.float() != b.float()).sum()) if same_kind else f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-                problems.append(f"{where}: {key} differs from the stock load ({diff}); sources {[n for n, _ in srcs][:4]}")
+                diff = (
+                    int((a.float() != b.float()).sum())
+                    if same_kind
+                    else f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+                )
+                problems.append(
+                    f"{where}: {key} differs from the stock load ({diff}); sources {[n for n, _ in srcs][:4]}"
+                )
     return problems, allowed, warnings_left
 
 
-ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e8m0fnu": "F8_E8M0",
-            "uint8": "U8", "int32": "I32", "int64": "I64"}
+ST_DTYPE = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e8m0fnu": "F8_E8M0",
+    "uint8": "U8",
+    "int32": "I32",
+    "int64": "I64",
+}
 
 
 def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, target: str) -> list[str]:
-    """ckpt_tool.mapping.engine_table's table (what verify checks OUT against) vs the keys vLLM's own classes hold, every rank."""
+    """ckpt_tool.mapping.engine_table's table (what verify checks OUT against) vs the keys vLLM's own classes hold,
+    every rank."""
     from ckpt_tool.checkpoint.config import V4Config
     from ckpt_tool.mapping.engine_table import engine_params
 
@@ -221,12 +241,19 @@ def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, tar
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):
-            problems.append(f"{where}: {k} is {'only in ckpt_tool.mapping.engine_table' if k in ours else 'only in vLLM'}")
+            problems.append(
+                f"{where}: {k} is {'only in ckpt_tool.mapping.engine_table' if k in ours else 'only in vLLM'}"
+            )
         for k in sorted(set(ours) & set(vllm)):
             p, (shape, dtype) = ours[k], vllm[k]
-            shape_ok = p.shape == shape or (p.prefix and len(shape) == len(p.shape) and all(a <= b for a, b in zip(p.shape, shape)))
+            shape_ok = p.shape == shape or (
+                p.prefix and len(shape) == len(p.shape) and all(a <= b for a, b in zip(p.shape, shape))
+            )
             if not shape_ok or (p.dtype is not None and p.dtype != dtype):
-                problems.append(f"{where}: {k}: ckpt_tool.mapping.engine_table says {p.dtype}{list(p.shape)}, vLLM holds {dtype}{list(shape)}")
+                problems.append(
+                    f"{where}: {k}: ckpt_tool.mapping.engine_table says {p.dtype}{list(p.shape)}, "
+                    f"vLLM holds {dtype}{list(shape)}"
+                )
     return problems
 
 

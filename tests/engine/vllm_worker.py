@@ -4,8 +4,10 @@ Run it with the project venv's python; ``--site`` (default ``<repo>/.engine-site
 first on ``sys.path``. Everything vLLM prints goes to stderr; stdout carries one JSON document.
 
     python tests/engine/vllm_worker.py expect       --config SRC --tp 2 --rank 0 [--ep] --component model|mtp
-    python tests/engine/vllm_worker.py sharded-load --config SRC --tp 2 --rank 0 [--ep] --component model --folder OUT/model [--dump F]
-    python tests/engine/vllm_worker.py stock-load   --config SRC --tp 2 --rank 0 [--ep] --component mtp [--source SRC] [--dump F]
+    python tests/engine/vllm_worker.py sharded-load --config SRC --tp 2 --rank 0 [--ep] --component model
+                                                    --folder OUT/model [--dump F]
+    python tests/engine/vllm_worker.py stock-load   --config SRC --tp 2 --rank 0 [--ep] --component mtp
+                                                    [--source SRC] [--dump F]
     python tests/engine/vllm_worker.py batch JOBS.json|-      # {"jobs": [{"op": ..., "config": ..., ...}, ...]}
 
 Operations (each builds a fresh model for (config, tp, rank, ep, component)):
@@ -430,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="op", required=True)
     for name in OPS:
         s = sub.add_parser(name)
-        s.add_argument("--config", required=True, help="folder with the DeepSeek V4 config.json (the source checkpoint)")
+        s.add_argument(
+            "--config", required=True, help="folder with the DeepSeek V4 config.json (the source checkpoint)"
+        )
         s.add_argument("--tp", type=int, required=True)
         s.add_argument("--rank", type=int, default=0)
         s.add_argument("--ep", action="store_true", help="--enable-expert-parallel")

@@ -14,8 +14,8 @@ Called ``vllm-0.33`` before 0.34 was verified; that name still works.
 
 from __future__ import annotations
 
-from ckpt_tool.mapping.rules import vllm_seed_rules
 from ckpt_tool.mapping.profiles.profile import ConvertOverride, EngineNames, Profile
+from ckpt_tool.mapping.rules import vllm_seed_rules
 
 # The MoE module (FusedMoE in nvidia/model.py) holds the router and the shared experts a second time; of two
 # state_dict keys sharing storage, _filter_subtensors keeps the one that sorts first (`ffn.experts.*`).
@@ -28,9 +28,11 @@ RENAMES: tuple[tuple[str, str], ...] = (
 CONVERTS: tuple[ConvertOverride, ...] = (
     ConvertOverride("ffn.gate.tid2eid", "int_to_i32", why="hash table parameter is int32 (int64 only with MegaMoE)"),
     ConvertOverride(
-        "weight_scale_inv", "e8m0_to_f32", expert_dtype="fp8",
+        "weight_scale_inv",
+        "e8m0_to_f32",
+        expert_dtype="fp8",
         why="with fp8 experts every block-FP8 linear's scale parameter is float32 (DeepseekV4FP8Config.is_scale_e8m0 "
-            "holds E8M0 parameters only for fp4-expert checkpoints)",
+        "holds E8M0 parameters only for fp4-expert checkpoints)",
     ),
 )
 # DeepseekV4MLP (nvidia/model.py, and the MTP's): block-FP8 shared experts get cdiv(blocks, tp) blocks a rank, the

@@ -10,8 +10,8 @@ this layout (0.33 and later key the MoE module's aliases): it is kept for engine
 
 from __future__ import annotations
 
-from ckpt_tool.mapping.rules import vllm_seed_rules
 from ckpt_tool.mapping.profiles.profile import EngineNames, Profile
+from ckpt_tool.mapping.rules import vllm_seed_rules
 
 PROFILE = Profile(
     name="vllm-seed",

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from ckpt_tool.errors import CkptToolError
-from ckpt_tool.verify.verdict import Check, VerifyReport
 from ckpt_tool.verify.engine.judge import HeldTensor, judge_files, judge_load
+from ckpt_tool.verify.verdict import Check, VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ def check_with_vllm(
     config_dir = out / components[0]
     draft_dir = out / "mtp" if "mtp" in components else None
 
-    rank_files = {(c, r): sorted((out / c).glob(f"model-rank-{r}-part-*.safetensors")) for c in components for r in ranks}
+    rank_files = {
+        (c, r): sorted((out / c).glob(f"model-rank-{r}-part-*.safetensors")) for c in components for r in ranks
+    }
     jobs = [
         {
             "component": c,
@@ -74,8 +76,14 @@ def check_with_vllm(
         }
         for (c, r), files in rank_files.items()
     ]
-    request = {"protocol": PROTOCOL, "config_dir": str(config_dir), "draft_dir": str(draft_dir) if draft_dir else None,
-               "tp": tp, "ep": ep, "jobs": jobs}
+    request = {
+        "protocol": PROTOCOL,
+        "config_dir": str(config_dir),
+        "draft_dir": str(draft_dir) if draft_dir else None,
+        "tp": tp,
+        "ep": ep,
+        "jobs": jobs,
+    }
     t0 = time.perf_counter()
     answer = run_probe(request, python)
     seconds = time.perf_counter() - t0
@@ -192,17 +200,33 @@ def _rank_check(out: Path, comp: str, rank: int, files: list[Path], res: dict, a
         shown = "; ".join(m for m, _ in problems[:MESSAGE_KEYS])
         more = f" (and {len(problems) - MESSAGE_KEYS} more)" if len(problems) > MESSAGE_KEYS else ""
         details["problems"] = [m for m, _ in problems]
-        return Check(name, False, f"{where} judged by {vllm} ({cls}): {len(problems)} problem(s): {shown}{more}", file=where,
-                     tensor=problems[0][1], details=details)
+        return Check(
+            name,
+            False,
+            f"{where} judged by {vllm} ({cls}): {len(problems)} problem(s): {shown}{more}",
+            file=where,
+            tensor=problems[0][1],
+            details=details,
+        )
     how = (
-        "ShardedStateLoader.load_weights loaded them" if load is not None
+        "ShardedStateLoader.load_weights loaded them"
+        if load is not None
         else "parameter table only: files too large for a real load here"
     )
     sliced = f"; {len(prefix)} documented slice load(s) ({prefix[0].rsplit('.', 1)[-1]})" if prefix else ""
     others = (details["real_load"] or {}).get("warnings") or []
-    warned = f"; the loader also warned: {others[0]}" + (f" (and {len(others) - 1} more)" if len(others) > 1 else "") if others else ""
-    return Check(name, True, f"{where} judged by {vllm} ({cls}): {len(table)} parameters match; {how}{sliced}{warned}",
-                 file=where, details=details)
+    warned = (
+        f"; the loader also warned: {others[0]}" + (f" (and {len(others) - 1} more)" if len(others) > 1 else "")
+        if others
+        else ""
+    )
+    return Check(
+        name,
+        True,
+        f"{where} judged by {vllm} ({cls}): {len(table)} parameters match; {how}{sliced}{warned}",
+        file=where,
+        details=details,
+    )
 
 
 def run_probe(request: dict, python: str | None = None) -> dict:

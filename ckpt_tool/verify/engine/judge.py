@@ -71,11 +71,13 @@ def judge_files(
         have, (want_dtype, want_shape) = held[key], table[key]
         dtype = ST_TO_TORCH.get(have.dtype)
         if dtype != want_dtype:
-            problems.append((
-                f"{key!r}: dtype {have.dtype} ({dtype or 'unknown to torch'}), the parameter is {want_dtype}: "
-                "the loader casts it, with a warning",
-                key,
-            ))
+            problems.append(
+                (
+                    f"{key!r}: dtype {have.dtype} ({dtype or 'unknown to torch'}), the parameter is {want_dtype}: "
+                    "the loader casts it, with a warning",
+                    key,
+                )
+            )
         shape, want = list(have.shape), list(want_shape)
         if shape == want:
             continue
@@ -83,16 +85,20 @@ def judge_files(
             if key in allowed_prefix:
                 prefix.append(key)
                 continue
-            problems.append((
-                f"{key!r}: shape {shape}, the parameter is {want}: the loader copies it into a slice, which the "
-                "profile documents only for attn_sink",
-                key,
-            ))
+            problems.append(
+                (
+                    f"{key!r}: shape {shape}, the parameter is {want}: the loader copies it into a slice, which the "
+                    "profile documents only for attn_sink",
+                    key,
+                )
+            )
         else:
             problems.append((f"{key!r}: shape {shape} does not fit the parameter's {want}", key))
     for key in sorted(set(table) - set(held)):
         dtype, shape = table[key]
-        problems.append((f"parameter {key!r} ({dtype}{list(shape)}) is in no file: the loader raises 'Missing keys'", key))
+        problems.append(
+            (f"parameter {key!r} ({dtype}{list(shape)}) is in no file: the loader raises 'Missing keys'", key)
+        )
     return problems, prefix
 
 
@@ -103,11 +109,14 @@ def judge_load(load: dict, table: dict, allowed_prefix: set[str]) -> tuple[list[
     if load.get("cpu_table") is not None and load["cpu_table"] != table:
         cpu = load["cpu_table"]
         differ = sorted(k for k in set(cpu) | set(table) if cpu.get(k) != table.get(k))
-        problems.append((
-            f"the meta-device build and the CPU build of the class disagree on {len(differ)} key(s), e.g. {differ[0]!r}; "
-            "the table check cannot be trusted for this vLLM",
-            differ[0],
-        ))
+        problems.append(
+            (
+                f"the meta-device build and the CPU build of the class disagree on {len(differ)} key(s), e.g. "
+                f"{differ[0]!r}; "
+                "the table check cannot be trusted for this vLLM",
+                differ[0],
+            )
+        )
     exc = load.get("exception")
     if exc:
         message = " ".join(str(exc["message"]).split())
@@ -116,7 +125,7 @@ def judge_load(load: dict, table: dict, allowed_prefix: set[str]) -> tuple[list[
         text = rec["message"]
         m = SLICE_WARNING.match(text)
         if text.startswith(CAST_WARNING):
-            problems.append((f"vLLM's loader cast a tensor: {text}", text[len(CAST_WARNING):].split(" ")[0]))
+            problems.append((f"vLLM's loader cast a tensor: {text}", text[len(CAST_WARNING) :].split(" ")[0]))
         elif m and m.group("key") in allowed_prefix:
             continue  # documented: the profile writes the real heads, the engine pads its parameter
         elif m:

@@ -6,7 +6,8 @@ standard library, torch and vllm there, not ckpt_tool:
     PY ckpt_tool/verify/engine/probe.py < request.json > answer.json     # vLLM's own logs go to stderr
 
 Request: ``{"protocol": 1, "config_dir": OUT/model, "draft_dir": OUT/mtp or null, "tp": T, "ep": bool,
-"site": a folder to put first on sys.path (tests) or null, "jobs": [{"component": "model"|"mtp", "rank": r, "folder": OUT/<component>, "real_load": bool}, ...]}``; a job may carry its own
+"site": a folder to put first on sys.path (tests) or null, "jobs": [{"component": "model"|"mtp", "rank": r, "folder":
+OUT/<component>, "real_load": bool}, ...]}``; a job may carry its own
 ``config_dir``, ``draft_dir``, ``tp`` and ``ep`` (several OUTs judged by one vLLM import).
 
 Answer: ``{"protocol": 1, "fatal": null | {"kind": "no-vllm"|"build", "stage", "message", "traceback"},
@@ -53,7 +54,9 @@ def _table(kept: dict, stubs) -> dict:
 def _engine(setting: dict, component: str, rank: int, stubs):
     """(vLLM's engine config as ``vllm serve`` makes it for OUT, the model config ``component`` is built with)."""
     tp, ep = int(setting["tp"]), bool(setting.get("ep"))
-    with stubs.stage(f"build vLLM's engine config for {setting['config_dir']} (tp {tp}{', expert parallel' if ep else ''})"):
+    with stubs.stage(
+        f"build vLLM's engine config for {setting['config_dir']} (tp {tp}{', expert parallel' if ep else ''})"
+    ):
         stubs.fake_groups(tp, rank)
         cfg = stubs.engine_config(setting["config_dir"], tp, ep, "sharded_state", setting.get("draft_dir"))
         return cfg, stubs.component_model_config(cfg, component)
@@ -124,7 +127,9 @@ def answer(request: dict, stubs) -> dict:
     doc: dict = {"protocol": PROTOCOL, "fatal": None, "versions": None, "results": []}
     try:
         if request.get("protocol") != PROTOCOL:
-            raise stubs.EngineUnavailable("read the request", f"protocol {request.get('protocol')!r}, this probe speaks {PROTOCOL}")
+            raise stubs.EngineUnavailable(
+                "read the request", f"protocol {request.get('protocol')!r}, this probe speaks {PROTOCOL}"
+            )
         stubs.bootstrap(request.get("site"))
         for job in request["jobs"]:
             doc["results"].append(run_job(request, job, stubs))

@@ -7,7 +7,13 @@ multiplies in float32. Importing this package never imports triton; it is import
 
 from __future__ import annotations
 
-from ckpt_tool.verify.kernels._backend import REQUESTABLE_BACKENDS, RESOLVED_BACKENDS, available_backends, interpreter_active, resolve_backend
+from ckpt_tool.verify.kernels._backend import (
+    REQUESTABLE_BACKENDS,
+    RESOLVED_BACKENDS,
+    available_backends,
+    interpreter_active,
+    resolve_backend,
+)
 from ckpt_tool.verify.kernels.fp8_gemm import ACT_MODES, fp8_block_gemm
 from ckpt_tool.verify.kernels.mxfp4_gemm import mxfp4_gemm
 

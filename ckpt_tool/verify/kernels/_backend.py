@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ckpt_tool.errors import UsageError
 from ckpt_tool.checkpoint.blocks import cdiv  # grid sizes, without importing triton
+from ckpt_tool.errors import UsageError
 
 REQUESTABLE_BACKENDS: tuple[str, ...] = ("auto", "triton", "triton-interpreter", "torch")
 """Values accepted for ``backend=``."""
