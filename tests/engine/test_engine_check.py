@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from cases import CASES
 
 pytestmark = pytest.mark.engine
 
@@ -29,22 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "ckpt_tool" / "verify" / "engine" / "probe.py"
 STUBS = REPO / "ckpt_tool" / "verify" / "engine" / "vllm_stubs.py"
 PATCHED = Path(__file__).resolve().with_name("patched_vllm.py")
-
-# (fixture variant, tp, expert parallel): the cases tests/engine's stock-vs-sharded comparison runs
-CASES = [
-    ("fp4", 1, False),
-    ("fp4", 2, False),
-    ("fp4", 4, False),
-    ("fp4", 2, True),
-    ("fp4", 4, True),
-    ("fp8", 2, False),
-    ("fp8-e8m0", 2, False),
-    ("fp4-2mtp", 2, False),
-    ("fp4-mtp-emb", 1, False),
-    ("fp4-pad", 2, True),
-    ("fp4-pad", 4, True),
-    ("fp8-e8m0-pad", 2, True),
-]
 
 
 def release_of(site: Path) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import CASES
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.engine
@@ -30,26 +31,6 @@ def target_of(release) -> str:
     """The profile converted for ``release``: the one verified against it, unless ENGINE_TARGET names another."""
     return os.environ.get("ENGINE_TARGET") or release.profile
 
-
-# (fixture variant, tp, expert parallel)
-CASES = [
-    ("fp4", 1, False),
-    ("fp4", 2, False),
-    ("fp4", 4, False),
-    ("fp4", 2, True),
-    ("fp4", 4, True),
-    ("fp8", 2, False),
-    ("fp8-e8m0", 2, False),
-    ("fp4-2mtp", 2, False),
-    ("fp4-mtp-emb", 1, False),
-    # 3-block shared experts, zero-padded by vLLM's own stock load: rank 1 of tp 2 part real part zeros, rank 3
-    # of tp 4 zeros only; float32 scales from E8M0 (the pad is 2^-127 there). Expert parallel: with the routed
-    # experts split over tp, vLLM's MXFP4 MoE backends round each rank's 192/96 rows up to 128-multiples, a
-    # backend-dependent layout ckpt-tool does not write (and fp8 routed experts refuse a non-whole-block split).
-    ("fp4-pad", 2, True),
-    ("fp4-pad", 4, True),
-    ("fp8-e8m0-pad", 2, True),
-]
 
 CAST_WARNING = "Attempted to load weight"  # ShardedStateLoader: file dtype != parameter dtype (it casts)
 EXPERT_SCALE_SRC = re.compile(r"(^|\.)experts\.\d+\.w[123]\.scale$")
