@@ -25,6 +25,7 @@ from ckpt_tool.fixtures.make import (
     SEED,
     TOPK,
     VARIANTS,
+    VISION_VARIANTS,
     VOCAB,
     make_checkpoint,
     serving_files,
@@ -47,8 +48,10 @@ def families(names, pattern: str) -> set[str]:
 
 
 def test_variant_lists_partition_the_variants() -> None:
-    assert set(GOOD_VARIANTS) | set(PAD_VARIANTS) | set(BROKEN_VARIANTS) == set(VARIANTS)
-    assert len(GOOD_VARIANTS) + len(PAD_VARIANTS) + len(BROKEN_VARIANTS) == len(VARIANTS)
+    lists = (GOOD_VARIANTS, PAD_VARIANTS, BROKEN_VARIANTS, VISION_VARIANTS)
+    assert set().union(*lists) == set(VARIANTS)
+    assert sum(map(len, lists)) == len(VARIANTS)
+    assert {"vl-fp4", "vl-fp4-nomtp"} <= set(VISION_VARIANTS)
     assert {"fp4", "fp4-mtp-emb", "fp8", "fp8-e8m0", "fp4-2mtp"} <= set(GOOD_VARIANTS)
     assert {"fp4-pad", "fp8-e8m0-pad"} <= set(PAD_VARIANTS)
     assert {"missing-mtp", "truncated", "bad-header-len", "overlap", "missing-file"} <= set(BROKEN_VARIANTS)
