@@ -41,6 +41,26 @@ class ModelClass:
     extra_rules: Callable[[], list[Rule]] = _none  # rules in the engine's own names (neither)
     description: str = ""
 
+    def describe(self, config) -> dict:
+        """What vLLM builds for ``config`` (a V4Config): this class, its draft, and the vision tower's size."""
+        doc: dict = {
+            "class": self.name,
+            "architecture": self.architecture,
+            "draft": self.draft if config.num_nextn_predict_layers else None,
+            "target_prefix": self.target_prefix,
+            "description": self.description,
+        }
+        if self.name == "vision":
+            doc["vision"] = {
+                "layers": config.vision_n_layers,
+                "dim": config.vision_dim,
+                "heads": config.vision_n_heads,
+                "inter_dim": config.vision_inter_dim,
+                "patch_size": config.vision_patch_size,
+                "downsample_ratio": config.vision_downsample_ratio,
+            }
+        return doc
+
 
 TEXT = ModelClass(
     "text",
