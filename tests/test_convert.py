@@ -398,6 +398,7 @@ VISION_MATRIX = (
     [("vl-fp4", tp, "tp") for tp in (1, 2, 4)]
     + [("vl-fp4", 2, "ep"), ("vl-fp4-nomtp", 2, "tp")]
     + [("vl-fp4-h2", 2, "tp"), ("vl-fp4-h2", 4, "tp")]  # split at tp 2; vLLM replicates the tower at tp 4
+    + [("vl-fp4-f32", 2, "tp")]  # a float32 tower rounded to bfloat16, bfloat16 image_* widened, as torch casts
 )
 
 
@@ -647,3 +648,30 @@ def test_dry_run_json_text_is_exactly_what_json_dumps_prints(fixture_dir, tmp_pa
     )
     assert code == 0, err
     assert stdout == json.dumps(json.loads(stdout)) + "\n"
+
+
+def test_float_casts_round_as_torch_does() -> None:
+    """to_bf16 / to_f32 (a vision tower stored in the other float dtype) give torch's cast bit for bit: round to
+    nearest even, ties, subnormals, infinities and NaN included."""
+    from ckpt_tool.checkpoint.headers import TensorInfo
+    from ckpt_tool.mapping import conversions
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat(
+        [
+            torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 38, (4096,), generator=g).float(),
+            torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, float("inf"), -float("inf"), float("nan")]),
+            # exact ties between two bfloat16 values: the even one wins
+            (torch.arange(0, 256, dtype=torch.int32) << 16 | 0x8000).view(torch.float32),
+        ]
+    )
+    info = TensorInfo("t", "F32", tuple(x.shape), "f", 0, 4 * x.numel())
+    got = torch.frombuffer(bytearray(conversions.forward("to_bf16", x.numpy().tobytes(), info)), dtype=torch.bfloat16)
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    b = want[~nan]
+    back = conversions.forward("to_f32", b.view(torch.int16).numpy().tobytes(), info)
+    assert torch.equal(torch.frombuffer(bytearray(back), dtype=torch.float32), b.to(torch.float32))
+    assert conversions.out_dtype("BF16", "to_bf16") == "BF16" and conversions.effective("BF16", "to_bf16") == "copy"

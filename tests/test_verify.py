@@ -711,7 +711,13 @@ def test_broken_rule_table_passes_values_and_fails_numeric(
 # ---------------------------------------------------------------------------------------------
 # the vision model: its tower, aligner, image_* and bias_vl at every level
 
-VISION = [("vl-fp4", 2, "tp"), ("vl-fp4", 2, "ep"), ("vl-fp4-h2", 4, "tp"), ("vl-fp4-nomtp", 1, "tp")]
+VISION = [
+    ("vl-fp4", 2, "tp"),
+    ("vl-fp4", 2, "ep"),
+    ("vl-fp4-h2", 4, "tp"),
+    ("vl-fp4-nomtp", 1, "tp"),
+    ("vl-fp4-f32", 2, "tp"),
+]
 
 
 @pytest.mark.parametrize("variant,tp,moe", VISION, ids=[f"{v}-tp{t}-{m}" for v, t, m in VISION])

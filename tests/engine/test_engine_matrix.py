@@ -310,6 +310,7 @@ VISION_CASES = [
     ("vl-fp4-nomtp", 2, False),  # no draft: the target model only
     ("vl-fp4-h2", 2, False),  # 2 vision heads: the tower splits at tp 2 ...
     ("vl-fp4-h2", 4, False),  # ... and vLLM replicates it (and the aligner) at tp 4
+    ("vl-fp4-f32", 2, False),  # a float32 tower: OUT holds what vLLM's stock load casts it to
 ]
 
 
