@@ -21,13 +21,13 @@ from ckpt_tool.checkpoint.completeness import (
 )
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.source import open_checkpoint
-from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
+from ckpt_tool.errors import MTP_MISSING_MESSAGE, CheckpointError, PlanError
 from ckpt_tool.fixtures.broken import S3, drop_tensors
-from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS, VISION_VARIANTS
 from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
 
 
-@pytest.mark.parametrize("variant", GOOD_VARIANTS)
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + VISION_VARIANTS)
 def test_required_tensors_are_exactly_what_every_good_fixture_holds(fixture_dir, variant: str) -> None:
     ckpt = open_checkpoint(fixture_dir(variant))
     required = {n for names in required_tensors(ckpt.config, {"model", "mtp"}).values() for n in names}
@@ -36,7 +36,7 @@ def test_required_tensors_are_exactly_what_every_good_fixture_holds(fixture_dir,
     assert check_completeness(ckpt.config, ckpt.tensors).complete
 
 
-@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)
+@pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS + VISION_VARIANTS)
 def test_every_stored_tensor_has_the_shape_and_dtype_its_config_implies(fixture_dir, variant: str) -> None:
     ckpt = open_checkpoint(fixture_dir(variant))
     expected = expected_shapes(ckpt.config)
@@ -159,6 +159,39 @@ def test_missing_parts_are_grouped_per_layer_in_one_line(fixture_dir) -> None:
     assert "layers.2.attn.wo_b.weight, .scale missing" in line
     assert "norm.weight missing" in line
     assert "download" in line
+
+
+def test_the_vision_model_needs_its_tower_and_every_routers_bias_vl(fixture_dir) -> None:
+    """vLLM's stock loader silently leaves bias_vl and the hash layers' gate bias uninitialised when absent, and its
+    vision loader raises on a missing tower tensor only at start-up: convert refuses both from the headers."""
+    ckpt = open_checkpoint(fixture_dir("vl-fp4"))
+    gone = {
+        "layers.0.ffn.gate.bias_vl",
+        "layers.0.ffn.gate.bias",
+        "mtp.0.ffn.gate.bias_vl",
+        "vision.blocks.1.attn.wqkv.weight",
+        "aligner.w2.bias",
+    }
+    line = check_completeness(ckpt.config, set(ckpt.tensors) - gone).message(ckpt.config)
+    for name in gone:
+        assert name in line or name.rsplit(".", 1)[0] in line, (name, line)
+    with pytest.raises(PlanError, match=r"vision\.blocks\.1\.attn\.wqkv\.weight missing"):
+        plan_conversion(ckpt.config, {n: t for n, t in ckpt.tensors.items() if n not in gone}, Options(tp=2))
+
+
+def test_a_vision_tensor_disagreeing_with_the_vision_keys_names_the_key(fixture_dir) -> None:
+    ckpt = open_checkpoint(fixture_dir("vl-fp4"))
+    raw = {**ckpt.config.raw, "vision_inter_dim": 64}
+    cfg = V4Config.from_dict(raw)
+    with pytest.raises(PlanError, match=r"vision_inter_dim 64 in config.json, but tensor 'vision\.blocks\.0\.mlp"):
+        require_agreement(cfg, ckpt.tensors)
+
+
+def test_a_vision_config_without_its_tower_keys_is_refused(fixture_dir) -> None:
+    raw = {**open_checkpoint(fixture_dir("vl-fp4")).config.raw}
+    del raw["vision_dim"]
+    with pytest.raises(CheckpointError, match="vision_dim"):
+        V4Config.from_dict(raw)
 
 
 def test_long_lists_are_cut_with_a_count() -> None:

@@ -20,7 +20,7 @@ import torch
 from cli_helpers import run_cli
 from safetensors import safe_open
 
-from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, write_safetensors
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, VISION_VARIANTS, write_safetensors
 from ckpt_tool.mapping.plan import Options
 from ckpt_tool.output.convert import convert
 
@@ -118,6 +118,8 @@ class _Builder:
             o[f"{dp}.ffn.gate.e_score_correction_bias"] = g(f"{sp}.ffn.gate.bias")
         if f"{sp}.ffn.gate.tid2eid" in s:
             o[f"{dp}.ffn.gate.tid2eid"] = g(f"{sp}.ffn.gate.tid2eid")
+        if f"{sp}.ffn.gate.bias_vl" in s:  # the vision model's router bias for image tokens
+            o[f"{dp}.ffn.gate.bias_vl"] = g(f"{sp}.ffn.gate.bias_vl")
         a, da = f"{sp}.attn", f"{dp}.attn"
         o[f"{da}.fused_wqa_wkv.weight"] = torch.cat([g(f"{a}.wq_a.weight"), g(f"{a}.wkv.weight")])
         o[f"{da}.fused_wqa_wkv.weight_scale_inv"] = torch.cat([g(f"{a}.wq_a.scale"), g(f"{a}.wkv.scale")])
@@ -182,6 +184,44 @@ class _Builder:
             o[f"model.hc_head_{k}"] = g(f"hc_head_{k}")
         for L in range(self.cfg["num_hidden_layers"]):
             o.update(self.block(f"layers.{L}", f"model.layers.{L}"))
+        if self.cfg.get("vision_n_layers", 0) > 0:
+            o = {f"language_model.{n}": t for n, t in o.items()}
+            o.update(self.vision())
+        return o
+
+    def vision(self) -> dict[str, torch.Tensor]:
+        """The vision tower as vLLM's DeepseekV4ForConditionalGeneration holds it (docs/vision.md): q|k|v and
+        gate|up split per section, wo / w2 / aligner.w2 by columns, aligner.w1 by rows; everything whole when
+        vision_n_heads does not divide tp; image_* float32, the rest bfloat16."""
+        g, cfg = self.get, self.cfg
+        tp, r = (self.tp, self.r) if cfg["vision_n_heads"] % self.tp == 0 else (1, 0)
+
+        def rows(t: torch.Tensor, sections: int = 1) -> torch.Tensor:
+            parts = t.chunk(sections)
+            return torch.cat([p[r * (p.shape[0] // tp) : (r + 1) * (p.shape[0] // tp)] for p in parts])
+
+        def cols(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[1] // tp
+            return t[:, r * n : (r + 1) * n]
+
+        bf = torch.bfloat16
+        o = {n: g(n).to(bf) for n in ("vision.patch_embed.proj.weight", "vision.patch_embed.proj.bias")}
+        for b in range(cfg["vision_n_layers"]):
+            p = f"vision.blocks.{b}"
+            for n in ("norm1.weight", "norm2.weight", "attn.wo.bias"):
+                o[f"{p}.{n}"] = g(f"{p}.{n}").to(bf)
+            o[f"{p}.attn.wqkv.weight"] = rows(g(f"{p}.attn.wqkv.weight"), 3).to(bf)
+            o[f"{p}.attn.wqkv.bias"] = rows(g(f"{p}.attn.wqkv.bias"), 3).to(bf)
+            o[f"{p}.attn.wo.weight"] = cols(g(f"{p}.attn.wo.weight")).to(bf)
+            o[f"{p}.mlp.w1.weight"] = rows(g(f"{p}.mlp.w1.weight"), 2).to(bf)
+            o[f"{p}.mlp.w2.weight"] = cols(g(f"{p}.mlp.w2.weight")).to(bf)
+        o["vision.norm.weight"] = g("vision.norm.weight").to(bf)
+        o["aligner.w1.weight"] = rows(g("aligner.w1.weight")).to(bf)
+        o["aligner.w1.bias"] = rows(g("aligner.w1.bias")).to(bf)
+        o["aligner.w2.weight"] = cols(g("aligner.w2.weight")).to(bf)
+        o["aligner.w2.bias"] = g("aligner.w2.bias").to(bf)
+        for n in ("image_start", "image_end", "image_newline", "image_pad"):
+            o[n] = g(n).to(torch.float32)
         return o
 
     def mtp(self) -> dict[str, torch.Tensor]:
@@ -352,6 +392,37 @@ def test_convert_output_equals_independent_expectation(fixture_dir, tmp_path, va
     assert tree_hashes(src) == before, "the source folder was modified"
     assert_matches_expectation(src, out, tp, moe)
     assert_index_and_manifest(src, out, tp)
+
+
+VISION_MATRIX = (
+    [("vl-fp4", tp, "tp") for tp in (1, 2, 4)]
+    + [("vl-fp4", 2, "ep"), ("vl-fp4-nomtp", 2, "tp")]
+    + [("vl-fp4-h2", 2, "tp"), ("vl-fp4-h2", 4, "tp")]  # split at tp 2; vLLM replicates the tower at tp 4
+    + [("vl-fp4-f32", 2, "tp")]  # a float32 tower rounded to bfloat16, bfloat16 image_* widened, as torch casts
+)
+
+
+@pytest.mark.parametrize("variant,tp,moe", VISION_MATRIX, ids=[f"{v}-tp{t}-{m}" for v, t, m in VISION_MATRIX])
+@pytest.mark.parametrize("profile", ["vllm-seed", "vllm-0.33+"])
+def test_vision_model_converts_to_the_independent_expectation(fixture_dir, tmp_path, variant, tp, moe, profile):
+    """The vision model: language_model.-prefixed text keys, bias_vl, the tower split (or replicated) per rank.
+    Under vllm-0.33+ only the names of the text model move (test_profile_consistency, tests/engine); the tower's
+    bytes are the same, so that profile is held to the expectation on the keys that do not move."""
+    src = fixture_dir(variant)
+    assert variant in VISION_VARIANTS
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=tp, moe_parallel=moe, profile=profile))
+    cfg, _ = load_source(src)
+    components = ("model", "mtp") if cfg["num_nextn_predict_layers"] else ("model",)
+    if profile == "vllm-seed":
+        assert_matches_expectation(src, out, tp, moe, components)
+        assert_index_and_manifest(src, out, tp, components)
+        return
+    got = read_component(out / "model")
+    for r in range(tp):
+        want = expected_outputs(src, tp, r, moe)["model"]
+        for name in [n for n in want if not n.startswith("language_model.")]:
+            assert_same_tensor(f"rank {r} {name}", got[r][name][1], want[name])
 
 
 def test_expected_dtypes_follow_spec_for_each_expert_kind(fixture_dir) -> None:
@@ -577,3 +648,30 @@ def test_dry_run_json_text_is_exactly_what_json_dumps_prints(fixture_dir, tmp_pa
     )
     assert code == 0, err
     assert stdout == json.dumps(json.loads(stdout)) + "\n"
+
+
+def test_float_casts_round_as_torch_does() -> None:
+    """to_bf16 / to_f32 (a vision tower stored in the other float dtype) give torch's cast bit for bit: round to
+    nearest even, ties, subnormals, infinities and NaN included."""
+    from ckpt_tool.checkpoint.headers import TensorInfo
+    from ckpt_tool.mapping import conversions
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat(
+        [
+            torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 38, (4096,), generator=g).float(),
+            torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, float("inf"), -float("inf"), float("nan")]),
+            # exact ties between two bfloat16 values: the even one wins
+            (torch.arange(0, 256, dtype=torch.int32) << 16 | 0x8000).view(torch.float32),
+        ]
+    )
+    info = TensorInfo("t", "F32", tuple(x.shape), "f", 0, 4 * x.numel())
+    got = torch.frombuffer(bytearray(conversions.forward("to_bf16", x.numpy().tobytes(), info)), dtype=torch.bfloat16)
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    b = want[~nan]
+    back = conversions.forward("to_f32", b.view(torch.int16).numpy().tobytes(), info)
+    assert torch.equal(torch.frombuffer(bytearray(back), dtype=torch.float32), b.to(torch.float32))
+    assert conversions.out_dtype("BF16", "to_bf16") == "BF16" and conversions.effective("BF16", "to_bf16") == "copy"

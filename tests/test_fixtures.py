@@ -20,11 +20,13 @@ from ckpt_tool.fixtures.make import (
     EXPERTS,
     GOOD_VARIANTS,
     HIDDEN,
+    MAIN_LAYERS,
     MOE_INTER,
     PAD_VARIANTS,
     SEED,
     TOPK,
     VARIANTS,
+    VISION_VARIANTS,
     VOCAB,
     make_checkpoint,
     serving_files,
@@ -47,8 +49,10 @@ def families(names, pattern: str) -> set[str]:
 
 
 def test_variant_lists_partition_the_variants() -> None:
-    assert set(GOOD_VARIANTS) | set(PAD_VARIANTS) | set(BROKEN_VARIANTS) == set(VARIANTS)
-    assert len(GOOD_VARIANTS) + len(PAD_VARIANTS) + len(BROKEN_VARIANTS) == len(VARIANTS)
+    lists = (GOOD_VARIANTS, PAD_VARIANTS, BROKEN_VARIANTS, VISION_VARIANTS)
+    assert set().union(*lists) == set(VARIANTS)
+    assert sum(map(len, lists)) == len(VARIANTS)
+    assert {"vl-fp4", "vl-fp4-nomtp"} <= set(VISION_VARIANTS)
     assert {"fp4", "fp4-mtp-emb", "fp8", "fp8-e8m0", "fp4-2mtp"} <= set(GOOD_VARIANTS)
     assert {"fp4-pad", "fp8-e8m0-pad"} <= set(PAD_VARIANTS)
     assert {"missing-mtp", "truncated", "bad-header-len", "overlap", "missing-file"} <= set(BROKEN_VARIANTS)
@@ -414,3 +418,19 @@ def test_mxfp4_dequantized_experts_have_magnitude_one_over_sqrt_fan_in(fixture_d
         # each group of 32 reaches the top half of the e2m1 range (scale = ceil pow2 of amax/6)
         group_amax = (w / s.float().repeat_interleave(32, dim=-1)).abs().view(w.shape[0], -1, 32).amax(-1)
         assert bool((group_amax >= 3.0).all()), name
+
+
+@pytest.mark.parametrize("variant", ["vl-fp4", "vl-fp4-f32"])
+def test_vision_fixtures_are_deterministic_and_hold_the_vision_model(fixture_dir, tmp_path: Path, variant: str) -> None:
+    first = fixture_dir(variant)
+    again = make_checkpoint(tmp_path / "again", variant)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
+    ck = open_checkpoint(first)
+    assert ck.config.is_vision and ck.config.vision_n_layers == 2
+    tower = {n: t.dtype for n, t in ck.tensors.items() if n.startswith(("vision.", "aligner."))}
+    assert len(tower) == 2 + 8 * 2 + 1 + 4
+    assert set(tower.values()) == ({"F32"} if variant == "vl-fp4-f32" else {"BF16"})
+    assert {f"layers.{i}.ffn.gate.bias_vl" for i in range(MAIN_LAYERS)} | {"layers.0.ffn.gate.bias"} <= set(ck.tensors)

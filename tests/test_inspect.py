@@ -502,3 +502,28 @@ def test_header_totals_and_a_tensor_tally_give_the_same_report(fixture_dir, vari
     tallied = inspect_tensors("x", ck.tensors, ck.config)
     assert from_headers == tallied
     assert sum(f.bytes for f in tallied.files) == sum(t.nbytes for t in ck.tensors.values())
+
+
+@pytest.mark.parametrize(
+    "variant,cls,architecture,draft",
+    [
+        ("fp4", "text", "DeepseekV4ForCausalLM", "DeepSeekV4MTP"),
+        ("vl-fp4", "vision", "DeepseekV4ForConditionalGeneration", "DeepSeekV4MTP"),
+        ("vl-fp4-nomtp", "vision", "DeepseekV4ForConditionalGeneration", None),
+    ],
+)
+def test_inspect_names_the_model_class_and_what_vllm_builds(fixture_dir, capsys, variant, cls, architecture, draft):
+    root = fixture_dir(variant)
+    code, out, _ = run_cli(capsys, str(root), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["ok"] is True
+    model = doc["model"]
+    assert (model["class"], model["architecture"], model["draft"]) == (cls, architecture, draft)
+    assert model["target_prefix"] == ("language_model." if cls == "vision" else "")
+    if cls == "vision":
+        assert model["vision"] == {
+            "layers": 2, "dim": 64, "heads": 4, "inter_dim": 128, "patch_size": 4, "downsample_ratio": 2
+        }  # fmt: skip
+    code, text, _ = run_cli(capsys, str(root))
+    assert code == 0 and f"model: {cls} — vLLM builds {architecture}" in text

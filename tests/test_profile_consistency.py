@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_tool.checkpoint.source import open_checkpoint
-from ckpt_tool.fixtures.make import GOOD_VARIANTS
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, VISION_VARIANTS
 from ckpt_tool.mapping.engine_table import ENGINES, engine_params
 from ckpt_tool.mapping.plan import Options, plan_conversion
 from ckpt_tool.mapping.profiles import (
@@ -58,6 +58,28 @@ def test_rule_table_and_engine_table_agree_on_every_rank(fixture_dir, profile: s
         for (comp, rank), written in _plan_tables(src, profile, tp, moe).items():
             bad = _disagreements(written, engine_params(cfg, profile, comp, tp, moe))
             assert not bad, (profile, variant, tp, moe, comp, rank, bad[:5])
+
+
+VISION_LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (2, "ep")]
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("variant", VISION_VARIANTS)
+def test_rule_table_and_engine_table_agree_for_the_vision_model(fixture_dir, profile: str, variant: str) -> None:
+    """The model class applies on top of every profile: the vision model's rules (prefix, bias_vl, the tower split
+    or replicated) and its engine table agree on every rank."""
+    src = fixture_dir(variant)
+    cfg = open_checkpoint(src).require_config()
+    assert cfg.is_vision
+    for tp, moe in VISION_LAYOUTS:
+        tables = _plan_tables(src, profile, tp, moe)
+        assert {c for c, _r in tables} == ({"model", "mtp"} if cfg.num_nextn_predict_layers else {"model"})
+        for (comp, rank), written in tables.items():
+            bad = _disagreements(written, engine_params(cfg, profile, comp, tp, moe))
+            assert not bad, (profile, variant, tp, moe, comp, rank, bad[:5])
+            if comp == "model":
+                assert any(n.startswith("language_model.") and n.endswith(".bias_vl") for n in written)
+                assert "aligner.w1.weight" in written and "image_pad" in written
 
 
 @pytest.mark.parametrize("variant,tp", [("fp4-pad", 2), ("fp4-pad", 4), ("fp8-e8m0-pad", 2)])

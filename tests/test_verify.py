@@ -52,7 +52,7 @@ from ckpt_tool.cli.render import coverage_text, github_annotations, github_summa
 from ckpt_tool.fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
 from ckpt_tool.mapping.plan import Options, plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
-from ckpt_tool.mapping.rules import Rule
+from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.output.convert import convert
 from ckpt_tool.verify import linear_check, numeric, reference
 from ckpt_tool.verify.levels import verify
@@ -706,6 +706,76 @@ def test_broken_rule_table_passes_values_and_fails_numeric(
     first = report.failures[0]
     assert first.name.startswith(f"numeric:{component}/")
     assert first.tensor.endswith("attn.fused_wqa_wkv.weight") and "attn.wq_a" in first.message, first.message
+
+
+# ---------------------------------------------------------------------------------------------
+# the vision model: its tower, aligner, image_* and bias_vl at every level
+
+VISION = [
+    ("vl-fp4", 2, "tp"),
+    ("vl-fp4", 2, "ep"),
+    ("vl-fp4-h2", 4, "tp"),
+    ("vl-fp4-nomtp", 1, "tp"),
+    ("vl-fp4-f32", 2, "tp"),
+]
+
+
+@pytest.mark.parametrize("variant,tp,moe", VISION, ids=[f"{v}-tp{t}-{m}" for v, t, m in VISION])
+def test_vision_conversion_passes_numeric_verify_with_every_vision_tensor_covered(
+    fixture_dir, tmp_path, variant, tp, moe
+) -> None:
+    """The vision model verifies at every level; the numeric level compares the tower's BF16 linears by value (each
+    q|k|v and gate|up section on its own) and counts them: 100 % of the units, every vision tensor named."""
+    src = fixture_dir(variant)
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    assert report.coverage["percent"] == 100.0, report.coverage
+    names = {c.name for c in report.checks}
+    assert "numeric:model/vision" in names and "numeric:model/vision.blocks.1" in names
+    ckpt, plan = _plan_of(out, src)
+    units = linear_check.tensor_units(plan.config, plan.options.profile, "model", tp, moe, set(ckpt.tensors))
+    parts = {p for u in units for p in linear_check.unit_parts(u)}
+    assert {"vision.blocks.0.attn.wqkv.weight (k)", "vision.blocks.0.mlp.w1.weight (up)", "image_pad"} <= parts
+    assert all(
+        u.weight.startswith("language_model.") for u in units if isinstance(u, LinearUnit) and ".ffn." in u.weight
+    )
+
+
+def test_vision_sections_split_as_one_block_pass_values_and_fail_numeric(fixture_dir, tmp_path, monkeypatch) -> None:
+    """A mapping bug in the vision rules (q|k|v split as one block instead of per section): values re-derives
+    through the same plan and passes; the numeric level names the tensor and the section it holds wrong."""
+    from ckpt_tool.mapping.profiles import model_class
+
+    real = model_class.VISION.extra_rules
+
+    def unsectioned() -> list[Rule]:
+        return [dataclasses.replace(r, sections=1) if r.sections == 3 else r for r in real()]
+
+    monkeypatch.setattr(model_class, "VISION", dataclasses.replace(model_class.VISION, extra_rules=unsectioned))
+    src = fixture_dir("vl-fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu")
+    assert all(c.ok for c in report.checks if not c.name.startswith("numeric")), report.failures
+    bad = [c for c in report.failures if c.name.startswith("numeric:model/vision.blocks.")]
+    assert bad and "attn.wqkv" in bad[0].message, [(c.name, c.message) for c in report.failures]
+
+
+def test_a_replicated_tower_where_vllm_splits_it_fails_structure(fixture_dir, tmp_path, monkeypatch) -> None:
+    from ckpt_tool.mapping.profiles import model_class
+
+    real = model_class.VISION.extra_rules
+
+    def replicated() -> list[Rule]:
+        return [dataclasses.replace(r, split=Split.REPLICATE) if r.replicate_unless else r for r in real()]
+
+    monkeypatch.setattr(model_class, "VISION", dataclasses.replace(model_class.VISION, extra_rules=replicated))
+    src = fixture_dir("vl-fp4-h2")  # 2 heads: vLLM splits the tower at tp 2
+    out = do_convert(src, tmp_path / "out", 2)
+    report = verify(out, src, level="structure")
+    assert not report.ok
+    messages = [c.message for c in report.failures]
+    assert any("'aligner.w1.bias': shape [256], the engine's parameter takes [128]" in m for m in messages), messages
 
 
 # ---------------------------------------------------------------------------------------------

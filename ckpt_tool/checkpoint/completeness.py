@@ -15,7 +15,9 @@ another's (the wrong variant's, one edited for another expert count) would start
 Layout (DeepSeek-V4's inference/model.py): compress ratio 0 → sliding-window only; ratio > 0 → a compressor;
 ratio 4 → also the indexer (with its own compressor). Hash layers (``L < num_hash_layers``) route
 through ``ffn.gate.tid2eid`` and have no gate bias; the others carry ``ffn.gate.bias`` (noaux_tc).
-MTP blocks never compress and always carry the bias. An MTP layer's own embedding/head are optional:
+MTP blocks never compress and always carry the bias. The vision model (``vision_n_layers > 0``) adds
+``ffn.gate.bias_vl`` to every block, ``ffn.gate.bias`` to hash layers too, and its tower (:func:`vision_layout`).
+An MTP layer's own embedding/head are optional:
 the plan materializes them from ``embed.weight`` / ``head.weight`` when absent.
 """
 
@@ -265,8 +267,10 @@ def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout
     fixed += [("ffn.gate.weight", _spec(BF16, E, D))]
     if hash_layer:
         fixed += [("ffn.gate.tid2eid", _spec(TOKEN_TABLE, d("vocab_size"), d("num_experts_per_tok")))]
-    else:
+    if not hash_layer or config.is_vision:  # vision checkpoints ship a gate bias on hash layers too
         fixed += [("ffn.gate.bias", _spec(F32, E))]
+    if config.is_vision:  # the router's bias for image tokens, every block (MTP ones too)
+        fixed += [("ffn.gate.bias_vl", _spec(F32, E.also("vision_n_layers")))]
     if config.n_shared_experts:
         shared = I * d("n_shared_experts")
         for w, out, inp in (("w1", shared, D), ("w2", D, shared), ("w3", shared, D)):
@@ -312,6 +316,49 @@ def mtp_layout(config: V4Config) -> tuple[Layout, Layout, Layout]:
     return before, after, optional
 
 
+# The vision tower stores float weights; vLLM casts whatever float dtype it finds into its BF16 parameters (F32 for
+# image_*), so either is accepted, the usual one first.
+TOWER_FLOAT = ("BF16", "F32")
+IMAGE_FLOAT = ("F32", "BF16")
+VISION_GROUP = "vision"
+
+
+@functools.lru_cache(maxsize=4)
+def vision_layout(config: V4Config) -> tuple[Layout, Layout]:
+    """The vision model's own tensors: (outside the tower blocks, one block's after ``vision.blocks.{b}.``).
+
+    Shapes as vLLM's common/vision.py builds them (0.33.0, 0.34.0): patch embedding [D, 3·P²], per block a fused
+    q|k|v [3D, D], an output projection [D, D], a fused gate|up [2I, D] and a down projection [D, I]; the aligner
+    merges r×r patches ([H, D·r²], then [H, H]); the image_* embeddings are [H].
+    """
+    d = functools.partial(_dim, config)
+    D, I, P, r, H = (
+        d(k) for k in ("vision_dim", "vision_inter_dim", "vision_patch_size", "vision_downsample_ratio", "hidden_size")
+    )
+    t = functools.partial(_spec, TOWER_FLOAT)
+    outside = (
+        ("vision.patch_embed.proj.weight", t(D, 3 * P * P)),
+        ("vision.patch_embed.proj.bias", t(D)),
+        ("vision.norm.weight", t(D)),
+        ("aligner.w1.weight", t(H, D * r * r)),
+        ("aligner.w1.bias", t(H)),
+        ("aligner.w2.weight", t(H, H)),
+        ("aligner.w2.bias", t(H)),
+        *((name, _spec(IMAGE_FLOAT, H)) for name in ("image_start", "image_end", "image_newline", "image_pad")),
+    )
+    block = (
+        ("norm1.weight", t(D)),
+        ("norm2.weight", t(D)),
+        ("attn.wqkv.weight", t(3 * D, D)),
+        ("attn.wqkv.bias", t(3 * D)),
+        ("attn.wo.weight", t(D, D)),
+        ("attn.wo.bias", t(D)),
+        ("mlp.w1.weight", t(2 * I, D)),
+        ("mlp.w2.weight", t(D, I)),
+    )
+    return outside, block
+
+
 def _suffixes(layout: Layout) -> list[str]:
     return [suffix for suffix, _ in layout]
 
@@ -353,6 +400,11 @@ def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, l
                 ratio=config.compress_ratio(layer),
                 hash_layer=layer < config.num_hash_layers,
             )
+        if config.is_vision:
+            outside, block = vision_layout(config)
+            groups[VISION_GROUP] = _suffixes(outside)
+            for b in range(config.vision_n_layers):
+                groups[f"vision.blocks.{b}"] = [f"vision.blocks.{b}.{suffix}" for suffix in _suffixes(block)]
     if "mtp" in components:
         for i in range(config.num_nextn_predict_layers):
             groups[f"mtp.{i}"] = mtp_tensors(i, config)
@@ -484,6 +536,11 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
 
     for layer in range(config.num_hidden_layers):
         block(f"layers.{layer}", config.compress_ratio(layer), layer < config.num_hash_layers)
+    if config.is_vision:
+        outside, vblock = vision_layout(config)
+        roles.update(outside)
+        for b in range(config.vision_n_layers):
+            roles.update((f"vision.blocks.{b}.{suffix}", e) for suffix, e in vblock)
     before, after, optional = mtp_layout(config)
     for i in range(config.num_nextn_predict_layers):
         roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*before, *after, *optional))

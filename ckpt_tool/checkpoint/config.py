@@ -36,6 +36,19 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "rms_norm_eps": (int, float),
 }
 
+# The vision variant (DeepSeek-V4-Flash-Vision): vLLM builds DeepseekV4ForConditionalGeneration when
+# ``vision_n_layers > 0`` (vllm/transformers_utils/model_arch_config_convertor.py, DeepseekV4ModelArchConfigConvertor,
+# vLLM 0.33.0 / 0.34.0) and reads these keys without a default (vllm/models/deepseek_v4/common/vision.py): they
+# size the tower, so every one must be there. vision_rope_theta and the vision_max_* / min_pixels keys only
+# matter at run time (convert copies config.json as it is).
+VISION_KEYS = (
+    "vision_dim",
+    "vision_n_heads",
+    "vision_inter_dim",
+    "vision_patch_size",
+    "vision_downsample_ratio",
+)
+
 
 @dataclass(frozen=True)
 class V4Config:
@@ -72,12 +85,24 @@ class V4Config:
     index_head_dim: int = 128
     weight_block_size: tuple[int, int] = (128, 128)
     scale_fmt: str = "ue8m0"
+    # the vision tower (0 layers: the text model); see VISION_KEYS
+    vision_n_layers: int = 0
+    vision_dim: int = 0
+    vision_n_heads: int = 0
+    vision_inter_dim: int = 0
+    vision_patch_size: int = 0
+    vision_downsample_ratio: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mtp_layer_ids(self) -> list[int]:
         """Engine layer index S = num_hidden_layers + i of every MTP layer i."""
         return [self.num_hidden_layers + i for i in range(self.num_nextn_predict_layers)]
+
+    @property
+    def is_vision(self) -> bool:
+        """Whether vLLM serves this config as the vision model (``vision_n_layers > 0``)."""
+        return self.vision_n_layers > 0
 
     def compress_ratio(self, layer: int) -> int:
         """Compress ratio of main layer ``layer`` (0 = sliding window only)."""
@@ -124,6 +149,17 @@ class V4Config:
             raise CheckpointError(
                 f"{where}: expert_dtype {expert_dtype!r} is not 'fp4' or 'fp8'; use the model's released config.json"
             )
+        vision: dict[str, int] = {}
+        if raw.get("vision_n_layers", 0):
+            vision["vision_n_layers"] = int(raw["vision_n_layers"])
+            missing = [k for k in VISION_KEYS if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool)]
+            if missing:
+                raise CheckpointError(
+                    f"{where}: vision_n_layers is {raw['vision_n_layers']} but {', '.join(missing)} "
+                    "missing or not an integer; vLLM's vision model reads them all: use the model's released "
+                    "config.json"
+                )
+            vision.update((k, raw[k]) for k in VISION_KEYS)
         quant = raw.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size", (128, 128)))
         return cls(
@@ -158,6 +194,7 @@ class V4Config:
             index_head_dim=int(raw.get("index_head_dim", 128)),
             weight_block_size=(int(block[0]), int(block[1])),
             scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
+            **vision,
             raw=raw,
         )
 

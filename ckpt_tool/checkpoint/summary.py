@@ -68,6 +68,9 @@ class InspectReport:
     mtp_missing: list[int]
     mtp_tensor_counts: dict[int, int]
     config_error: str | None = None
+    # the model class vLLM builds for config.json (ckpt_tool.mapping.profiles.model_class): text or vision, the
+    # target and draft classes, the vision tower's size; None without a config
+    model: dict | None = None
     missing_tensors: dict[str, list[str]] = field(default_factory=dict)  # group (layers.L, mtp.i, globals) -> names
     problems: list[str] = field(default_factory=list)
 
@@ -293,9 +296,18 @@ def summarize(
         mtp_missing=missing,
         mtp_tensor_counts=dict(sorted(mtp_counts.items())),
         config_error=config_error,
+        model=_model_of(config),
         missing_tensors=missing_tensors,
         problems=problems,
     )
+
+
+def _model_of(config: V4Config | None) -> dict | None:
+    if config is None:
+        return None
+    from ckpt_tool.mapping.profiles.model_class import model_class_of
+
+    return model_class_of(config).describe(config)
 
 
 def inspect_local(src: str) -> InspectReport:

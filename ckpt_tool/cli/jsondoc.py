@@ -29,6 +29,7 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "mtp_missing",
         "mtp_tensor_counts",
         "config_error",
+        "model",
         "missing_tensors",
         "problems",
     ),

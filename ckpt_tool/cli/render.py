@@ -104,6 +104,20 @@ def render_inspect(r: InspectReport) -> None:
         f"config expert_dtype {q.config_expert_dtype or '-'}",
         highlight=False,
     )
+    if r.model:
+        m = r.model
+        draft = f" and draft {m['draft']}" if m["draft"] else " (no MTP draft)"
+        tower = ""
+        if m.get("vision"):
+            v = m["vision"]
+            tower = (
+                f"; vision tower {v['layers']} blocks, dim {v['dim']}, {v['heads']} heads (split over a tp that "
+                "divides the heads, else replicated on every rank)"
+            )
+        out.print(
+            f"model: {m['class']} — vLLM builds {m['architecture']}{draft}{tower}",
+            highlight=False,
+        )
     out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
     present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
     out.print(

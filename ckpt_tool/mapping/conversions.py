@@ -7,6 +7,8 @@ and its inverse (unconvert), so a new engine dtype is one entry here and one pro
 - ``raw_uint8``: the same bytes, declared U8 (the seed's ``.view(torch.uint8)`` for fp4 experts).
 - ``e8m0_to_f32``: an E8M0 byte ``b`` becomes float32 ``2^(b-127)`` (a scale landing in a float32
   parameter); a float32 source is copied.
+- ``to_bf16`` / ``to_f32``: a float32 source rounded to bfloat16 (nearest even, as torch casts), a bfloat16
+  source widened to float32; a source already in the output dtype is copied.
 - ``int_to_i32``: a 64-bit integer table (``tid2eid``) becomes int32, refused if a value does not fit;
   an int32 source is copied.
 
@@ -23,10 +25,17 @@ from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
 from ckpt_tool.errors import CheckpointError
 
 BYTEWISE = ("copy", "raw_uint8")  # output bytes are the source bytes
-KINDS = (*BYTEWISE, "e8m0_to_f32", "int_to_i32")
+KINDS = (*BYTEWISE, "e8m0_to_f32", "int_to_i32", "to_bf16", "to_f32")
 
 # kind -> (source dtype it converts, output dtype); other source dtypes are copied unchanged.
-_CONVERTS = {"e8m0_to_f32": ("F8_E8M0", "F32"), "int_to_i32": ("I64", "I32")}
+# to_bf16 / to_f32: a vision-tower tensor stored in the other float dtype lands in the engine's BF16 (F32 for
+# image_*) parameter as vLLM's loader copy_()s it: torch's cast, round to nearest even.
+_CONVERTS = {
+    "e8m0_to_f32": ("F8_E8M0", "F32"),
+    "int_to_i32": ("I64", "I32"),
+    "to_bf16": ("F32", "BF16"),
+    "to_f32": ("BF16", "F32"),
+}
 
 
 def effective(src_dtype: str, kind: str) -> str:
@@ -87,6 +96,14 @@ def forward(kind: str, raw: memoryview | bytes, info: TensorInfo) -> bytes:
                 "engine's int32 parameter; the table is corrupt — re-download this shard"
             )
         return v.astype("<i4").tobytes()
+    if kind == "to_bf16":
+        bits = np.frombuffer(raw, dtype="<u4")
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even on the dropped 16 bits
+        rounded[nan] = (bits[nan] >> 16) | 0x40  # a NaN stays a (quiet) NaN
+        return rounded.astype("<u2").tobytes()
+    if kind == "to_f32":
+        return (np.frombuffer(raw, dtype="<u2").astype("<u4") << 16).tobytes()
     raise AssertionError(f"forward() of bytewise or unknown conversion {kind!r}")
 
 
@@ -109,4 +126,11 @@ def inverse(kind: str, raw: bytes, where: str):
         return b
     if kind == "int_to_i32":
         return np.frombuffer(raw, dtype="<i4").astype("<i8").view(np.uint8)
+    if kind == "to_f32":
+        bits = np.frombuffer(raw, dtype="<u4")
+        if (bits & 0xFFFF).any():
+            raise CheckpointError(f"{where}: a float32 value is not a widened bfloat16")
+        return (bits >> 16).astype("<u2").view(np.uint8)
+    if kind == "to_bf16":
+        raise CheckpointError(f"{where}: float32 rounded to bfloat16 cannot be restored")
     return np.frombuffer(raw, dtype=np.uint8)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile
+from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile, model_class_of
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,10 @@ class _Table:
         self.add(f"{g}.weight", (E, D), "BF16")
         if hash_layer:
             self.add(f"{g}.tid2eid", (c.vocab_size, c.num_experts_per_tok), n.tid2eid)
-        else:
+        if not hash_layer or c.is_vision:  # nvidia/model.py: "Vision checkpoints ship a gate bias on hash layers too"
             self.add(f"{g}.e_score_correction_bias", (E,), "F32")
+        if c.is_vision:  # DeepseekV4MoE.gate.bias_vl, float32, every block (the draft's too)
+            self.add(f"{g}.bias_vl", (E,), "F32")
         if c.n_shared_experts and n.shared_pad:
             # DeepseekV4MLP: n_local = cdiv(I // block, tp) blocks a rank, intermediate_size = n_local * block * tp;
             # gate_up_proj = MergedColumnParallelLinear([I_pad] * 2), down_proj = RowParallelLinear(I_pad, D)
@@ -148,7 +150,13 @@ def engine_params(
         t.add(f"{head}.hc_head_fn", (hc, hc * D), "F32")
         t.add(f"{head}.hc_head_base", (hc,), "F32")
         t.add(f"{head}.hc_head_scale", (1,), "F32")
-        return t.params
+        if not cfg.is_vision:
+            return t.params
+        # DeepseekV4ForConditionalGeneration (common/vl_model.py): the text model under language_model., the tower
+        prefix = model_class_of(cfg).target_prefix
+        params = {prefix + n: EngineParam(prefix + n, p.shape, p.dtype, p.prefix) for n, p in t.params.items()}
+        params.update(vision_params(cfg, tp))
+        return params
     for S in cfg.mtp_layer_ids:  # MTP blocks never compress and are never hash-routed
         p = f"model.layers.{S}"
         t.add(f"{p}.enorm.weight", (D,), "BF16")
@@ -162,6 +170,41 @@ def engine_params(
         t.add(f"{p}.shared_head.head.weight", (V // tp, D), "BF16")
         t.block(f"{p}.mtp_block", ratio=0, hash_layer=False)
     return t.params
+
+
+def vision_params(cfg: V4Config, tp: int) -> dict[str, EngineParam]:
+    """One rank's vision tower, aligner and image_* parameters (vllm/models/deepseek_v4/common/vision.py, 0.33.0 and
+    0.34.0): BF16 (the tower is cast to the model dtype), image_* float32; the tower's parallel layers split over tp,
+    or hold everything whole when vision_n_heads does not divide tp (vllm/model_executor/models/vision.py
+    is_vit_use_data_parallel: the tower and the aligner are built with disable_tp)."""
+    T = tp if cfg.vision_n_heads % tp == 0 else 1
+    D, I, H = cfg.vision_dim, cfg.vision_inter_dim, cfg.hidden_size
+    P, r = cfg.vision_patch_size, cfg.vision_downsample_ratio
+    out: dict[str, EngineParam] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> None:
+        out[name] = EngineParam(name, shape, dtype)
+
+    add("vision.patch_embed.proj.weight", (D, 3 * P * P))
+    add("vision.patch_embed.proj.bias", (D,))
+    for b in range(cfg.vision_n_layers):
+        p = f"vision.blocks.{b}"
+        add(f"{p}.norm1.weight", (D,))
+        add(f"{p}.norm2.weight", (D,))
+        add(f"{p}.attn.wqkv.weight", (3 * D // T, D))  # QKVParallelLinear: heads/T of each of q, k, v
+        add(f"{p}.attn.wqkv.bias", (3 * D // T,))
+        add(f"{p}.attn.wo.weight", (D, D // T))  # RowParallelLinear
+        add(f"{p}.attn.wo.bias", (D,))
+        add(f"{p}.mlp.w1.weight", (2 * I // T, D))  # MergedColumnParallelLinear [I, I]
+        add(f"{p}.mlp.w2.weight", (D, I // T))
+    add("vision.norm.weight", (D,))
+    add("aligner.w1.weight", (H // T, D * r * r))  # ColumnParallelLinear
+    add("aligner.w1.bias", (H // T,))
+    add("aligner.w2.weight", (H, H // T))  # RowParallelLinear
+    add("aligner.w2.bias", (H,))
+    for name in ("image_start", "image_end", "image_newline", "image_pad"):
+        add(name, (H,), "F32")
+    return out
 
 
 def compare_with_engine(

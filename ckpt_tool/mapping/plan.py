@@ -34,7 +34,7 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES, canonical_name
+from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES, canonical_name, model_class_of
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split, indexable
 
 GiB = 1024**3
@@ -260,6 +260,8 @@ def _binds(rule: Rule, cfg: V4Config) -> list[dict[str, int]]:
     binds: list[dict[str, int]] = [{}]
     if "{layer}" in text:
         binds = [{**b, "layer": i} for b in binds for i in range(cfg.num_hidden_layers)]
+    if "{vblock}" in text:
+        binds = [{**b, "vblock": i} for b in binds for i in range(cfg.vision_n_layers)]
     if "{mtp}" in text:
         mtps = range(cfg.num_nextn_predict_layers)
         if rule.when_mtp == "first":
@@ -526,7 +528,11 @@ def _plan_group(
     rule, tp = g.rule, opts.tp
     if rule.kind in ("rename", "fuse"):
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
+        if rule.replicate_unless and getattr(cfg, rule.replicate_unless) % tp:
+            split_dim = None  # the engine holds this tensor whole on every rank at this tp
         infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
+        if rule.sections > 1 and split_dim == 0 and tp > 1:
+            return _plan_sections(infos[0], rule.sections, tp, conv_of(infos[0], rule))
         first = infos[0]
         conv = conversions.effective(first.dtype, rule.convert)
         if rule.pad and split_dim is not None and tp > 1:
@@ -581,6 +587,31 @@ def _plan_group(
             names, n_local = srcs, E
         rows = sum(b[1] - b[0] for b in bounds)
         out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0], 0))
+    return out
+
+
+def conv_of(info: TensorInfo, rule: Rule) -> str:
+    return conversions.effective(info.dtype, rule.convert)
+
+
+def _plan_sections(
+    info: TensorInfo, sections: int, tp: int, conv: str
+) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+    """Per rank of one tensor fused on disk from ``sections`` equal row blocks: rank r holds chunk r of every
+    section, in section order (see Rule.sections)."""
+    rows, cols = _rows_cols(info)
+    if rows % (sections * tp):
+        raise PlanError(
+            f"{info.file}: tensor {info.name!r}: {rows} rows are not {sections} sections that split evenly over "
+            f"tp={tp}; choose a tp that divides {rows // sections if rows % sections == 0 else rows}"
+        )
+    sec, step = rows // sections, rows // sections // tp
+    names = (info.name,) * sections
+    out = []
+    for rank in range(tp):
+        bounds = tuple((k * sec + rank * step, k * sec + (rank + 1) * step, 0, cols) for k in range(sections))
+        shape = (sections * step, *info.shape[1:])
+        out.append((shape, Segments(names, bounds, conv), info.name, 0))
     return out
 
 
@@ -662,7 +693,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         raise PlanError(f"--moe-parallel must be 'tp' or 'ep', got {opts.moe_parallel!r}")
     if opts.profile not in PROFILES:
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
-    rules = PROFILES[opts.profile].rules(config.expert_dtype)
+    rules = PROFILES[opts.profile].rules(config.expert_dtype, model_class_of(config))
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
@@ -883,7 +914,7 @@ def needed_sources(names: list[str] | set[str], config: V4Config, opts: Options)
     names = set(names)
     if opts.only != "mtp":
         return names
-    rules = PROFILES[opts.profile].rules(config.expert_dtype)
+    rules = PROFILES[opts.profile].rules(config.expert_dtype, model_class_of(config))
     keep: set[str] = set()
     for name in names:
         hit = _match(rules, name)

@@ -4,9 +4,9 @@ What one engine release does differently (renamed modules, parameter dtypes, zer
 profile's data, one module per profile in :mod:`ckpt_tool.mapping.profiles`.
 
 A rule maps one or more source tensors (DeepSeek's names, with placeholders ``{layer}``, ``{mtp}``,
-``{expert}``) to one output tensor (the engine's parameter name, with those placeholders and
-``{spec}`` = num_hidden_layers + mtp). Patterns compile to anchored regexes over whole dot-separated
-segments, so a rule can never hit a substring of another name (the seed loader's
+``{expert}``, ``{vblock}`` = a vision tower block) to one output tensor (the engine's parameter name,
+with those placeholders and ``{spec}`` = num_hidden_layers + mtp). Patterns compile to anchored regexes
+over whole dot-separated segments, so a rule can never hit a substring of another name (the seed loader's
 ``name.replace(".norm.weight", ...)`` style is exactly what this avoids).
 
 Rule kinds:
@@ -15,6 +15,9 @@ Rule kinds:
 - ``StackExperts``: per-expert sources (``{expert}`` = 0..E-1) stacked into one [E, ...] tensor, each
   expert's parts concatenated on dim 0 first (w1|w3 → w13).
 - ``Drop``: a source deliberately not written (recorded in the plan).
+
+``Rename`` takes two options the vision tower needs: ``sections`` (one tensor fused on disk, split per
+section) and ``replicate_unless`` (a split that applies only when tp divides a config value).
 
 Conversions (``convert``): ``copy`` keeps the stored dtype and bytes; ``raw_uint8`` writes the same
 bytes as U8 (the seed's ``.view(torch.uint8)`` for fp4 experts and their E8M0 scales); ``e8m0_to_f32``
@@ -52,6 +55,13 @@ class Rule:
     # the engine zero-pads this TP split up to whole 128-blocks per rank where the blocks do not divide tp
     # (set by the profile, see Profile.pads); otherwise such a split is refused
     pad: bool = False
+    # Split.DIM0 of one tensor fused on disk from ``sections`` equal row blocks (q|k|v, gate|up): each section is
+    # split over tp and rank r holds its chunk of every section, in order (vLLM's QKVParallelLinear /
+    # MergedColumnParallelLinear loading a whole fused tensor, shard_id None)
+    sections: int = 1
+    # the config key tp must divide for the split to apply; otherwise every rank holds the whole tensor
+    # (vLLM's vision tower falls back to replicated weights when its heads do not divide tp)
+    replicate_unless: str | None = None
     regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -77,7 +87,7 @@ def Drop(src: str, note: str, **kw) -> Rule:
     return Rule("drop", (src,), None, note=note, **kw)
 
 
-_PLACEHOLDER = re.compile(r"\{(layer|mtp|expert)\}")
+_PLACEHOLDER = re.compile(r"\{(layer|mtp|expert|vblock)\}")
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -102,7 +112,7 @@ def pattern_template(pattern: str) -> str | None:
     """
     out = []
     for seg in pattern.split("."):
-        if seg in ("{layer}", "{mtp}", "{expert}"):
+        if seg in ("{layer}", "{mtp}", "{expert}", "{vblock}"):
             out.append("#")
         elif "{" in seg or "}" in seg or _NUMBER.fullmatch(seg):
             return None
@@ -288,3 +298,72 @@ MATERIALIZE = {
     "mtp.{mtp}.emb.tok_emb.weight": "embed.weight",
     "mtp.{mtp}.head.weight": "head.weight",
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# The vision model (DeepseekV4ForConditionalGeneration): what it adds to the text model's table.
+# Names as vLLM 0.33.0 / 0.34.0 consume them: vllm/models/deepseek_v4/common/vl_model.py (hf_to_vllm_mapper: `vision.`,
+# `aligner.`, `image_` pass unchanged, "Weight names match the HF checkpoint") and common/vision.py (the modules).
+
+
+def vision_block_rules() -> list[Rule]:
+    """Router tensors every decoder block of the vision model adds, in the text model's names (the model class
+    prefixes the target model's). ``gate.bias`` of hash layers already matches the text rule."""
+    # DeepseekV4MoE.gate.bias_vl (nvidia/model.py): float32 [E], routes the image sentinel tokens; replicated
+    rules = [
+        Rename("layers.{layer}.ffn.gate.bias_vl", "model.layers.{layer}.ffn.gate.bias_vl", note="image-token routing"),
+        Rename(
+            "mtp.{mtp}.ffn.gate.bias_vl",
+            "model.layers.{spec}.mtp_block.ffn.gate.bias_vl",
+            component="mtp",
+            note="DeepSeekV4MTP keeps the vision config: its block builds bias_vl too",
+        ),
+    ]
+    return [_compiled(r) for r in rules]
+
+
+def vision_tower_rules() -> list[Rule]:
+    """The vision tower, the aligner and the image_* embeddings: unprefixed, BF16 (image_* F32) as the parameters
+    hold them; split as vision.py's parallel layers split them, or whole on every rank when vision_n_heads does
+    not divide tp (vllm/model_executor/models/vision.py is_vit_use_data_parallel)."""
+    v, b = "vision", "vision.blocks.{vblock}"
+    heads = dict(replicate_unless="vision_n_heads")
+    bf16 = dict(convert="to_bf16")
+    rules = [
+        Rename(f"{v}.patch_embed.proj.weight", f"{v}.patch_embed.proj.weight", note="ReplicatedLinear", **bf16),
+        Rename(f"{v}.patch_embed.proj.bias", f"{v}.patch_embed.proj.bias", **bf16),
+        Rename(f"{b}.norm1.weight", f"{b}.norm1.weight", **bf16),
+        Rename(f"{b}.norm2.weight", f"{b}.norm2.weight", **bf16),
+        Rename(
+            f"{b}.attn.wqkv.weight",
+            f"{b}.attn.wqkv.weight",
+            Split.DIM0,
+            note="QKVParallelLinear: rows q|k|v, each split by heads",
+            sections=3,
+            **heads,
+            **bf16,
+        ),
+        Rename(f"{b}.attn.wqkv.bias", f"{b}.attn.wqkv.bias", Split.DIM0, sections=3, **heads, **bf16),
+        Rename(f"{b}.attn.wo.weight", f"{b}.attn.wo.weight", Split.DIM1, note="RowParallelLinear", **heads, **bf16),
+        Rename(f"{b}.attn.wo.bias", f"{b}.attn.wo.bias", note="row-parallel bias: whole", **bf16),
+        Rename(
+            f"{b}.mlp.w1.weight",
+            f"{b}.mlp.w1.weight",
+            Split.DIM0,
+            note="MergedColumnParallelLinear: rows gate|up, each split",
+            sections=2,
+            **heads,
+            **bf16,
+        ),
+        Rename(f"{b}.mlp.w2.weight", f"{b}.mlp.w2.weight", Split.DIM1, note="RowParallelLinear", **heads, **bf16),
+        Rename(f"{v}.norm.weight", f"{v}.norm.weight", **bf16),
+        Rename("aligner.w1.weight", "aligner.w1.weight", Split.DIM0, note="ColumnParallelLinear", **heads, **bf16),
+        Rename("aligner.w1.bias", "aligner.w1.bias", Split.DIM0, **heads, **bf16),
+        Rename("aligner.w2.weight", "aligner.w2.weight", Split.DIM1, note="RowParallelLinear", **heads, **bf16),
+        Rename("aligner.w2.bias", "aligner.w2.bias", **bf16),
+    ]
+    rules += [Rename(n, n, convert="to_f32", note="float32 parameter of the wrapper") for n in IMAGE_EMBEDDINGS]
+    return [_compiled(r) for r in rules]
+
+
+IMAGE_EMBEDDINGS = ("image_start", "image_end", "image_newline", "image_pad")

@@ -31,7 +31,7 @@ import logging
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
+from ckpt_tool.mapping.profiles import model_class_of
 from ckpt_tool.verify import quant
 from ckpt_tool.verify.rows import RowReader, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
@@ -60,6 +61,13 @@ class Part:
 
     source: str
     rows: int
+    row0: int = 0  # the part's first row in the source tensor (a section of a tensor fused on disk: q|k|v)
+    section: str = ""  # that section's name, which tells its coverage unit apart
+
+    @property
+    def key(self) -> str:
+        """What coverage counts this part as: the source, or one section of it."""
+        return f"{self.source} ({self.section})" if self.section else self.source
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class ExactUnit:
     source: str
     layout: str
     ranks: tuple[int, ...]
+    sections: int = 1  # col: the source is this many equal sections, each split over the ranks (a q|k|v bias)
 
 
 Unit = LinearUnit | ExactUnit
@@ -119,8 +128,8 @@ class _Builder:
         self.group = ""
         self.all_ranks = tuple(range(tp))
 
-    def exact(self, name: str, source: str, layout: str = "full") -> None:
-        self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks))
+    def exact(self, name: str, source: str, layout: str = "full", sections: int = 1) -> None:
+        self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks, sections))
 
     def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str, per_rank: int | None = None) -> None:
         self.units.append(
@@ -137,10 +146,42 @@ class _Builder:
             )
         )
 
-    def bf16(self, name: str, parts: list[tuple[str, int]], inp: int, layout: str = "full") -> None:
-        self.units.append(
-            LinearUnit(self.group, name, None, "bf16", tuple(Part(s, r) for s, r in parts), inp, layout, self.all_ranks)
-        )
+    def bf16(self, name: str, parts: list[tuple[str, int]] | list[Part], inp: int, layout: str = "full") -> None:
+        ps = tuple(p if isinstance(p, Part) else Part(*p) for p in parts)
+        self.units.append(LinearUnit(self.group, name, None, "bf16", ps, inp, layout, self.all_ranks))
+
+    def vision(self) -> None:
+        """The vision tower, aligner and image_* (vllm/models/deepseek_v4/common/vision.py): BF16 linears compared
+        by value, split as the engine splits them (q|k|v and gate|up per section), or whole on every rank when
+        vision_n_heads does not divide tp."""
+        c = self.cfg
+        D, I, H, P, r = c.vision_dim, c.vision_inter_dim, c.hidden_size, c.vision_patch_size, c.vision_downsample_ratio
+        split = c.vision_n_heads % self.tp == 0
+        col, row = ("col", "row") if split else ("full", "full")
+        self.group = "vision"
+        self.bf16("vision.patch_embed.proj.weight", [("vision.patch_embed.proj.weight", D)], 3 * P * P)
+        self.exact("vision.patch_embed.proj.bias", "vision.patch_embed.proj.bias")
+        for b in range(c.vision_n_layers):
+            p = f"vision.blocks.{b}"
+            self.group = p
+            self.exact(f"{p}.norm1.weight", f"{p}.norm1.weight")
+            self.exact(f"{p}.norm2.weight", f"{p}.norm2.weight")
+            qkv = f"{p}.attn.wqkv.weight"
+            self.bf16(qkv, [Part(qkv, D, k * D, sec) for k, sec in enumerate("qkv")], D, col)
+            self.exact(f"{p}.attn.wqkv.bias", f"{p}.attn.wqkv.bias", col, sections=3 if split else 1)
+            self.bf16(f"{p}.attn.wo.weight", [(f"{p}.attn.wo.weight", D)], D, row)
+            self.exact(f"{p}.attn.wo.bias", f"{p}.attn.wo.bias")
+            w1 = f"{p}.mlp.w1.weight"
+            self.bf16(w1, [Part(w1, I, 0, "gate"), Part(w1, I, I, "up")], D, col)
+            self.bf16(f"{p}.mlp.w2.weight", [(f"{p}.mlp.w2.weight", D)], I, row)
+        self.group = "vision"
+        self.exact("vision.norm.weight", "vision.norm.weight")
+        self.bf16("aligner.w1.weight", [("aligner.w1.weight", H)], D * r * r, col)
+        self.exact("aligner.w1.bias", "aligner.w1.bias", col)
+        self.bf16("aligner.w2.weight", [("aligner.w2.weight", H)], H, row)
+        self.exact("aligner.w2.bias", "aligner.w2.bias")
+        for name in ("image_start", "image_end", "image_newline", "image_pad"):
+            self.exact(name, name)
 
     def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
         c, n = self.cfg, self.n
@@ -183,8 +224,10 @@ class _Builder:
         self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", E)], D)
         if hash_layer:
             self.exact(f"{g}.tid2eid", f"{sf}.gate.tid2eid")
-        else:
+        if not hash_layer or c.is_vision:  # the vision model's hash layers have a gate bias too
             self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
+        if c.is_vision:
+            self.exact(f"{g}.bias_vl", f"{sf}.gate.bias_vl")
         if c.n_shared_experts:
             sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
             per_rank = None
@@ -257,6 +300,10 @@ def tensor_units(
                 ratio=cfg.compress_ratio(layer),
                 hash_layer=layer < cfg.num_hash_layers,
             )
+        if cfg.is_vision:  # DeepseekV4ForConditionalGeneration: the text model under language_model., the tower
+            prefix = model_class_of(cfg).target_prefix
+            b.units = [_prefixed(u, prefix) for u in b.units]
+            b.vision()
         return b.units
     # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
     emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
@@ -277,6 +324,12 @@ def tensor_units(
     return b.units
 
 
+def _prefixed(u: Unit, prefix: str) -> Unit:
+    if isinstance(u, ExactUnit):
+        return replace(u, name=prefix + u.name)
+    return replace(u, weight=prefix + u.weight, scale=None if u.scale is None else prefix + u.scale)
+
+
 def unit_tensors(u: Unit) -> list[str]:
     """Engine tensor names a unit checks."""
     if isinstance(u, ExactUnit):
@@ -291,7 +344,7 @@ def unit_label(u: Unit) -> str:
 
 def unit_parts(u: Unit) -> list[str]:
     """The source tensors (quantized linears: base names) a unit holds, in order."""
-    return [u.source] if isinstance(u, ExactUnit) else [p.source for p in u.parts]
+    return [u.source] if isinstance(u, ExactUnit) else [p.key for p in u.parts]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +546,7 @@ class LinearRunner:
 
     def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if u.kind == "bf16":
-            return self.sides.source_rows(part.source, a, b), None
+            return self.sides.source_rows(part.source, part.row0 + a, part.row0 + b), None
         s0, s1 = _scale_rows(u.kind, a, b)
         return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(
             f"{part.source}.scale", s0, s1
@@ -562,6 +615,17 @@ class LinearRunner:
                 w_src, s_src = self._source_tile(u, part, a, b)
                 if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
                     i = u.ranks.index(owner) if owner is not None else 0
+                    if u.layout == "row":  # each rank holds its columns of every row
+                        kr = u.share(u.inp)
+                        for j, r in enumerate(u.ranks):
+                            got, _ = self._engine_tile(u, r, slots[r], off + a, off + b)
+                            if not torch.equal(got, w_src[:, j * kr : (j + 1) * kr].to(got.dtype)):
+                                return (
+                                    f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} "
+                                    f"(rows {a}:{b}, columns {j * kr}:{(j + 1) * kr})"
+                                )
+                            ran.add(r)
+                        continue
                     holders = (
                         [(owner, local_off + a - i * u.share(part.rows))]
                         if u.layout == "col"
@@ -569,7 +633,7 @@ class LinearRunner:
                     )
                     for r, local in holders:
                         got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
-                        if not torch.equal(got, w_src):
+                        if not torch.equal(got, w_src.to(got.dtype)):  # a float32 tower lands rounded to bf16
                             return (
                                 f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows "
                                 f"{a}:{b})"
@@ -598,7 +662,7 @@ class LinearRunner:
                         w, s = self._engine_tile(u, r, slots[r], off + a, off + b)
                         note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}"))
                         ran.add(r)
-            self._done(u, part.source, ran)
+            self._done(u, part.key, ran)
             for holder, (d, amax) in worst.items():
                 rel = d / max(amax, 1e-30)
                 if not rel <= LINEAR_MAX_REL:
@@ -620,7 +684,7 @@ class LinearRunner:
                             f"padding after part {part.source} but compute nonzero output (max |y| "
                             f"{y.abs().max().item():.3g})"
                         )
-                    self._done(u, part.source, [r])
+                    self._done(u, part.key, [r])
             off += part.rows
             local_off += u.share(part.rows) if u.layout == "col" else part.rows
         return None
@@ -634,8 +698,10 @@ class LinearRunner:
             got = self.sides.reader.whole(path, einfo)
             want = src
             if u.layout == "col":
-                n = src.shape[0] // T
-                want = src[i * n : (i + 1) * n]
+                n = src.shape[0] // u.sections // T
+                want = torch.cat([sec[i * n : (i + 1) * n] for sec in src.chunk(u.sections)])
+            if want.dtype.is_floating_point and got.dtype.is_floating_point:
+                want = want.to(got.dtype)  # the engine's parameter dtype, as its loader casts (vision tower, image_*)
             same = tuple(got.shape) == tuple(want.shape) and _same_values(want, got)
             self._done(u, u.source, [r])
             if not same:

@@ -19,6 +19,11 @@ every corruption the self-tests inject (swapped fused halves, wrong rank slice, 
 far outside them. Structure and value checks run
 first and catch byte-level corruption exactly; this level proves the layout means what the engine
 will compute.
+
+The vision model (DeepseekV4ForConditionalGeneration) serves the same draft, so the forward is the same: its
+``bias_vl`` routes only the image sentinel tokens (vLLM's router, ``fused_moe/router/dsv4_topk.py``, 0.33.0/0.34.0),
+which text tokens never are, so the forward does not read it; linear_check compares it, the tower and the aligner
+by value and counts them in the coverage.
 """
 
 from __future__ import annotations

@@ -242,6 +242,20 @@ def test_good_out_passes_beside_a_level_and_names_the_release(
     assert f"engine: vLLM {release}" in text and "| mtp/rank-1 | 41 | yes | ✅ |" in text
 
 
+@pytest.mark.parametrize("variant,tp", [("vl-fp4", 2), ("vl-fp4-h2", 4)])
+def test_a_vision_out_is_judged_by_vllms_vision_class(serving_python, converted, variant, tp) -> None:
+    """The probe builds what vLLM's registry resolves: for a config with vision_n_layers > 0 that is
+    DeepseekV4ForConditionalGeneration (the tower split at tp 2, replicated when its heads do not divide tp 4)."""
+    proc = verify(converted(variant, tp), "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["engine"]["ranks"] == 2 * tp
+    messages = {c["name"]: c["message"] for c in doc["results"] if c["name"].startswith("engine-vllm:")}
+    for r in range(tp):
+        assert "(DeepseekV4ForConditionalGeneration): 136 parameters match" in messages[f"engine-vllm:model/rank-{r}"]
+        assert "(DeepSeekV4MTP): 42 parameters match" in messages[f"engine-vllm:mtp/rank-{r}"]
+
+
 def test_out_for_another_profile_fails_naming_keys_on_every_rank(engine_site, serving_python, converted) -> None:
     out = converted("fp4", 2, target="vllm-seed")
     proc = verify(out, "--engine", "--engine-python", serving_python, "--json")

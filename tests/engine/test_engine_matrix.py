@@ -32,6 +32,7 @@ def target_of(release) -> str:
     return os.environ.get("ENGINE_TARGET") or release.profile
 
 
+COMPONENTS = ("model", "mtp")
 CAST_WARNING = "Attempted to load weight"  # ShardedStateLoader: file dtype != parameter dtype (it casts)
 EXPERT_SCALE_SRC = re.compile(r"(^|\.)experts\.\d+\.w[123]\.scale$")
 
@@ -45,9 +46,11 @@ def _convert(src: Path, out: Path, tp: int, ep: bool, target: str) -> dict:
     return json.loads((out / "ckpt-tool.json").read_text())
 
 
-def _jobs(src: Path, out: Path, tp: int, ep: bool, dumps: Path, *, ops=("sharded-load", "stock-load")) -> list[dict]:
+def _jobs(
+    src: Path, out: Path, tp: int, ep: bool, dumps: Path, *, ops=("sharded-load", "stock-load"), components=COMPONENTS
+) -> list[dict]:
     jobs = []
-    for component in ("model", "mtp"):
+    for component in components:
         for rank in range(tp):
             base = {"config": str(src), "tp": tp, "rank": rank, "ep": ep, "component": component}
             if "sharded-load" in ops:
@@ -86,9 +89,11 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _mtp_materialized_keys(manifest: dict, num_hidden_layers: int) -> dict[str, str]:
-    """Engine key of the MTP component -> engine key of the model component it was materialized from."""
+def _mtp_materialized_keys(manifest: dict, num_hidden_layers: int, target_prefix: str = "") -> dict[str, str]:
+    """Engine key of the MTP component -> engine key of the model component it was materialized from
+    (``target_prefix``: the vision model holds the text model's keys under ``language_model.``)."""
     real_to_key = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}
+    real_to_key = {real: target_prefix + key for real, key in real_to_key.items()}
     out = {}
     for alias, real in manifest.get("materialized", {}).items():
         m = re.fullmatch(r"mtp\.(\d+)\.(emb\.tok_emb|head)\.weight", alias)
@@ -103,18 +108,26 @@ def _mtp_materialized_keys(manifest: dict, num_hidden_layers: int) -> dict[str, 
     return out
 
 
-def compare(results: list[dict], tp: int, manifest: dict, num_hidden_layers: int) -> tuple[list, list, list]:
+def compare(
+    results: list[dict],
+    tp: int,
+    manifest: dict,
+    num_hidden_layers: int,
+    *,
+    components=COMPONENTS,
+    target_prefix: str = "",
+) -> tuple[list, list, list]:
     """(problems, allowed deviations seen, remaining loader warnings) of sharded-load vs stock-load, all ranks."""
     by = {(r["op"], r["job"]["component"], r["job"]["rank"]): r for r in results}
     for r in results:
         assert r["error"] is None, f"worker could not run {r['op']} {r['job']}: {r['error']}"
-    materialized = _mtp_materialized_keys(manifest, num_hidden_layers)
+    materialized = _mtp_materialized_keys(manifest, num_hidden_layers, target_prefix)
     e8m0_deviation = any("E8M0" in d for d in manifest.get("deviations", []))
     problems: list[str] = []
     allowed: list[str] = []
     warnings_left: list[str] = []
 
-    for component in ("model", "mtp"):
+    for component in components:
         for rank in range(tp):
             where = f"{component} rank {rank}"
             sh = by[("sharded-load", component, rank)]
@@ -262,6 +275,48 @@ def test_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_
     _report(
         f"[{vllm_release.id} {variant} tp{tp}{' ep' if ep else ''} --target {target}] convert {t_convert:.1f}s, "
         f"vLLM {t_engine:.1f}s ({len(results)} builds)",
+        allowed,
+        warnings_left,
+    )
+    assert not problems, "\n".join(problems)
+
+
+# The vision model (DeepseekV4ForConditionalGeneration, vllm/models/deepseek_v4/common/vl_model.py): the worker builds
+# the class vLLM's registry resolves for a config with vision_n_layers > 0. (variant, tp, expert parallel)
+VISION_CASES = [
+    ("vl-fp4", 1, False),
+    ("vl-fp4", 2, False),
+    ("vl-fp4", 4, False),
+    ("vl-fp4", 2, True),
+    ("vl-fp4-nomtp", 2, False),  # no draft: the target model only
+    ("vl-fp4-h2", 2, False),  # 2 vision heads: the tower splits at tp 2 ...
+    ("vl-fp4-h2", 4, False),  # ... and vLLM replicates it (and the aligner) at tp 4
+    ("vl-fp4-f32", 2, False),  # a float32 tower: OUT holds what vLLM's stock load casts it to
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "tp", "ep"), VISION_CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}" for v, t, e in VISION_CASES]
+)
+def test_vision_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
+    t0 = time.perf_counter()
+    target = target_of(vllm_release)
+    src = fixture_dir(variant)
+    config = json.loads((src / "config.json").read_text())
+    components = COMPONENTS if config["num_nextn_predict_layers"] else ("model",)
+    out = tmp_path / "out"
+    manifest = _convert(src, out, tp, ep, target)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(components)
+    results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps", components=components))
+    classes = {r["job"]["component"]: r.get("class") for r in results}
+    assert classes["model"].endswith("vl_model.DeepseekV4ForConditionalGeneration"), classes
+    problems, allowed, warnings_left = compare(
+        results, tp, manifest, config["num_hidden_layers"], components=components, target_prefix="language_model."
+    )
+    problems += engine_table_problems(results, src, tp, ep, target)
+    _report(
+        f"[{vllm_release.id} {variant} tp{tp}{' ep' if ep else ''} --target {target}] "
+        f"{time.perf_counter() - t0:.1f}s ({len(results)} builds)",
         allowed,
         warnings_left,
     )

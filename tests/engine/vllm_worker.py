@@ -116,6 +116,10 @@ def _build(job: dict, load_format: str):
         else:
             raise ValueError(f"component must be 'model' or 'mtp', got {component!r}")
         registry_cls = get_model_architecture(model_config)[0]
+        if component == "model" and registry_cls.__name__ == "DeepseekV4ForConditionalGeneration":
+            # a config with vision_n_layers > 0: vLLM's arch convertor rewrites architectures and the registry
+            # resolves the vision wrapper (vllm/models/deepseek_v4/common/vl_model.py): build what it serves
+            cls = registry_cls
         # BaseModelLoader.load_model builds under the model dtype and the target device (here: the CPU).
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = initialize_model(cfg, model_class=cls, model_config=model_config)

@@ -2,18 +2,21 @@
 
 Adding a vLLM release whose layout is unchanged is one version in an existing profile's ``covers`` and
 ``verified``; a release that changes the layout is one new module beside these and one entry in
-``_MODULES`` (docs/adding-a-vllm-release.md is the checklist). Everything else — the engine table verify
-holds OUT against, the names numeric verification reads, ``--target auto``, the engine test matrix —
+``_MODULES`` (docs/adding-a-vllm-release.md is the checklist). The model class (text or vision,
+:mod:`.model_class`) is a second dimension applied on top of any profile. Everything else — the engine
+table verify holds OUT against, the names numeric verification reads, ``--target auto``, the engine test matrix —
 derives from these records.
 """
 
 from __future__ import annotations
 
 from ckpt_tool.mapping.profiles import vllm_0_33_plus, vllm_seed
+from ckpt_tool.mapping.profiles.model_class import MODEL_CLASSES, TEXT, VISION, ModelClass, model_class_of
 from ckpt_tool.mapping.profiles.profile import ConvertOverride, EngineNames, Profile, series_of
 
 __all__ = [
-    "ALIASES", "DEFAULT_PROFILE", "PROFILES", "ConvertOverride", "EngineNames", "Profile",
+    "ALIASES", "DEFAULT_PROFILE", "MODEL_CLASSES", "PROFILES", "TEXT", "VISION", "ConvertOverride", "EngineNames",
+    "ModelClass", "Profile", "model_class_of",
     "canonical_name", "get_profile", "known_names", "newest_profile", "series_of", "verified_releases",
 ]  # fmt: skip
 

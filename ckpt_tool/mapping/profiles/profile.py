@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass
 from ckpt_tool.mapping.rules import Rule
 
 
@@ -72,14 +73,20 @@ class Profile:
     notes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
 
-    def rules(self, expert_dtype: str) -> list[Rule]:
+    def rules(self, expert_dtype: str, model_class: ModelClass = TEXT) -> list[Rule]:
+        """This layout's rule table for ``model_class`` (the text model unless given): the class's block rules
+        go through the profile's renames like the base table's, then the target model's keys get the class's
+        prefix; the class's own rules (the vision tower) are added as they are."""
         out = []
-        for rule in self.build(expert_dtype):
+        for rule in [*self.build(expert_dtype), *model_class.block_rules()]:
             rule = override_convert(rule, self.converts, expert_dtype)
             if any(_segment_run(src, run) >= 0 for src in rule.sources for run in self.pads):
                 rule = replace(rule, pad=True)
-            out.append(rename_target(rule, self.renames))
-        return out
+            rule = rename_target(rule, self.renames)
+            if model_class.target_prefix and rule.component == "model" and rule.target is not None:
+                rule = replace(rule, target=model_class.target_prefix + rule.target)
+            out.append(rule)
+        return out + model_class.extra_rules()
 
     @property
     def newest_series(self) -> tuple[int, int] | None:

@@ -1,0 +1,86 @@
+"""The model class: which of vLLM's DeepSeek V4 models a checkpoint is, as data beside the release profile.
+
+A release profile (``vllm_0_33_plus`` ...) says how one vLLM release lays the text model out; a model class says
+what a model built around it changes, the same for every release that serves it. So the text and the vision
+model share one copy of each release's tables:
+
+- ``text``: ``DeepseekV4ForCausalLM`` (vllm/models/deepseek_v4/nvidia/model.py), the tables as they are.
+- ``vision``: ``DeepseekV4ForConditionalGeneration`` (vllm/models/deepseek_v4/common/vl_model.py, vLLM 0.33.0 and
+  0.34.0), chosen by vLLM when config.json has ``vision_n_layers > 0``
+  (vllm/transformers_utils/model_arch_config_convertor.py, DeepseekV4ModelArchConfigConvertor). It wraps the text
+  model under ``language_model.`` (``init_vllm_registered_model(..., prefix="language_model")``), adds
+  ``bias_vl`` to every router (and ``e_score_correction_bias`` to hash layers, vllm/models/deepseek_v4/nvidia/
+  model.py), and holds the vision tower, the aligner and the ``image_*`` embeddings unprefixed
+  (common/vision.py).
+
+Both serve the same speculative draft, ``DeepSeekV4MTP`` (vllm/config/speculative.py turns any ``deepseek_v4``
+config into ``DeepSeekV4MTPModel``), unprefixed; built from the vision config its block has ``bias_vl`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckpt_tool.mapping.rules import Rule, vision_block_rules, vision_tower_rules
+
+
+def _none() -> list[Rule]:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """What one vLLM model class adds to a release profile's layout."""
+
+    name: str  # text | vision
+    architecture: str  # the class vLLM's registry resolves for the target model
+    draft: str  # the class of the speculative draft
+    target_prefix: str  # prefix of every target-model key the text tables name
+    block_rules: Callable[[], list[Rule]] = _none  # rules in the text model's names (prefixed and renamed)
+    extra_rules: Callable[[], list[Rule]] = _none  # rules in the engine's own names (neither)
+    description: str = ""
+
+    def describe(self, config) -> dict:
+        """What vLLM builds for ``config`` (a V4Config): this class, its draft, and the vision tower's size."""
+        doc: dict = {
+            "class": self.name,
+            "architecture": self.architecture,
+            "draft": self.draft if config.num_nextn_predict_layers else None,
+            "target_prefix": self.target_prefix,
+            "description": self.description,
+        }
+        if self.name == "vision":
+            doc["vision"] = {
+                "layers": config.vision_n_layers,
+                "dim": config.vision_dim,
+                "heads": config.vision_n_heads,
+                "inter_dim": config.vision_inter_dim,
+                "patch_size": config.vision_patch_size,
+                "downsample_ratio": config.vision_downsample_ratio,
+            }
+        return doc
+
+
+TEXT = ModelClass(
+    "text",
+    "DeepseekV4ForCausalLM",
+    "DeepSeekV4MTP",
+    "",
+    description="DeepSeek V4 (text)",
+)
+VISION = ModelClass(
+    "vision",
+    "DeepseekV4ForConditionalGeneration",
+    "DeepSeekV4MTP",
+    "language_model.",
+    block_rules=vision_block_rules,
+    extra_rules=vision_tower_rules,
+    description="DeepSeek V4 vision (vision tower, aligner, image embeddings; the text model as language_model)",
+)
+MODEL_CLASSES: dict[str, ModelClass] = {c.name: c for c in (TEXT, VISION)}
+
+
+def model_class_of(config) -> ModelClass:
+    """The model class vLLM builds for ``config`` (a V4Config): vision when ``vision_n_layers > 0``."""
+    return VISION if getattr(config, "is_vision", False) else TEXT
