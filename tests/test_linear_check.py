@@ -116,3 +116,80 @@ def test_row_reader_reads_stacked_expert_rows(fixture_dir, tmp_path) -> None:
     with RowReader() as r:
         assert torch.equal(r.rows(path, info, 3 * N + 5, 3 * N + 9), full[3, 5:9])
         assert torch.equal(r.whole(path, info), full)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_row_reader_direct_windows_read_what_the_file_holds(fixture_dir, tmp_path, monkeypatch, direct) -> None:
+    """Reads of OUT's files (O_DIRECT, small ones through read-ahead windows, evicted least recently used) give the
+    bytes safetensors gives, from many threads at once, up to the last byte of the file; so does the buffered path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors import safe_open
+
+    from ckpt_tool.checkpoint.headers import read_shard_header
+    from ckpt_tool.output import writer
+    from ckpt_tool.verify import rows as tensor_rows
+
+    monkeypatch.setattr(writer, "DIRECT_IO", direct)
+    monkeypatch.setattr(tensor_rows, "WINDOW_BYTES", 8192)
+    monkeypatch.setattr(tensor_rows, "WINDOW_CACHE_BYTES", 3 * 8192)
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=2))
+    path = next((out / "mtp").glob("*.safetensors"))
+    infos = read_shard_header(path, "x").tensors
+    with safe_open(str(path), framework="pt") as fh:
+        full = {n: fh.get_tensor(n) for n in infos}
+    g = torch.Generator().manual_seed(3)
+    jobs = []
+    for name, info in sorted(infos.items(), key=lambda kv: kv[1].start):
+        rows = tensor_rows.row_count(info)
+        for _ in range(4):
+            r0 = int(torch.randint(0, rows, (1,), generator=g))
+            jobs.append((name, r0, int(torch.randint(r0, rows + 1, (1,), generator=g))))
+        jobs.append((name, 0, rows))
+    last = max(infos.values(), key=lambda i: i.start)
+    jobs.append((last.name, tensor_rows.row_count(last) - 1, tensor_rows.row_count(last)))  # the file's last bytes
+
+    with tensor_rows.RowReader(direct_root=out) as reader:
+
+        def read(job):
+            name, r0, r1 = job
+            return reader.rows(path, infos[name], r0, r1)
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(read, jobs))
+        assert reader._fd(path)[1] is direct
+    for (name, r0, r1), t in zip(jobs, got):
+        want = full[name].reshape(-1, full[name].shape[-1] if full[name].dim() else 1)[r0:r1]
+        assert t.shape[0] == r1 - r0
+        assert torch.equal(t.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (name, r0, r1)
+
+
+def test_numeric_level_gives_the_same_report_on_one_worker_or_several(fixture_dir, tmp_path) -> None:
+    """The compute pool only changes who computes: checks, coverage and the forward's metrics are identical (the
+    experts' outputs are summed in the same order whatever thread computed them)."""
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=2))
+    from ckpt_tool.checkpoint.headers import read_shard_header
+    from ckpt_tool.verify.verdict import VerifyReport
+
+    ckpt = open_checkpoint(src)
+    plan = plan_conversion(
+        ckpt.require_config(), ckpt.tensors, Options(**json.loads((out / "ckpt-tool.json").read_text())["options"])
+    )
+    headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
+    reports, threads = [], torch.get_num_threads()
+    for workers in (1, 3):
+        report = VerifyReport(str(out), str(src), "numeric")
+        numeric.check_numeric(
+            out, plan, ckpt, headers, report, kernels="torch", device="cpu", tokens=8, seed=2, workers=workers
+        )
+        reports.append(report)
+    one, many = reports
+    assert one.ok and many.ok, [(c.name, c.message) for c in one.failures + many.failures]
+    assert [(c.name, c.ok) for c in one.checks] == [(c.name, c.ok) for c in many.checks]
+    assert one.coverage == many.coverage and one.coverage["percent"] == 100.0
+    assert one.numeric == many.numeric
+    assert torch.get_num_threads() == threads  # the pool gave the caller its torch threads back

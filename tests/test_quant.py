@@ -327,3 +327,75 @@ def test_fp8_act_quant_scales_are_minimal_powers_of_two(seed: int) -> None:
     err = (quant.fp8_act_dequant(q, s) - x).abs()
     s_full = s.repeat_interleave(128, dim=1)[:, :200]
     assert bool((err <= torch.maximum(x.abs() * 2.0**-4, s_full * 2.0**-10)).all())
+
+
+# ---------------------------------------------------------------- lookup tables and tiled matmuls
+
+
+def test_fp8_block_dequant_decodes_every_e4m3_code_like_the_bit_decoder() -> None:
+    """The lookup table the dequantizer gathers from agrees with the integer decoder on all 256 codes (sign of
+    zero and NaN included), whole-block and ragged shapes alike."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = quant.e4m3_decode_bits(codes)
+    for rows, cols in ((2, 128), (1, 256), (256, 1)):
+        got = quant.fp8_block_dequant(codes.view(rows, cols), torch.ones(-(-rows // 128), -(-cols // 128))).flatten()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32)), (rows, cols)
+
+
+def test_decode_scratch_reuse_gives_the_same_tiles() -> None:
+    """Dequantizing into a reused scratch gives what fresh memory gives, tile after tile of different sizes."""
+    gen = torch.Generator().manual_seed(5)
+    scratch = quant.DecodeScratch()
+    for n in (64, 3, 32):
+        packed = torch.randint(0, 256, (n, 48), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scale = torch.randint(100, 150, (n, 3), generator=gen, dtype=torch.int32).to(torch.uint8)
+        s = quant.e8m0_to_float32(scale)
+        assert torch.equal(quant.mxfp4_scaled(packed, s, scratch), quant.mxfp4_dequant(packed, scale))
+        bits = torch.randint(0, 126, (n, 200), generator=gen, dtype=torch.int32).to(torch.uint8)
+        fs = torch.rand(-(-n // 128), 2, generator=gen)
+        assert torch.equal(
+            quant.fp8_block_scaled(bits, fs, quant.FP8_BLOCK, scratch), quant.fp8_block_dequant(bits, fs)
+        )
+
+
+@pytest.mark.parametrize("m", [1, 4, 20])  # 20: past the row count where the product is taken transposed
+@pytest.mark.parametrize(("n", "k"), [(300, 256), (130, 200), (7, 64)])
+def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int) -> None:
+    """fp8_block_matmul / mxfp4_matmul / bf16_matmul, many tiles each (a 4096-element tile), equal x @ W.T with W
+    dequantized whole, up to float32 summation order."""
+    monkeypatch.setattr(quant, "MATMUL_TILE_ELEMENTS", 4096)
+    gen = torch.Generator().manual_seed(n * k + m)
+    x = torch.randn(m, k, generator=gen)
+    bits = torch.randint(0, 126, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
+    for scale in (
+        torch.randint(118, 136, (-(-n // 128), -(-k // 128)), generator=gen, dtype=torch.int32).to(torch.uint8),
+        torch.rand(-(-n // 128), -(-k // 128), generator=gen) + 0.01,
+    ):
+        want = x @ quant.fp8_block_dequant(bits, scale).T
+        torch.testing.assert_close(
+            quant.fp8_block_matmul(x, bits, scale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+        )
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    mscale = torch.randint(118, 136, (n, -(-k // 32)), generator=gen, dtype=torch.int32).to(torch.uint8)
+    want = x @ quant.mxfp4_dequant(packed, mscale).T
+    torch.testing.assert_close(
+        quant.mxfp4_matmul(x, packed, mscale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+    )
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    want = x @ w.float().T
+    torch.testing.assert_close(quant.bf16_matmul(x, w), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_tiled_matmuls_reject_what_the_dequantizers_reject() -> None:
+    x = torch.randn(2, 128)
+    nan = torch.full((1, 1), 0xFF, dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.w scale.*NaN"):
+        quant.fp8_block_matmul(x, torch.zeros(128, 128, dtype=torch.uint8), nan, what="layers.0.w")
+    with pytest.raises(CheckpointError, match=r"experts\.1\.w1 scale.*NaN"):
+        quant.mxfp4_matmul(
+            x, torch.zeros(1, 64, dtype=torch.uint8), torch.full((1, 4), 0xFF, dtype=torch.uint8), what="experts.1.w1"
+        )
+    with pytest.raises(CheckpointError, match="does not match"):
+        quant.mxfp4_matmul(x, torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 3, dtype=torch.uint8))

@@ -466,7 +466,8 @@ def verify(
             "--workers",
             min=1,
             metavar="K",
-            help="Output files the values level compares (and hashes) at once; default one per CPU, at most 4.",
+            help="Output files the values level compares (and hashes) at once (default one per CPU, at most 4), and "
+            "tiles the numeric level computes at once (default one per CPU; as many threads again read ahead).",
         ),
     ] = None,
     json_out: JsonOpt = False,

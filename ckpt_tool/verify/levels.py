@@ -61,8 +61,10 @@ def verify(
 ) -> VerifyReport:
     """Run the checks up to ``level``. Never raises for a failed check: failures are in the report.
 
-    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4).
+    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4), and
+    tiles computed at once by the numeric level (default: one per CPU).
     """
+    numeric_workers = workers
     workers = workers or min(4, os.cpu_count() or 1)
     progress = progress or NoProgress()
     if level not in LEVELS:
@@ -139,6 +141,7 @@ def verify(
             tokens=tokens,
             seed=seed,
             progress=progress,
+            workers=numeric_workers,
         )
     return report
 

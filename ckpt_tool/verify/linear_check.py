@@ -17,8 +17,11 @@ tested against vLLM itself) and the source side from DeepSeek's names written ou
 table is never consulted, so a rule that maps the wrong bytes (swapped fused parts, a wrong expert,
 a wrong rank slice) makes the two sides disagree.
 
-Memory: weights are read with ``pread`` a tile of rows at a time (``kernels.fp8_gemm.tile_rows``,
-8 MiB of float32) on both sides, so the peak does not grow with hidden size or expert count.
+Work and memory: weights are read with ``pread`` a tile of rows at a time (``tensor_rows.read_tile_rows``,
+4 MiB of weight bytes) on both sides and dequantized in smaller tiles that stay in cache
+(``quant.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
+multiplied once and compared with every rank's piece of it. Units run on a :class:`~ckpt_tool.verify.compute_pool.
+ComputePool` (``verify --workers``): one computing per core, as many more reading their next tiles.
 
 Tolerance: both sides round the probe activation the same way and differ only by float32
 summation order (row-parallel partial sums, kernel tiles): ``max|a - b| / max|a| <= 1e-3`` per part
@@ -29,11 +32,13 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
@@ -45,7 +50,8 @@ from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import model_class_of
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.rows import RowReader, source_info
+from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
+from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
@@ -493,8 +499,8 @@ class _Sides:
     def source_info(self, name: str) -> TensorInfo:
         return source_info(self.ckpt, name)
 
-    def source_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        return self.reader.source_rows(self.ckpt, name, r0, r1).to(self.device)
+    def source_rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+        return self.reader.source_rows(self.ckpt, name, r0, r1, into).to(self.device)
 
     def engine_info(self, rank: int, name: str) -> tuple[Path, TensorInfo]:
         hit = self.locate.get(rank, {}).get(name)
@@ -502,26 +508,51 @@ class _Sides:
             raise CheckpointError(f"tensor {name!r} is not in rank {rank}'s files")
         return hit
 
-    def engine_rows(self, rank: int, name: str, r0: int, r1: int) -> torch.Tensor:
+    def engine_rows(self, rank: int, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
         path, info = self.engine_info(rank, name)
-        return self.reader.rows(path, info, r0, r1).to(self.device)
+        return self.reader.rows(path, info, r0, r1, into).to(self.device)
 
 
 def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
     return (r0 // FP8_BLOCK, cdiv(r1, FP8_BLOCK)) if kind == "fp8" else (r0, r1)
 
 
+def _row_bytes(kind: str, inp: int) -> int:
+    """Bytes of one weight row of ``inp`` inputs (packed fp4: two a byte)."""
+    return {"fp8": inp, "mxfp4": inp // 2, "bf16": 2 * inp}[kind]
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and dtype and the same bytes (numpy's compare runs several times faster than torch.equal on
+    bf16; bytes, not values, because the converter copies these tensors verbatim)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(np.array_equal(a.contiguous().view(torch.uint8).numpy(), b.contiguous().view(torch.uint8).numpy()))
+
+
 class LinearRunner:
     """Runs units; keeps the worst disagreement per unit for the report, and in ``computed`` what it ran:
     ``(unit label, source part) -> bit r set`` once that part's rows on rank r were all compared with the source."""
 
-    def __init__(self, sides: _Sides, *, kernels: str, act: str, seed: int) -> None:
-        self.sides, self.kernels, self.act, self.seed = sides, kernels, act, seed
+    def __init__(self, sides: _Sides, *, kernels: str, act: str, seed: int, pool: ComputePool | None = None) -> None:
+        self.sides, self.kernels, self.act, self.seed, self.pool = sides, kernels, act, seed, pool
         self.computed: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()  # units run on several threads
+        self._local = threading.local()  # each thread's read buffers
+
+    def _buffers(self) -> dict[str, ReadBuffer]:
+        """This thread's read buffers: one per role, so a source tile and a rank's tile never share memory."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {
+                role: ReadBuffer() for role in ("source", "source scale", "engine", "engine scale")
+            }
+        return bufs
 
     def _done(self, u: Unit, source: str, ranks) -> None:
         key = (unit_label(u), source)
-        self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
+        with self._lock:
+            self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
 
     # the two GEMMs: source = torch reference, engine = the kernels
     def _reference(
@@ -529,50 +560,54 @@ class LinearRunner:
     ) -> torch.Tensor:
         from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 
-        if kind == "bf16":
-            return x @ w.float().T
-        if kind == "mxfp4":
-            return prepare_activation(x, "bf16") @ quant.mxfp4_dequant(w, s, what=what).T
-        return prepare_activation(x, self.act) @ quant.fp8_block_dequant(w, s, what=what).T
+        with compute_slot(self.pool):
+            if kind == "bf16":
+                return x @ w.float().T
+            if kind == "mxfp4":
+                return quant.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
+            return quant.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
     def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
         from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
 
-        if kind == "bf16":
-            return x @ w.float().T
-        if kind == "mxfp4":
-            return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
-        return fp8_block_gemm(x, w, s, act=self.act, backend=self.kernels, what=what)
+        with compute_slot(self.pool):
+            if kind == "bf16":
+                return x @ w.float().T
+            if kind == "mxfp4":
+                return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
+            return fp8_block_gemm(x, w, s, act=self.act, backend=self.kernels, what=what)
 
     def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [a, b) of the source part (valid until this thread's next source tile)."""
+        bufs = self._buffers()
         if u.kind == "bf16":
-            return self.sides.source_rows(part.source, part.row0 + a, part.row0 + b), None
+            return self.sides.source_rows(part.source, part.row0 + a, part.row0 + b, bufs["source"]), None
         s0, s1 = _scale_rows(u.kind, a, b)
-        return self.sides.source_rows(f"{part.source}.weight", a, b), self.sides.source_rows(
-            f"{part.source}.scale", s0, s1
+        return (
+            self.sides.source_rows(f"{part.source}.weight", a, b, bufs["source"]),
+            self.sides.source_rows(f"{part.source}.scale", s0, s1, bufs["source scale"]),
         )
 
     def _engine_tile(
         self, u: LinearUnit, rank: int, slot: int, a: int, b: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows [a, b) of the rank's matrix (of stacked expert ``slot``)."""
+        """Rows [a, b) of the rank's matrix (of stacked expert ``slot``; valid until this thread's next engine tile)."""
+        bufs = self._buffers()
         _, info = self.sides.engine_info(rank, u.weight)
         base = slot * info.shape[1] if u.expert is not None else 0
-        w = self.sides.engine_rows(rank, u.weight, base + a, base + b)
+        w = self.sides.engine_rows(rank, u.weight, base + a, base + b, bufs["engine"])
         if u.scale is None:
             return w, None
         s0, s1 = _scale_rows(u.kind, a, b)
         sbase = 0
         if u.expert is not None:
             sbase = slot * self.sides.engine_info(rank, u.scale)[1].shape[1]
-        return w, self.sides.engine_rows(rank, u.scale, sbase + s0, sbase + s1)
+        return w, self.sides.engine_rows(rank, u.scale, sbase + s0, sbase + s1, bufs["engine scale"])
 
     def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
         """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
-        from ckpt_tool.verify.kernels.fp8_gemm import tile_rows
-
         # the source tile [step, in] is the largest piece either side holds
-        step = tile_rows(part_rows, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        step = read_tile_rows(part_rows, _row_bytes(u.kind, u.inp), FP8_BLOCK if u.kind == "fp8" else 1)
         if u.layout == "col":
             n_r = u.share(part_rows)
             for i, r in enumerate(u.ranks):
@@ -585,10 +620,8 @@ class LinearRunner:
     def _pad_tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int]]:
         """(a, b, rank): rows [a, b) of the rank's share of one column-parallel part that are the engine's
         zero padding (past the end of the source part)."""
-        from ckpt_tool.verify.kernels.fp8_gemm import tile_rows
-
         n_r = u.share(part_rows)
-        step = tile_rows(n_r, u.inp, FP8_BLOCK if u.kind == "fp8" else 1)
+        step = read_tile_rows(n_r, _row_bytes(u.kind, u.inp), FP8_BLOCK if u.kind == "fp8" else 1)
         for i, r in enumerate(u.ranks):
             real = max(0, min(n_r, part_rows - i * n_r))
             for a in range(real, n_r, step):
@@ -633,7 +666,9 @@ class LinearRunner:
                     )
                     for r, local in holders:
                         got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
-                        if not torch.equal(got, w_src.to(got.dtype)):  # a float32 tower lands rounded to bf16
+                        with compute_slot(self.pool):
+                            same = _same_bytes(got, w_src.to(got.dtype))  # a float32 tower lands rounded to bf16
+                        if not same:
                             return (
                                 f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows "
                                 f"{a}:{b})"
@@ -731,12 +766,13 @@ def check_every_tensor(
     act: str = "bf16",
     progress: Progress | None = None,
     skip_mtp_experts: bool = False,
+    pool: ComputePool | None = None,
 ) -> Coverage:
     """Add one check per layer (and one for embed/head) per component; return the coverage: every unit
     expected, those run here computed.
 
     ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
-    credits them to the coverage); they stay expected."""
+    credits them to the coverage); they stay expected. ``pool``: run the units on it (else one at a time here)."""
     progress = progress or NoProgress()
     opts, cfg = plan.options, plan.config
     components = sorted({f.component for f in plan.files})
@@ -748,24 +784,38 @@ def check_every_tensor(
     if skip_mtp_experts and "mtp" in plans:
         plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
     progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
-    with RowReader() as reader:
-        for comp in components:
-            sides = _Sides(ckpt, out, plan, headers, comp, reader, device)
-            runner = LinearRunner(sides, kernels=kernels, act=act, seed=seed)
-            groups: dict[str, list[Unit]] = {}
-            for u in plans[comp]:
-                groups.setdefault(u.group, []).append(u)
-            for group, units in groups.items():
-                bad: list[tuple[str, str]] = []
+    with RowReader(direct_root=out) as reader:
+        runners = {
+            comp: LinearRunner(
+                _Sides(ckpt, out, plan, headers, comp, reader, device), kernels=kernels, act=act, seed=seed, pool=pool
+            )
+            for comp in components
+        }
+        jobs = [(comp, u) for comp in components for u in plans[comp]]
+
+        def run(job: tuple[str, Unit]) -> str | None:
+            comp, u = job
+            runner = runners[comp]
+            try:
                 with torch.no_grad():
-                    for u in units:
-                        try:
-                            msg = runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
-                        except (CheckpointError, ValueError, RuntimeError) as exc:
-                            msg = f"tensor {unit_tensors(u)[0]!r}: {exc}"
-                        if msg:
-                            bad.append((msg, unit_tensors(u)[0]))
-                        progress.advance(1, f"{comp} {group}")
-                report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": len(units)}))
-            coverage.add(comp, runner.computed)
+                    return runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
+            except (CheckpointError, ValueError, RuntimeError) as exc:
+                return f"tensor {unit_tensors(u)[0]!r}: {exc}"
+
+        groups: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (component, group) -> problems, in unit order
+        sizes: dict[tuple[str, str], int] = {}
+        for comp, u in jobs:
+            sizes[comp, u.group] = sizes.get((comp, u.group), 0) + 1
+        left = dict(sizes)
+        for (comp, u), msg in zip(jobs, map_tasks(pool, run, jobs)):
+            key = (comp, u.group)
+            bad = groups.setdefault(key, [])
+            if msg:
+                bad.append((msg, unit_tensors(u)[0]))
+            progress.advance(1, f"{comp} {u.group}")
+            left[key] -= 1
+            if not left[key]:  # the group's last unit: its check, in the order the groups come
+                report.add(problems_check(f"numeric:{comp}/{u.group}", f"{comp}/{u.group}", bad, {"units": sizes[key]}))
+        for comp in components:
+            coverage.add(comp, runners[comp].computed)
     return coverage

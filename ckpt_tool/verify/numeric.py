@@ -29,6 +29,7 @@ by value and counts them in the coverage.
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,9 @@ from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames
 from ckpt_tool.verify import quant
+from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
-from ckpt_tool.verify.rows import RowReader, release_freed_memory, source_info
+from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 log = logging.getLogger(__name__)
@@ -127,14 +129,33 @@ def converted_tensor_names(engine: EngineNames) -> dict[str, str]:
 CONVERTED_TENSORS: dict[str, dict[str, str]] = {name: converted_tensor_names(p.engine) for name, p in PROFILES.items()}
 
 
-def _gemm_by_tiles(x: torch.Tensor, rows: int, inp: int, align: int, tile, gemm) -> torch.Tensor:
-    """``x[..., in] @ W.T`` for a weight of ``rows`` output rows read ``tile(a, b) -> (w, s)`` a tile at a time."""
-    from ckpt_tool.verify.kernels.fp8_gemm import tile_rows
+_local = threading.local()
 
+
+def _tile_buffers() -> tuple[ReadBuffer, ReadBuffer]:
+    """This thread's buffers for a weight tile and its scales: :func:`_gemm_by_tiles` multiplies each tile
+    before it reads the next, and the two sides of the forward are compared by their outputs only."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = (ReadBuffer(), ReadBuffer())
+    return bufs
+
+
+def _gemm_by_tiles(
+    x: torch.Tensor, rows: int, row_bytes: int, align: int, tile, gemm, pool: ComputePool | None
+) -> torch.Tensor:
+    """``x[..., in] @ W.T`` for a weight of ``rows`` output rows of ``row_bytes``, read ``tile(a, b) -> (w, s)`` a
+    tile at a time; the tiles on ``pool`` when called outside it (the head), else in this thread (an expert)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
-    step = tile_rows(rows, inp, align)
-    y = torch.cat([gemm(x2, *tile(a, min(a + step, rows))) for a in range(0, rows, step)], dim=-1)
+    step = read_tile_rows(rows, row_bytes, align)
+
+    def one(a: int) -> torch.Tensor:
+        w, s = tile(a, min(a + step, rows))
+        with compute_slot(pool):
+            return gemm(x2, w, s)
+
+    y = torch.cat(list(map_tasks(pool, one, range(0, rows, step))), dim=-1)
     return y.reshape(*lead, rows)
 
 
@@ -142,9 +163,16 @@ class SourceShard:
     """Side A: the original checkpoint, one rank, dequantized in plain torch a tile at a time."""
 
     def __init__(
-        self, cfg: V4Config, ckpt: Checkpoint, mtp: int, device: torch.device, reader: RowReader, act: str = "bf16"
+        self,
+        cfg: V4Config,
+        ckpt: Checkpoint,
+        mtp: int,
+        device: torch.device,
+        reader: RowReader,
+        act: str = "bf16",
+        pool: ComputePool | None = None,
     ) -> None:
-        self.cfg, self.mtp, self.act = cfg, mtp, act
+        self.cfg, self.mtp, self.act, self.pool = cfg, mtp, act, pool
         self.rank, self.tp = 0, 1
         self.local_experts = list(range(cfg.n_routed_experts))
         self.ckpt, self.reader, self.device = ckpt, reader, device
@@ -157,8 +185,8 @@ class SourceShard:
     def _info(self, name: str) -> TensorInfo:
         return source_info(self.ckpt, name)
 
-    def _rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        return self.reader.source_rows(self.ckpt, name, r0, r1).to(self.device)
+    def _rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+        return self.reader.source_rows(self.ckpt, name, r0, r1, into).to(self.device)
 
     def tensor(self, role: str) -> torch.Tensor:
         info = self._info(f"mtp.{self.mtp}." + SOURCE_TENSORS[role])
@@ -175,10 +203,11 @@ class SourceShard:
             return _gemm_by_tiles(
                 x,
                 cfg.vocab_size,
-                x.shape[-1],
+                2 * x.shape[-1],
                 1,
-                lambda a, b: (self._rows(self.head_name, a, b), None),
-                lambda x2, w, s: x2 @ w.float().T,
+                lambda a, b: (self._rows(self.head_name, a, b, _tile_buffers()[0]), None),
+                lambda x2, w, s: quant.bf16_matmul(x2, w),
+                self.pool,
             )
         r0 = 0
         if role.startswith("expert."):
@@ -196,16 +225,18 @@ class SourceShard:
         def tile(a: int, b: int):
             a, b = r0 + a, r0 + b
             s0, s1 = (a, b) if fp4 else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
-            return self._rows(base + ".weight", a, b), self._rows(base + ".scale", s0, s1)
+            w_buf, s_buf = _tile_buffers()
+            return self._rows(base + ".weight", a, b, w_buf), self._rows(base + ".scale", s0, s1, s_buf)
 
         # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 GEMM always
         # takes bf16): both sides then compute identical math up to summation order, so routing
         # decisions cannot flip on rounding noise and the tolerances can stay tight.
         def gemm(x2, w, s):
-            wd = quant.mxfp4_dequant(w, s, what=base) if fp4 else quant.fp8_block_dequant(w, s, what=base)
-            return prepare_activation(x2, "bf16" if fp4 else self.act) @ wd.T
+            if fp4:
+                return quant.mxfp4_matmul(prepare_activation(x2, "bf16"), w, s, what=base)
+            return quant.fp8_block_matmul(prepare_activation(x2, self.act), w, s, what=base)
 
-        return _gemm_by_tiles(x, rows, x.shape[-1], align, tile, gemm)
+        return _gemm_by_tiles(x, rows, x.shape[-1] // 2 if fp4 else x.shape[-1], align, tile, gemm, self.pool)
 
 
 class ConvertedShard:
@@ -223,9 +254,10 @@ class ConvertedShard:
         reader: RowReader,
         kernels: str,
         act: str,
+        pool: ComputePool | None = None,
     ) -> None:
         opts = plan.options
-        self.cfg, self.rank, self.tp = cfg, rank, opts.tp
+        self.cfg, self.rank, self.tp, self.pool = cfg, rank, opts.tp, pool
         self.kernels, self.act, self.reader, self.device = kernels, act, reader, device
         E = cfg.n_routed_experts
         self.local_experts = (
@@ -247,9 +279,9 @@ class ConvertedShard:
             raise CheckpointError(f"tensor {name!r} is not in rank {self.rank}'s files")
         return hit
 
-    def _rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+    def _rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
         path, info = self._info(name)
-        return self.reader.rows(path, info, r0, r1).to(self.device)
+        return self.reader.rows(path, info, r0, r1, into).to(self.device)
 
     def tensor(self, role: str) -> torch.Tensor:
         path, info = self._info(self.names[role])
@@ -284,14 +316,17 @@ class ConvertedShard:
         def tile(a: int, b: int):
             a, b = r0 + a, r0 + b
             s0, s1 = (a, b) if mx else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
-            return self._rows(weight, wbase + a, wbase + b), self._rows(scale, sbase + s0, sbase + s1)
+            w_buf, s_buf = _tile_buffers()
+            return self._rows(weight, wbase + a, wbase + b, w_buf), self._rows(scale, sbase + s0, sbase + s1, s_buf)
 
         def gemm(x2, w, s):
             if mx:
                 return mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
             return fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
 
-        return _gemm_by_tiles(x, rows, x.shape[-1], 1 if mx else FP8_BLOCK, tile, gemm)
+        return _gemm_by_tiles(
+            x, rows, x.shape[-1] // 2 if mx else x.shape[-1], 1 if mx else FP8_BLOCK, tile, gemm, self.pool
+        )
 
     def _fp8(self, x: torch.Tensor, base: str, r0: int = 0, rows: int | None = None) -> torch.Tensor:
         if rows is None:
@@ -304,7 +339,13 @@ class ConvertedShard:
             name = n["head"]
             rows = self._info(name)[1].shape[0]
             return _gemm_by_tiles(
-                x, rows, x.shape[-1], 1, lambda a, b: (self._rows(name, a, b), None), lambda x2, w, s: x2 @ w.float().T
+                x,
+                rows,
+                2 * x.shape[-1],
+                1,
+                lambda a, b: (self._rows(name, a, b, _tile_buffers()[0]), None),
+                lambda x2, w, s: quant.bf16_matmul(x2, w),
+                self.pool,
             )
         if role in ("e_proj", "h_proj", "wq_b", "wo_b"):
             return self._fp8(x, n[role])
@@ -478,20 +519,22 @@ def run_layer(
     route_all: bool = True,
     probes: list[_ProbedShard] | None = None,
     seed: int = 0,
+    pool: ComputePool | None = None,
 ) -> tuple[MTPOutput, MTPOutput]:
     """Side A and side B of one MTP layer on the same inputs.
 
     Side B reads every replicated role from rank 0; the other ranks' copies of replicated tensors are
     proven by the per-tensor check (linear_check), which compares each rank's copy with the source.
     ``route_all`` (the verify default) sends every routed expert tokens. With ``probes`` (a list to
-    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks.
+    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks. ``pool``
+    runs the experts (and the head's tiles) of each side.
     """
     if headers is None:
         headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"}
-    with RowReader() as reader, torch.no_grad():
-        source: list = [SourceShard(cfg, ckpt, mtp, device, reader, act)]
+    with RowReader(direct_root=out) as reader, torch.no_grad():
+        source: list = [SourceShard(cfg, ckpt, mtp, device, reader, act, pool)]
         converted: list = [
-            ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act)
+            ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, pool)
             for r in range(plan.options.tp)
         ]
         if probes is not None:
@@ -499,11 +542,27 @@ def run_layer(
             source = [_ProbedShard(source[0], seed, False, device)]
             converted = [_ProbedShard(c, seed, tp_split, device) for c in converted]
             probes.extend(source + converted)
-        a = mtp_layer_forward(cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all)
+
+        def map_fn(fn, items):
+            return map_tasks(pool, _no_grad(fn), items)
+
+        a = mtp_layer_forward(
+            cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all, map_fn=map_fn
+        )
         b = mtp_layer_forward(
-            cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all
+            cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all, map_fn=map_fn
         )
     return a, b
+
+
+def _no_grad(fn):
+    """``fn`` under ``torch.no_grad()`` (grad mode is per thread: a pool thread starts with it on)."""
+
+    def run(item):
+        with torch.no_grad():
+            return fn(item)
+
+    return run
 
 
 def check_numeric(
@@ -519,10 +578,44 @@ def check_numeric(
     seed: int,
     act: str = "bf16",
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> None:
     """The numeric level: every output tensor against the source (linear_check), then the forward of
     every MTP layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage:
-    units computed / expected, per rank, expert and fused part)."""
+    units computed / expected, per rank, expert and fused part). ``workers``: tiles computed at once
+    (:class:`~ckpt_tool.verify.compute_pool.ComputePool`; default one per CPU)."""
+    with ComputePool(workers) as pool:
+        _check_numeric(
+            out,
+            plan,
+            ckpt,
+            headers,
+            report,
+            kernels=kernels,
+            device=device,
+            tokens=tokens,
+            seed=seed,
+            act=act,
+            progress=progress,
+            pool=pool,
+        )
+
+
+def _check_numeric(
+    out: Path,
+    plan: Plan,
+    ckpt: Checkpoint,
+    headers: dict[str, ShardHeader],
+    report: VerifyReport,
+    *,
+    kernels: str,
+    device: str,
+    tokens: int,
+    seed: int,
+    act: str,
+    progress: Progress | None,
+    pool: ComputePool,
+) -> None:
     from ckpt_tool.verify.kernels import resolve_backend
     from ckpt_tool.verify.linear_check import check_every_tensor
 
@@ -545,6 +638,7 @@ def check_numeric(
         act=act,
         progress=progress,
         skip_mtp_experts=has_mtp,
+        pool=pool,
     )
     if not has_mtp:
         report.add(
@@ -574,6 +668,7 @@ def check_numeric(
                 headers=headers,
                 probes=probes,
                 seed=seed,
+                pool=pool,
             )
         except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
             report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))

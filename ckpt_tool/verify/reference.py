@@ -251,10 +251,12 @@ def route_every_expert(cfg: V4Config, shard: RankShard, x: torch.Tensor) -> torc
     return dense
 
 
-def moe(cfg: V4Config, shards: list[RankShard], x: torch.Tensor, route_all: bool = False) -> torch.Tensor:
+def moe(cfg: V4Config, shards: list[RankShard], x: torch.Tensor, route_all: bool = False, map_fn=map) -> torch.Tensor:
     """Routed experts plus shared expert; ``x[T, D] -> [T, D]``, rank partials summed.
 
-    ``route_all``: every routed expert gets at least one token (:func:`route_every_expert`).
+    ``route_all``: every routed expert gets at least one token (:func:`route_every_expert`). ``map_fn`` (like
+    the builtin ``map``, results in order) runs the experts' SwiGLUs, e.g. on a thread pool; they are summed
+    here in the same order whatever runs them, so the result does not depend on it.
     """
     if route_all:
         dense = route_every_expert(cfg, shards[0], x)
@@ -262,16 +264,26 @@ def moe(cfg: V4Config, shards: list[RankShard], x: torch.Tensor, route_all: bool
         weights, ids = route(cfg, shards[0], x)
         dense = torch.zeros(x.shape[0], cfg.n_routed_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, ids, weights)
-    out = torch.zeros_like(x)
+    jobs: list[tuple[RankShard, str, torch.Tensor | None]] = []  # (shard, expert prefix, its tokens; None: all)
     for shard in shards:
         for j in shard.local_experts:
             tok = torch.nonzero(dense[:, j], as_tuple=True)[0]
-            if tok.numel() == 0:
-                continue
-            y = swiglu(shard, f"expert.{j}", x[tok], cfg.swiglu_limit)
-            out.index_add_(0, tok, y * dense[tok, j].unsqueeze(-1))
+            if tok.numel():
+                jobs.append((shard, f"expert.{j}", tok))
         if cfg.n_shared_experts > 0:
-            out = out + swiglu(shard, "shared", x, cfg.swiglu_limit)
+            jobs.append((shard, "shared", None))
+
+    def run(job: tuple[RankShard, str, torch.Tensor | None]) -> torch.Tensor:
+        shard, prefix, tok = job
+        return swiglu(shard, prefix, x if tok is None else x[tok], cfg.swiglu_limit)
+
+    out = torch.zeros_like(x)
+    for (_, prefix, tok), y in zip(jobs, map_fn(run, jobs)):
+        if tok is None:
+            out = out + y
+        else:
+            j = int(prefix.split(".")[1])
+            out.index_add_(0, tok, y * dense[tok, j].unsqueeze(-1))
     return out
 
 
@@ -315,13 +327,15 @@ def mtp_layer_forward(
     prev_hidden: torch.Tensor,
     *,
     route_all: bool = False,
+    map_fn=map,
 ) -> MTPOutput:
     """Run one MTP layer over ``T`` tokens of a single sequence.
 
     ``shards`` are ranks 0..tp-1 in order; replicated roles are read from ``shards[0]``.
     ``input_ids`` and ``positions`` are ``[T]`` long, ``prev_hidden`` is the main model's
     ``[T, hc*D]`` hidden state. Attention masks by position, so ``positions`` must be the
-    tokens' positions in one sequence. ``route_all`` sends every routed expert tokens (see :func:`moe`).
+    tokens' positions in one sequence. ``route_all`` sends every routed expert tokens (see :func:`moe`), whose
+    SwiGLUs ``map_fn`` runs.
     """
     _check_shards(cfg, shards)
     hc, D, eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
@@ -342,7 +356,7 @@ def mtp_layer_forward(
 
     r = x
     y, post, comb = hc_pre(cfg, x, s0.tensor("hc_ffn_fn"), s0.tensor("hc_ffn_scale"), s0.tensor("hc_ffn_base"))
-    y = moe(cfg, shards, rms_norm(y, s0.tensor("ffn_norm"), eps), route_all)
+    y = moe(cfg, shards, rms_norm(y, s0.tensor("ffn_norm"), eps), route_all, map_fn)
     x = hc_post(y, r, post, comb)
 
     return MTPOutput(hidden=x.flatten(1), logits=hc_head_logits(cfg, shards, x))

@@ -2,18 +2,22 @@
 
 A tensor is seen as 2-D ``[prod(shape[:-1]), shape[-1]]`` (a stacked expert ``e`` of ``[E, N, K]`` is rows
 ``e*N .. (e+1)*N``). Reads go straight into a fresh torch buffer: no mmap, whose touched pages would
-count against RSS for the whole checkpoint, and never more than the rows asked for. FP8, E8M0 and
-packed FP4 bytes come back as ``uint8`` (the quant functions and kernels take raw bytes).
+count against RSS for the whole checkpoint, and never more than the rows asked for (rounded out to whole
+pages where a file is read with ``O_DIRECT``). FP8, E8M0 and packed FP4 bytes come back as ``uint8`` (the
+quant functions and kernels take raw bytes). One reader serves many threads (``pread`` is positional).
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
@@ -44,7 +48,24 @@ def row_count(info: TensorInfo) -> int:
     return math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
 
 
+READ_TILE_BYTES = 4 * 1024 * 1024
+"""Weight bytes the numeric level reads per tile and side (whole rows): large enough that a direct read
+streams at disk speed, small enough that a few threads each holding a tile or two stay in tens of MiB."""
+
+
+def read_tile_rows(n: int, row_bytes: int, align: int) -> int:
+    """Rows per read tile of a tensor of ``n`` rows of ``row_bytes``: a multiple of ``align``, at least ``align``
+    (one scale block), at most ``n``."""
+    rows = max(align, (READ_TILE_BYTES // max(row_bytes, 1)) // align * align)
+    return min(rows, max(n, 1))
+
+
 TRIM_EVERY_BYTES = 256 * 1024 * 1024
+WINDOW_BYTES = 2 * 1024 * 1024
+"""A direct read smaller than this is served from a read-ahead window of this size (see :class:`RowReader`)."""
+WINDOW_CACHE_BYTES = 96 * 1024 * 1024
+"""Windows kept at most (least recently used dropped first): enough for every stream a few threads read at
+once — a routed-expert tensor and its scales on each of 8 ranks, for the units next to each other."""
 
 
 def _malloc_trim():
@@ -64,50 +85,230 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+class ReadBuffer:
+    """Memory a caller reads tiles into again and again (one per thread and role: the source tile, a rank's
+    tile, their scales). Each 4 MiB tile read into fresh memory costs a thousand page faults, which were a
+    fifth of the numeric level's CPU time. A tensor read into it is valid until the next read into it."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, n: int, align: int) -> torch.Tensor:
+        """``n`` bytes starting at a multiple of ``align`` (grown as needed)."""
+        lead = -self._buf.data_ptr() % align
+        if self._buf.numel() < lead + n:
+            self._buf = torch.empty(n + align, dtype=torch.uint8)
+            lead = -self._buf.data_ptr() % align
+        return self._buf[lead : lead + n]
+
+
+class _Window:
+    """Bytes ``[start, end)`` of one file in ``buffer``, being read until ``ready`` is set. ``users``: threads
+    copying out of it (or filling it); its buffer goes back to the reader's spares once it is dropped from the
+    cache and has none."""
+
+    def __init__(self, start: int, end: int, buffer: ReadBuffer) -> None:
+        self.start, self.end, self.buffer = start, end, buffer
+        self.data = torch.empty(0, dtype=torch.uint8)
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.users = 0
+        self.dropped = False
+
+
 class RowReader:
     """Reads row ranges of tensors; each file is opened once, read-only, and closed by :meth:`close`.
+
+    Files under ``direct_root`` (the converted OUT: the writer wrote it with ``O_DIRECT``, so it is not in
+    the page cache) are read with ``O_DIRECT`` where the file system allows: each read rounded out to whole
+    pages into an aligned buffer, nothing copied through or left in the page cache, which keeps the cache for
+    the source. ``CKPT_TOOL_DIRECT_IO=0`` (or a file system that refuses) reads them through the cache.
+
+    A direct read smaller than ``WINDOW_BYTES`` (one rank's slice of a routed expert: 512 KiB of weight,
+    32 KiB of scales) is served from a window of that size starting at its first page, kept for the reads
+    that follow it in the file (the same expert's next part, the next experts, their scales): one read of
+    2 MiB instead of several of a few KiB to 512 KiB, each of which would wait for the disk alone.
+
+    ``into`` (a :class:`ReadBuffer`) lets a caller that reads tile after tile reuse its memory.
 
     Every ``TRIM_EVERY_BYTES`` read it hands freed heap pages back to the OS: tiles of a few MiB freed
     between small long-lived tensors fragment glibc's heap, and without this the resident size of a
     full-width layer's forward climbs to GBs although the live data stay at tile size.
     """
 
-    def __init__(self) -> None:
-        self._files = OpenFiles()
+    def __init__(self, direct_root: Path | None = None) -> None:
+        from ckpt_tool.output.writer import DIRECT_IO
+
+        self._fds: dict[Path, tuple[int, bool]] = {}
+        self._lock = threading.Lock()
+        self._direct_root = direct_root if DIRECT_IO else None
+        self._windows: OrderedDict[int, tuple[Path, _Window]] = OrderedDict()  # by id, least recently used first
+        self._by_path: dict[Path, list[_Window]] = {}
+        self._spares: list[ReadBuffer] = []  # buffers of dropped windows, for new ones
         self._since_trim = 0
         self._trim = _malloc_trim()
 
-    def rows(self, path: Path, info: TensorInfo, r0: int, r1: int) -> torch.Tensor:
-        """Rows ``[r0, r1)`` of ``info`` (in file ``path``) as a ``[r1 - r0, last dim]`` tensor."""
+    def _fd(self, path: Path) -> tuple[int, bool]:
+        """``(fd, direct)`` of ``path``, opened on first use."""
+        with self._lock:
+            hit = self._fds.get(path)
+            if hit is None:
+                hit = self._fds[path] = self._open(path)
+            return hit
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        try:
+            if self._direct_root is not None and path.is_relative_to(self._direct_root):
+                try:
+                    return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # the file system takes no O_DIRECT: read it through the cache
+                        raise
+            return os.open(path, os.O_RDONLY), False
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+
+    def _read(self, path: Path, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
+        """``n`` bytes at ``pos`` as a uint8 tensor (in ``into`` when given); short only where the file is."""
+        fd, direct = self._fd(path)
+        if not direct:
+            buf = into.take(n, 64) if into is not None else torch.empty(n, dtype=torch.uint8)
+            got = os.preadv(fd, [buf.numpy()], pos) if n else 0
+            return buf[:got]
+        if n >= WINDOW_BYTES:
+            return self._read_direct(path, fd, pos, n, into)
+        return self._read_windowed(path, fd, pos, n, into)
+
+    def _read_direct(self, path: Path, fd: int, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
+        """``_read`` with ``O_DIRECT``: whole pages into a page-aligned buffer, the bytes asked for viewed out."""
+        from ckpt_tool.output.writer import DIRECT_ALIGN
+
+        a0 = pos - pos % DIRECT_ALIGN
+        a1 = -(-(pos + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+        if into is not None:
+            page = into.take(a1 - a0, DIRECT_ALIGN)
+        else:
+            buf = torch.empty(a1 - a0 + DIRECT_ALIGN, dtype=torch.uint8)
+            lead = -buf.data_ptr() % DIRECT_ALIGN  # the page-aligned start O_DIRECT wants
+            page = buf[lead : lead + a1 - a0]
+        try:
+            got = os.preadv(fd, [page.numpy()], a0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            with self._lock:  # the file system took the open but not the read: read it through the cache
+                self._fds[path] = (os.open(path, os.O_RDONLY), False)
+            return self._read(path, pos, n, into)
+        skip = pos - a0
+        return page[skip : skip + max(0, min(n, got - skip))]
+
+    def _read_windowed(self, path: Path, fd: int, pos: int, n: int, into: ReadBuffer | None) -> torch.Tensor:
+        """A small direct read copied out of the window holding it, else out of a new window starting at its page
+        (read by this thread; others asking for bytes in it meanwhile wait for it rather than read them too).
+        Copied (into ``into``, else fresh memory) so that no tensor handed out shares a window's buffer, which
+        is reused: a fresh 2 MiB buffer per window costs more in page faults than the copies."""
+        from ckpt_tool.output.writer import DIRECT_ALIGN
+
+        with self._lock:
+            window = next((w for w in self._by_path.get(path, ()) if w.start <= pos and pos + n <= w.end), None)
+            fill = window is None
+            if fill:
+                start = pos - pos % DIRECT_ALIGN
+                window = _Window(start, start + WINDOW_BYTES, self._spares.pop() if self._spares else ReadBuffer())
+                self._remember(path, window)
+            else:
+                self._windows.move_to_end(id(window))
+            window.users += 1
+        try:
+            if fill:
+                try:
+                    window.data = self._read_direct(path, fd, window.start, WINDOW_BYTES, window.buffer)
+                    window.end = window.start + window.data.numel()  # short at the end of the file
+                except BaseException as exc:
+                    window.error = exc
+                    with self._lock:
+                        self._forget(id(window))
+                    raise
+                finally:
+                    window.ready.set()
+            else:
+                window.ready.wait()
+                if window.error is not None:
+                    return self._read_direct(path, fd, pos, n, into)  # the filling thread reports its error; try alone
+            skip = pos - window.start
+            part = window.data[skip : skip + max(0, min(n, window.data.numel() - skip))]
+            out = into.take(part.numel(), 64) if into is not None else torch.empty(part.numel(), dtype=torch.uint8)
+            return out.copy_(part)
+        finally:
+            with self._lock:
+                window.users -= 1
+                self._recycle(window)
+
+    def _recycle(self, window: _Window) -> None:
+        """(Under the lock.) A dropped window nobody reads from gives its buffer back."""
+        if window.dropped and not window.users and window.error is None and window.buffer is not None:
+            self._spares.append(window.buffer)
+            window.buffer, window.data = None, torch.empty(0, dtype=torch.uint8)
+
+    def _remember(self, path: Path, window: _Window) -> None:
+        """Keep ``window`` (under the lock), dropping the least recently used past ``WINDOW_CACHE_BYTES``."""
+        self._windows[id(window)] = (path, window)
+        self._by_path.setdefault(path, []).append(window)
+        while len(self._windows) * WINDOW_BYTES > WINDOW_CACHE_BYTES and len(self._windows) > 1:
+            self._forget(next(iter(self._windows)))
+
+    def _forget(self, key: int) -> None:
+        hit = self._windows.pop(key, None)
+        if hit is not None:
+            path, window = hit
+            self._by_path[path].remove(window)
+            window.dropped = True
+            self._recycle(window)
+
+    def rows(self, path: Path, info: TensorInfo, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of ``info`` (in file ``path``) as a ``[r1 - r0, last dim]`` tensor; read into ``into``
+        when given (valid until its next read; a small direct read may come from a window instead)."""
         dtype = TORCH_DTYPES.get(info.dtype)
         if dtype is None:
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} has dtype {info.dtype}, which the numeric level does not read"
             )
         cols = info.shape[-1] if info.shape else 1
-        row_bytes = cols * torch.tensor([], dtype=dtype).element_size()
+        size = dtype.itemsize
+        row_bytes = cols * size
         if not 0 <= r0 <= r1 <= row_count(info):
             raise CheckpointError(f"{path}: tensor {info.name!r}: rows {r0}:{r1} outside its {row_count(info)} rows")
         n = (r1 - r0) * row_bytes
-        buf = torch.empty(n, dtype=torch.uint8)
-        self._files.read_into(path, memoryview(buf.numpy()), info.start + r0 * row_bytes, what=f"tensor {info.name!r}")
-        self._since_trim += n
+        buf = self._read(path, info.start + r0 * row_bytes, n, into)
+        if buf.numel() != n:
+            raise CheckpointError(f"{path}: tensor {info.name!r}: file ended early; was it modified?")
+        if buf.storage_offset() % size:  # a direct read of a tensor that starts off its dtype's alignment
+            buf = buf.clone()
+        self._since_trim += n  # (a lost update between threads only delays a trim)
         if self._since_trim >= TRIM_EVERY_BYTES and self._trim is not None:
             self._since_trim = 0
             self._trim(0)
         return buf.view(dtype).view(r1 - r0, cols)
 
-    def source_rows(self, ckpt: Checkpoint, name: str, r0: int, r1: int) -> torch.Tensor:
-        """Rows ``[r0, r1)`` of source tensor ``name`` of ``ckpt``."""
+    def source_rows(
+        self, ckpt: Checkpoint, name: str, r0: int, r1: int, into: ReadBuffer | None = None
+    ) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of source tensor ``name`` of ``ckpt`` (into ``into``, as :meth:`rows`)."""
         info = source_info(ckpt, name)
-        return self.rows(ckpt.root / info.file, info, r0, r1)
+        return self.rows(ckpt.root / info.file, info, r0, r1, into)
 
     def whole(self, path: Path, info: TensorInfo) -> torch.Tensor:
         """The whole tensor in its own shape (for the small ones: norms, hc_*, sinks, biases, tables)."""
         return self.rows(path, info, 0, row_count(info)).reshape(info.shape)
 
     def close(self) -> None:
-        self._files.close()
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._windows.clear()
+            self._by_path.clear()
+            self._spares.clear()
 
     def __enter__(self) -> RowReader:
         return self

@@ -18,6 +18,7 @@ at any point before a GEMM call is honoured here, whether or not triton was impo
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -124,6 +125,11 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
 
 
 _KERNELS: dict[tuple[Callable[..., Any], bool], Any] = {}
+
+LAUNCH_LOCK = threading.Lock()
+"""Held around every Triton kernel call. The CPU interpreter swaps ``triton.language`` functions in and out
+while a kernel runs, so two threads interpreting at once break each other ("Did you forget to add
+@triton.jit?"); a compiled launch only queues work on the GPU, so holding it there costs nothing."""
 
 
 def get_kernel(source: Callable[..., Any], backend: str) -> Any:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_tool.checkpoint.blocks import cdiv
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.kernels._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
+from ckpt_tool.verify.kernels._backend import (
+    LAUNCH_LOCK,
+    dot_in_bf16,
+    gemm_tiles,
+    get_kernel,
+    load_sources,
+    resolve_backend,
+)
 
 ACT_MODES: tuple[str, ...] = ("bf16", "fp8")
 
@@ -38,29 +44,6 @@ def prepare_activation(x: torch.Tensor, act: str) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
-TORCH_TILE_ELEMENTS = 1 << 21
-"""Weight elements the torch path dequantizes at once (8 MiB of float32): a GEMM never holds its whole
-weight in float32, and a tile stays in cache while it is multiplied."""
-
-
-def tile_rows(n: int, k: int, align: int) -> int:
-    """Rows per torch-path tile of an ``[n, k]`` weight: a multiple of ``align``, at least one block."""
-    rows = max(align, (TORCH_TILE_ELEMENTS // max(k, 1)) // align * align)
-    return min(rows, max(n, 1))
-
-
-def torch_gemm_tiled(x_act: torch.Tensor, n: int, k: int, align: int, dequant_rows) -> torch.Tensor:
-    """``x_act @ W.T`` with ``W`` dequantized ``tile_rows`` rows at a time by ``dequant_rows(r0, r1)``."""
-    rows = tile_rows(n, k, align)
-    if rows >= n:
-        return x_act @ dequant_rows(0, n).T
-    y = torch.empty(x_act.shape[0], n, dtype=torch.float32, device=x_act.device)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        torch.matmul(x_act, dequant_rows(r0, r1).T, out=y[:, r0:r1])
-    return y
-
-
 def fp8_block_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -89,22 +72,16 @@ def fp8_block_gemm(
     check_x(x, k, bits.device)
     if w_scale.device != bits.device:
         raise ValueError(f"w_scale is on {w_scale.device} but the weight is on {bits.device}")
+    resolved = resolve_backend(backend, bits.device)
+    m = x.shape[0]
+    if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
+        return quant.fp8_block_matmul(prepare_activation(x, act), bits, w_scale, what=what)
     scale_what = f"{what} scale" if what else None
     if w_scale.dtype == torch.float32:
         scale_arg, scale_e8m0 = w_scale, False
     else:
-        # Validates the dtype and rejects NaN (0xFF) bytes before any backend runs.
+        # Validates the dtype and rejects NaN (0xFF) bytes before the kernel runs.
         scale_arg, scale_e8m0 = quant.check_e8m0(w_scale, scale_what), True
-
-    resolved = resolve_backend(backend, bits.device)
-    m = x.shape[0]
-    if resolved == "torch" or m == 0 or n == 0 or k == 0:
-        bn = _SCALE_BLOCK_N
-
-        def rows(r0: int, r1: int) -> torch.Tensor:
-            return quant.fp8_block_dequant(bits[r0:r1], w_scale[r0 // bn : cdiv(r1, bn)], quant.FP8_BLOCK, what=what)
-
-        return torch_gemm_tiled(prepare_activation(x, act), n, k, bn, rows)
 
     if act == "fp8":
         xq, xs = quant.fp8_act_quant(x)
@@ -115,31 +92,32 @@ def fp8_block_gemm(
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m, block_n, grid = gemm_tiles(m, n)
     kernel = get_kernel(load_sources().fp8_block_gemm_kernel, resolved)
-    kernel[grid](
-        x_arg,
-        xs_arg,
-        bits,
-        scale_arg,
-        y,
-        m,
-        n,
-        k,
-        x_arg.stride(0),
-        x_arg.stride(1),
-        xs_arg.stride(0),
-        xs_arg.stride(1),
-        bits.stride(0),
-        bits.stride(1),
-        scale_arg.stride(0),
-        scale_arg.stride(1),
-        y.stride(0),
-        y.stride(1),
-        ACT_FP8=act == "fp8",
-        SCALE_E8M0=scale_e8m0,
-        DOT_BF16=dot_in_bf16(resolved),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K,
-        SCALE_BLOCK_N=_SCALE_BLOCK_N,
-    )
+    with LAUNCH_LOCK:
+        kernel[grid](
+            x_arg,
+            xs_arg,
+            bits,
+            scale_arg,
+            y,
+            m,
+            n,
+            k,
+            x_arg.stride(0),
+            x_arg.stride(1),
+            xs_arg.stride(0),
+            xs_arg.stride(1),
+            bits.stride(0),
+            bits.stride(1),
+            scale_arg.stride(0),
+            scale_arg.stride(1),
+            y.stride(0),
+            y.stride(1),
+            ACT_FP8=act == "fp8",
+            SCALE_E8M0=scale_e8m0,
+            DOT_BF16=dot_in_bf16(resolved),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=_BLOCK_K,
+            SCALE_BLOCK_N=_SCALE_BLOCK_N,
+        )
     return y

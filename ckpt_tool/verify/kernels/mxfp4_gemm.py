@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.kernels._backend import dot_in_bf16, gemm_tiles, get_kernel, load_sources, resolve_backend
-from ckpt_tool.verify.kernels.fp8_gemm import check_x, torch_gemm_tiled
+from ckpt_tool.verify.kernels._backend import (
+    LAUNCH_LOCK,
+    dot_in_bf16,
+    gemm_tiles,
+    get_kernel,
+    load_sources,
+    resolve_backend,
+)
+from ckpt_tool.verify.kernels.fp8_gemm import check_x
 
 _BLOCK_KH = 64  # packed bytes per K step = 128 inputs = 4 scale groups
 
@@ -33,41 +40,37 @@ def mxfp4_gemm(
     check_x(x, k, packed.device)
     if w_scale.device != packed.device:
         raise ValueError(f"w_scale is on {w_scale.device} but the weight is on {packed.device}")
-    scale_bits = quant.check_e8m0(w_scale, f"{what} scale" if what else None)
-
     resolved = resolve_backend(backend, packed.device)
     m = x.shape[0]
-    if resolved == "torch" or m == 0 or n == 0 or k == 0:
-
-        def rows(r0: int, r1: int) -> torch.Tensor:
-            return quant.mxfp4_dequant(packed[r0:r1], scale_bits[r0:r1], what=what)
-
-        return torch_gemm_tiled(x.to(torch.bfloat16).to(torch.float32), n, k, 1, rows)
+    if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
+        return quant.mxfp4_matmul(x.to(torch.bfloat16).to(torch.float32), packed, w_scale, what=what)
+    scale_bits = quant.check_e8m0(w_scale, f"{what} scale" if what else None)
 
     x_arg = x.to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m, block_n, grid = gemm_tiles(m, n)
     kernel = get_kernel(load_sources().mxfp4_gemm_kernel, resolved)
-    kernel[grid](
-        x_arg,
-        packed,
-        scale_bits,
-        y,
-        m,
-        n,
-        k // 2,
-        x_arg.stride(0),
-        x_arg.stride(1),
-        packed.stride(0),
-        packed.stride(1),
-        scale_bits.stride(0),
-        scale_bits.stride(1),
-        y.stride(0),
-        y.stride(1),
-        DOT_BF16=dot_in_bf16(resolved),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_KH=_BLOCK_KH,
-        GROUP_BYTES=quant.MXFP4_GROUP // 2,
-    )
+    with LAUNCH_LOCK:
+        kernel[grid](
+            x_arg,
+            packed,
+            scale_bits,
+            y,
+            m,
+            n,
+            k // 2,
+            x_arg.stride(0),
+            x_arg.stride(1),
+            packed.stride(0),
+            packed.stride(1),
+            scale_bits.stride(0),
+            scale_bits.stride(1),
+            y.stride(0),
+            y.stride(1),
+            DOT_BF16=dot_in_bf16(resolved),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_KH=_BLOCK_KH,
+            GROUP_BYTES=quant.MXFP4_GROUP // 2,
+        )
     return y
