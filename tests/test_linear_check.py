@@ -193,3 +193,57 @@ def test_numeric_level_gives_the_same_report_on_one_worker_or_several(fixture_di
     assert one.coverage == many.coverage and one.coverage["percent"] == 100.0
     assert one.numeric == many.numeric
     assert torch.get_num_threads() == threads  # the pool gave the caller its torch threads back
+
+
+def test_fan_out_answers_every_task_from_forked_children() -> None:
+    import os
+
+    from ckpt_tool.verify.compute_pool import can_fork_workers, fan_out
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    me = os.getpid()
+    answers = dict(fan_out(50, 2, lambda task, pool: (task * task, os.getpid(), pool.workers)))
+    assert sorted(answers) == list(range(50))
+    assert all(sq == t * t and pid != me and workers == 1 for t, (sq, pid, workers) in answers.items())
+
+
+def test_a_forked_worker_that_dies_leaves_its_units_to_the_parent(fixture_dir, tmp_path, monkeypatch) -> None:
+    """A child killed in the middle of a unit answers nothing for it: the parent runs what is missing, so the checks
+    and the coverage are what one worker gives."""
+    import os
+
+    from ckpt_tool.checkpoint.headers import read_shard_header
+    from ckpt_tool.verify import linear_check
+    from ckpt_tool.verify.compute_pool import can_fork_workers
+    from ckpt_tool.verify.verdict import VerifyReport
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=2))
+    ckpt = open_checkpoint(src)
+    plan = plan_conversion(
+        ckpt.require_config(), ckpt.tensors, Options(**json.loads((out / "ckpt-tool.json").read_text())["options"])
+    )
+    headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
+    parent, real = os.getpid(), linear_check.LinearRunner.run
+
+    def dies_in_children(self, u):
+        if os.getpid() != parent and u.expert == 3:
+            os._exit(1)
+        return real(self, u)
+
+    def check(workers: int) -> VerifyReport:
+        report = VerifyReport(str(out), str(src), "numeric")
+        numeric.check_numeric(
+            out, plan, ckpt, headers, report, kernels="torch", device="cpu", tokens=4, seed=0, workers=workers
+        )
+        return report
+
+    one = check(1)
+    monkeypatch.setattr(linear_check.LinearRunner, "run", dies_in_children)
+    many = check(2)
+    assert many.ok and many.coverage == one.coverage and many.coverage["percent"] == 100.0
+    assert [(c.name, c.ok) for c in many.checks] == [(c.name, c.ok) for c in one.checks]

@@ -15,16 +15,25 @@ relative to the largest output (1e-3 of it per linear, 2e-2 for the forward).
 
 Work is mapped over the pool from the calling thread only, never from inside a task (a task waiting on
 tasks of a bounded pool could wait forever); :func:`map_tasks` runs inline when called from a task.
+
+Threads share one interpreter lock: each tile's dozen tensor ops take it for a few microseconds each, so one
+process's threads saturate it at a handful of cores. :func:`fan_out` therefore spreads independent tasks (the
+per-tensor check's units) over forked processes, each running a one-slot pool of its own, where forking is
+safe (Linux, CPU tensors, no other thread that could hold a lock the children need).
 """
 
 from __future__ import annotations
 
+import marshal
 import os
+import selectors
+import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -98,3 +107,113 @@ def compute_slot(pool: ComputePool | None) -> Iterator[None]:
 def map_tasks(pool: ComputePool | None, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
     """``fn`` over ``items``: on ``pool`` when there is one, else in this thread."""
     return map(fn, items) if pool is None else pool.map(fn, items)
+
+
+def can_fork_workers() -> bool:
+    """Whether :func:`fan_out` may fork here: Linux, ``CKPT_TOOL_NO_FORK`` unset, and no thread besides this one
+    but daemon threads (a terminal's progress-bar refresher): a child runs only torch, ``os`` and ``marshal``
+    and touches no lock such a thread takes. Never with CUDA initialized (a child cannot use it)."""
+    if sys.platform != "linux" or os.environ.get("CKPT_TOOL_NO_FORK"):
+        return False
+    if torch.cuda.is_initialized():
+        return False
+    me = threading.current_thread()
+    return all(t is me or t.daemon for t in threading.enumerate())
+
+
+_FRAME = 4  # bytes of the length before each marshalled result
+
+
+def fan_out(
+    tasks: int, processes: int, run: Callable[[int, ComputePool], Any], servers: int = 2
+) -> Iterator[tuple[int, Any]]:
+    """``run(task, pool)`` for tasks ``0..tasks-1`` in ``processes`` forked children, yielding ``(task, result)``
+    as results arrive (``result`` marshal-able). Each child runs a :class:`ComputePool` of one slot; ``servers``
+    of its threads take tasks from a shared :class:`~ckpt_tool.checkpoint.forked.TaskQueue`, one reading while another
+    computes (``servers=1``: the child's main thread takes them, and ``run`` may map work over ``pool``).
+    Tasks a child took and never answered (it died) are simply not yielded: the caller runs what is missing
+    itself, so a child never decides an outcome. Fewer children start when the system refuses a fork."""
+    from ckpt_tool.checkpoint.forked import TaskQueue
+
+    pids: dict[int, int] = {}  # read fd -> pid
+    with TaskQueue(tasks) as queue:
+        try:
+            for _ in range(processes):
+                read_end, write_end = os.pipe()
+                try:
+                    pid = os.fork()
+                except OSError:
+                    os.close(read_end)
+                    os.close(write_end)
+                    break
+                if pid == 0:  # pragma: no cover (the child's coverage is not collected)
+                    os.close(read_end)
+                    _child(queue, write_end, run, servers)
+                os.close(write_end)
+                pids[read_end] = pid
+            queue.close()  # the children hold the read end now
+            yield from _collect(pids)
+        finally:
+            for fd, pid in pids.items():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.close(fd)
+                os.waitpid(pid, 0)
+
+
+def _collect(pids: dict[int, int]) -> Iterator[tuple[int, Any]]:
+    """Read ``(task, result)`` frames from every child's pipe until each closes."""
+    buffers = {fd: bytearray() for fd in pids}
+    with selectors.DefaultSelector() as sel:
+        for fd in pids:
+            sel.register(fd, selectors.EVENT_READ)
+        while buffers:
+            for key, _ in sel.select():
+                fd = key.fd
+                chunk = os.read(fd, 1 << 20)
+                buf = buffers[fd]
+                if not chunk:
+                    sel.unregister(fd)
+                    del buffers[fd]
+                    continue
+                buf += chunk
+                while len(buf) >= _FRAME and len(buf) >= _FRAME + int.from_bytes(buf[:_FRAME], "big"):
+                    n = int.from_bytes(buf[:_FRAME], "big")
+                    try:
+                        task, result = marshal.loads(bytes(buf[_FRAME : _FRAME + n]))
+                    except (EOFError, ValueError, TypeError):
+                        task = None
+                    del buf[: _FRAME + n]
+                    if task is not None:
+                        yield task, result
+
+
+def _child(queue, write_end: int, run: Callable[[int, ComputePool], Any], servers: int) -> None:  # pragma: no cover
+    """In a child: ``servers`` threads take tasks and write their results, then the child leaves without running
+    the parent's exit hooks. Any failure just ends it: the parent runs what it did not answer."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C reaches the whole group: the child just goes
+        lock = threading.Lock()
+
+        def serve(_: int) -> None:
+            for task in queue.take():
+                data = marshal.dumps((task, run(task, pool)))
+                frame = len(data).to_bytes(_FRAME, "big") + data
+                with lock:
+                    view = memoryview(frame)
+                    while view:
+                        view = view[os.write(write_end, view) :]
+
+        with ComputePool(1) as pool:
+            if servers == 1:
+                serve(0)
+            else:
+                list(pool.map(serve, range(servers)))
+        code = 0
+    except BaseException:  # noqa: BLE001 - any failure means "no answer"; the parent runs the task itself
+        pass
+    finally:
+        os._exit(code)

@@ -50,7 +50,7 @@ from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import model_class_of
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
+from ckpt_tool.verify.compute_pool import ComputePool, can_fork_workers, compute_slot, fan_out, map_tasks
 from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
@@ -549,6 +549,12 @@ class LinearRunner:
             }
         return bufs
 
+    def take_computed(self) -> dict[tuple[str, str], int]:
+        """What :attr:`computed` holds now, emptied (a forked worker hands each batch to the parent)."""
+        with self._lock:
+            taken, self.computed = self.computed, {}
+        return taken
+
     def _done(self, u: Unit, source: str, ranks) -> None:
         key = (unit_label(u), source)
         with self._lock:
@@ -802,20 +808,41 @@ def check_every_tensor(
             except (CheckpointError, ValueError, RuntimeError) as exc:
                 return f"tensor {unit_tensors(u)[0]!r}: {exc}"
 
-        groups: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (component, group) -> problems, in unit order
-        sizes: dict[tuple[str, str], int] = {}
-        for comp, u in jobs:
-            sizes[comp, u.group] = sizes.get((comp, u.group), 0) + 1
-        left = dict(sizes)
-        for (comp, u), msg in zip(jobs, map_tasks(pool, run, jobs)):
-            key = (comp, u.group)
-            bad = groups.setdefault(key, [])
-            if msg:
-                bad.append((msg, unit_tensors(u)[0]))
-            progress.advance(1, f"{comp} {u.group}")
-            left[key] -= 1
-            if not left[key]:  # the group's last unit: its check, in the order the groups come
-                report.add(problems_check(f"numeric:{comp}/{u.group}", f"{comp}/{u.group}", bad, {"units": sizes[key]}))
+        found: dict[int, str | None] = {}  # job -> its problem (None: agrees)
+
+        def answer(i: int, msg: str | None) -> None:
+            found[i] = msg
+            progress.advance(1, f"{jobs[i][0]} {jobs[i][1].group}")
+
+        if pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers():
+            from ckpt_tool.checkpoint.forked import TaskQueue
+
+            per = -(-len(jobs) // TaskQueue.LIMIT)  # units per task: the queue holds at most LIMIT tasks
+
+            def run_task(task: int, child_pool: ComputePool) -> tuple[list, dict]:  # in a forked child
+                for runner in runners.values():
+                    runner.pool = child_pool
+                answers = [(i, run(jobs[i])) for i in range(task * per, min(len(jobs), (task + 1) * per))]
+                return answers, {comp: runner.take_computed() for comp, runner in runners.items()}
+
+            for _, (answers, computed) in fan_out(-(-len(jobs) // per), pool.workers, run_task):
+                for i, msg in answers:
+                    answer(i, msg)
+                for comp, records in computed.items():
+                    coverage.add(comp, {tuple(key): bits for key, bits in records.items()})
+        todo = [i for i in range(len(jobs)) if i not in found]  # all of them, or what no child answered
+        for i, msg in zip(todo, map_tasks(pool, lambda i: run(jobs[i]), todo)):
+            answer(i, msg)
         for comp in components:
-            coverage.add(comp, runners[comp].computed)
+            coverage.add(comp, runners[comp].take_computed())
+
+        checks: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (component, group) -> problems, in unit order
+        sizes: dict[tuple[str, str], int] = {}
+        for i, (comp, u) in enumerate(jobs):
+            sizes[comp, u.group] = sizes.get((comp, u.group), 0) + 1
+            bad = checks.setdefault((comp, u.group), [])
+            if found[i]:
+                bad.append((found[i], unit_tensors(u)[0]))
+        for (comp, group), bad in checks.items():
+            report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": sizes[comp, group]}))
     return coverage

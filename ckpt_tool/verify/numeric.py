@@ -44,7 +44,7 @@ from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
+from ckpt_tool.verify.compute_pool import ComputePool, can_fork_workers, compute_slot, fan_out, map_tasks
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
 from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
@@ -532,27 +532,67 @@ def run_layer(
     if headers is None:
         headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"}
     with RowReader(direct_root=out) as reader, torch.no_grad():
-        source: list = [SourceShard(cfg, ckpt, mtp, device, reader, act, pool)]
-        converted: list = [
-            ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, pool)
-            for r in range(plan.options.tp)
+        sides: list[list] = [
+            [SourceShard(cfg, ckpt, mtp, device, reader, act, pool)],
+            [
+                ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, pool)
+                for r in range(plan.options.tp)
+            ],
         ]
         if probes is not None:
             tp_split = plan.options.moe_parallel == "tp"
-            source = [_ProbedShard(source[0], seed, False, device)]
-            converted = [_ProbedShard(c, seed, tp_split, device) for c in converted]
-            probes.extend(source + converted)
+            sides = [
+                [_ProbedShard(sides[0][0], seed, False, device)],
+                [_ProbedShard(c, seed, tp_split, device) for c in sides[1]],
+            ]
+            probes.extend(sides[0] + sides[1])
 
-        def map_fn(fn, items):
-            return map_tasks(pool, _no_grad(fn), items)
+        def forward(which: int, side_pool: ComputePool | None) -> MTPOutput:
+            for shard in sides[which]:
+                (shard.shard if isinstance(shard, _ProbedShard) else shard).pool = side_pool
 
-        a = mtp_layer_forward(
-            cfg, source, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all, map_fn=map_fn
-        )
-        b = mtp_layer_forward(
-            cfg, converted, inputs.input_ids, inputs.positions, inputs.prev_hidden, route_all=route_all, map_fn=map_fn
-        )
-    return a, b
+            def map_fn(fn, items):
+                return map_tasks(side_pool, _no_grad(fn), items)
+
+            return mtp_layer_forward(
+                cfg,
+                sides[which],
+                inputs.input_ids,
+                inputs.positions,
+                inputs.prev_hidden,
+                route_all=route_all,
+                map_fn=map_fn,
+            )
+
+        results: dict[int, MTPOutput] = {}
+        if pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers():
+            # the two sides at once, each in a forked process of its own (no interpreter lock shared between them)
+            def side_task(which: int, child_pool: ComputePool) -> tuple:
+                result = forward(which, child_pool)
+                outputs = [{role: _pack(t) for role, t in getattr(s, "outputs", {}).items()} for s in sides[which]]
+                return _pack(result.hidden), _pack(result.logits), outputs
+
+            for which, (hidden, logits, outputs) in fan_out(2, 2, side_task, servers=1):
+                results[which] = MTPOutput(_unpack(hidden), _unpack(logits))
+                for shard, got in zip(sides[which], outputs):
+                    if isinstance(shard, _ProbedShard):
+                        shard.outputs.update({role: _unpack(t) for role, t in got.items()})
+        for which in (0, 1):  # both here, or a side whose process did not answer
+            if which not in results:
+                results[which] = forward(which, pool)
+    return results[0], results[1]
+
+
+def _pack(t: torch.Tensor) -> tuple[list[int], bytes]:
+    """A float32 tensor as marshal-able ``(shape, bytes)``."""
+    return list(t.shape), t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
+
+
+def _unpack(packed: tuple[list[int], bytes]) -> torch.Tensor:
+    shape, data = packed
+    if not data:
+        return torch.empty(shape, dtype=torch.float32)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
 
 
 def _no_grad(fn):
