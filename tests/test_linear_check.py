@@ -132,6 +132,7 @@ def test_row_reader_direct_windows_read_what_the_file_holds(fixture_dir, tmp_pat
 
     monkeypatch.setattr(writer, "DIRECT_IO", direct)
     monkeypatch.setattr(tensor_rows, "WINDOW_BYTES", 8192)
+    monkeypatch.setattr(tensor_rows, "WINDOWED_BELOW", 8192)
     monkeypatch.setattr(tensor_rows, "WINDOW_CACHE_BYTES", 3 * 8192)
     src = fixture_dir("fp4")
     out = tmp_path / "out"

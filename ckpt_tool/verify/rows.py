@@ -62,7 +62,10 @@ def read_tile_rows(n: int, row_bytes: int, align: int) -> int:
 
 TRIM_EVERY_BYTES = 256 * 1024 * 1024
 WINDOW_BYTES = 2 * 1024 * 1024
-"""A direct read smaller than this is served from a read-ahead window of this size (see :class:`RowReader`)."""
+"""Bytes of a read-ahead window (see :class:`RowReader`)."""
+WINDOWED_BELOW = 256 * 1024
+"""Direct reads smaller than this are served from a window (copied out of it); larger ones go straight into
+the caller's buffer."""
 WINDOW_CACHE_BYTES = 96 * 1024 * 1024
 """Windows kept at most (least recently used dropped first): enough for every stream a few threads read at
 once — a routed-expert tensor and its scales on each of 8 ranks, for the units next to each other."""
@@ -124,10 +127,10 @@ class RowReader:
     pages into an aligned buffer, nothing copied through or left in the page cache, which keeps the cache for
     the source. ``CKPT_TOOL_DIRECT_IO=0`` (or a file system that refuses) reads them through the cache.
 
-    A direct read smaller than ``WINDOW_BYTES`` (one rank's slice of a routed expert: 512 KiB of weight,
-    32 KiB of scales) is served from a window of that size starting at its first page, kept for the reads
-    that follow it in the file (the same expert's next part, the next experts, their scales): one read of
-    2 MiB instead of several of a few KiB to 512 KiB, each of which would wait for the disk alone.
+    A direct read smaller than ``WINDOWED_BELOW`` (the scales of one rank's slice of a routed expert: 32 KiB)
+    is served from a ``WINDOW_BYTES`` window starting at its first page, kept for the reads that follow it in
+    the file (the next experts' scales): one read of 2 MiB instead of sixty-four of 32 KiB, each of which
+    would wait for the disk alone.
 
     ``into`` (a :class:`ReadBuffer`) lets a caller that reads tile after tile reuse its memory.
 
@@ -175,7 +178,7 @@ class RowReader:
             buf = into.take(n, 64) if into is not None else torch.empty(n, dtype=torch.uint8)
             got = os.preadv(fd, [buf.numpy()], pos) if n else 0
             return buf[:got]
-        if n >= WINDOW_BYTES:
+        if n >= WINDOWED_BELOW:
             return self._read_direct(path, fd, pos, n, into)
         return self._read_windowed(path, fd, pos, n, into)
 
