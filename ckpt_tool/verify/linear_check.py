@@ -17,11 +17,12 @@ tested against vLLM itself) and the source side from DeepSeek's names written ou
 table is never consulted, so a rule that maps the wrong bytes (swapped fused parts, a wrong expert,
 a wrong rank slice) makes the two sides disagree.
 
-Work and memory: weights are read with ``pread`` a tile of rows at a time (``tensor_rows.read_tile_rows``,
+Work and memory: weights are read with ``pread`` a tile of rows at a time (``rows.read_tile_rows``,
 4 MiB of weight bytes) on both sides and dequantized in smaller tiles that stay in cache
 (``quant.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
-multiplied once and compared with every rank's piece of it. Units run on a :class:`~ckpt_tool.verify.compute_pool.
-ComputePool` (``verify --workers``): one computing per core, as many more reading their next tiles.
+multiplied once and compared with every rank's piece of it. Units run in ``verify --workers`` forked
+processes (``verify.compute_pool.fan_out``; threads of one :class:`~ckpt_tool.verify.compute_pool.ComputePool` where
+forking is not safe), each computing one tile at a time while a second thread reads its next.
 
 Tolerance: both sides round the probe activation the same way and differ only by float32
 summation order (row-parallel partial sums, kernel tiles): ``max|a - b| / max|a| <= 1e-3`` per part
@@ -522,6 +523,13 @@ def _row_bytes(kind: str, inp: int) -> int:
     return {"fp8": inp, "mxfp4": inp // 2, "bf16": 2 * inp}[kind]
 
 
+def _unit_bytes(u: Unit) -> int:
+    """Roughly what a unit reads, to schedule the largest first (exact units: small, counted as one byte)."""
+    if isinstance(u, ExactUnit):
+        return 1
+    return sum(p.rows for p in u.parts) * _row_bytes(u.kind, u.inp) * 2
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape and dtype and the same bytes (numpy's compare runs several times faster than torch.equal on
     bf16; bytes, not values, because the converter copies these tensors verbatim)."""
@@ -818,11 +826,13 @@ def check_every_tensor(
             from ckpt_tool.checkpoint.forked import TaskQueue
 
             per = -(-len(jobs) // TaskQueue.LIMIT)  # units per task: the queue holds at most LIMIT tasks
+            # largest units first (the 1 GiB vocab tables), so that no process is left with one at the end
+            order = sorted(range(len(jobs)), key=lambda i: -_unit_bytes(jobs[i][1]))
 
             def run_task(task: int, child_pool: ComputePool) -> tuple[list, dict]:  # in a forked child
                 for runner in runners.values():
                     runner.pool = child_pool
-                answers = [(i, run(jobs[i])) for i in range(task * per, min(len(jobs), (task + 1) * per))]
+                answers = [(i, run(jobs[i])) for i in order[task * per : (task + 1) * per]]
                 return answers, {comp: runner.take_computed() for comp, runner in runners.items()}
 
             for _, (answers, computed) in fan_out(-(-len(jobs) // per), pool.workers, run_task):

@@ -29,6 +29,7 @@ by value and counts them in the coverage.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import zlib
 from dataclasses import dataclass
@@ -566,33 +567,72 @@ def run_layer(
 
         results: dict[int, MTPOutput] = {}
         if pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers():
-            # the two sides at once, each in a forked process of its own (no interpreter lock shared between them)
-            def side_task(which: int, child_pool: ComputePool) -> tuple:
-                result = forward(which, child_pool)
-                outputs = [{role: _pack(t) for role, t in getattr(s, "outputs", {}).items()} for s in sides[which]]
-                return _pack(result.hidden), _pack(result.logits), outputs
+            # the two sides at once, each in a forked process of its own (no interpreter lock shared between them);
+            # their outputs (the probe rows of every expert on every rank: 0.4 GB at V4-Pro widths) come back
+            # through a file in memory, written from the tensors and read into new ones, never copied in between
+            files = [_TensorFile(), _TensorFile()]
+            try:
 
-            for which, (hidden, logits, outputs) in fan_out(2, 2, side_task, servers=1):
-                results[which] = MTPOutput(_unpack(hidden), _unpack(logits))
-                for shard, got in zip(sides[which], outputs):
-                    if isinstance(shard, _ProbedShard):
-                        shard.outputs.update({role: _unpack(t) for role, t in got.items()})
+                def side_task(which: int, child_pool: ComputePool) -> tuple:
+                    result, put = forward(which, child_pool), files[which].put
+                    return (
+                        put(result.hidden),
+                        put(result.logits),
+                        [{role: put(t) for role, t in getattr(s, "outputs", {}).items()} for s in sides[which]],
+                    )
+
+                for which, (hidden, logits, outputs) in fan_out(2, 2, side_task, servers=1):
+                    get = files[which].get
+                    results[which] = MTPOutput(get(hidden), get(logits))
+                    for shard, got in zip(sides[which], outputs):
+                        if isinstance(shard, _ProbedShard):
+                            shard.outputs.update({role: get(t) for role, t in got.items()})
+                    files[which].close()
+            finally:
+                for f in files:
+                    f.close()
         for which in (0, 1):  # both here, or a side whose process did not answer
             if which not in results:
                 results[which] = forward(which, pool)
     return results[0], results[1]
 
 
-def _pack(t: torch.Tensor) -> tuple[list[int], bytes]:
-    """A float32 tensor as marshal-able ``(shape, bytes)``."""
-    return list(t.shape), t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
+class _TensorFile:
+    """float32 tensors handed from a forked child to its parent through an anonymous file (memfd where there is
+    one): :meth:`put` in the child writes one and returns ``(shape, offset)``, :meth:`get` in the parent reads it."""
 
+    def __init__(self) -> None:
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("ckpt-tool-forward")
+        else:
+            import tempfile
 
-def _unpack(packed: tuple[list[int], bytes]) -> torch.Tensor:
-    shape, data = packed
-    if not data:
-        return torch.empty(shape, dtype=torch.float32)
-    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+            self.fd = os.dup(tempfile.TemporaryFile().fileno())
+        self.end = 0
+
+    def put(self, t: torch.Tensor) -> tuple[list[int], int]:
+        arr = t.detach().to(torch.float32).contiguous().numpy()
+        at, view = self.end, memoryview(arr).cast("B")
+        while view:
+            view = view[os.pwrite(self.fd, view, self.end) :]
+            self.end = at + arr.nbytes - len(view)
+        return list(t.shape), at
+
+    def get(self, entry: tuple[list[int], int]) -> torch.Tensor:
+        shape, at = entry
+        t = torch.empty(shape, dtype=torch.float32)
+        view = memoryview(t.numpy()).cast("B")
+        while view:
+            n = os.preadv(self.fd, [view], at)
+            if n <= 0:
+                raise CheckpointError("the MTP forward's worker process handed back a truncated result")
+            view, at = view[n:], at + n
+        return t
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _no_grad(fn):
