@@ -119,9 +119,9 @@ def test_row_reader_reads_stacked_expert_rows(fixture_dir, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_row_reader_direct_windows_read_what_the_file_holds(fixture_dir, tmp_path, monkeypatch, direct) -> None:
-    """Reads of OUT's files (O_DIRECT, small ones through read-ahead windows, evicted least recently used) give the
-    bytes safetensors gives, from many threads at once, up to the last byte of the file; so does the buffered path."""
+def test_row_reader_direct_reads_give_what_the_file_holds(fixture_dir, tmp_path, monkeypatch, direct) -> None:
+    """Reads of OUT's files (O_DIRECT, small ones through the page cache on a second descriptor) give the bytes
+    safetensors gives, from many threads at once, up to the last byte of the file; so does the buffered path."""
     from concurrent.futures import ThreadPoolExecutor
 
     from safetensors import safe_open
@@ -131,9 +131,7 @@ def test_row_reader_direct_windows_read_what_the_file_holds(fixture_dir, tmp_pat
     from ckpt_tool.verify import rows as tensor_rows
 
     monkeypatch.setattr(writer, "DIRECT_IO", direct)
-    monkeypatch.setattr(tensor_rows, "WINDOW_BYTES", 8192)
-    monkeypatch.setattr(tensor_rows, "WINDOWED_BELOW", 8192)
-    monkeypatch.setattr(tensor_rows, "WINDOW_CACHE_BYTES", 3 * 8192)
+    monkeypatch.setattr(tensor_rows, "DIRECT_FROM", 8192)  # the fixture's tensors: both kinds of read
     src = fixture_dir("fp4")
     out = tmp_path / "out"
     convert(src, out, Options(tp=2))

@@ -789,14 +789,14 @@ def test_an_expert_probe_removed_drops_coverage_and_fails_the_check(fixture_dir,
     counts exactly those units missing, below 100 %, and the coverage check fails naming expert, part and rank."""
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", 2, moe)
-    j, real = 5, numeric.run_layer
+    j, real = 5, numeric.LayerForward.finish
 
-    def forward_losing_one_probe(*args, probes, **kwargs):
-        a, b = real(*args, probes=probes, **kwargs)
-        probes[-1].outputs.pop(f"expert.{j}.w3")  # probes: the source side, then ranks 0 and 1
+    def forward_losing_one_probe(self, pool):
+        a, b = real(self, pool)
+        self.sides[1][-1].outputs.pop(f"expert.{j}.w3")  # the last rank's probe rows (sides: source, then ranks)
         return a, b
 
-    monkeypatch.setattr(numeric, "run_layer", forward_losing_one_probe)
+    monkeypatch.setattr(numeric.LayerForward, "finish", forward_losing_one_probe)
     report = numeric_gate(out, src)
     cov = report.coverage
     holders = ["0", "1"] if moe == "tp" else ["1"]

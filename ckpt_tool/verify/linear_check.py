@@ -51,7 +51,7 @@ from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import model_class_of
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.compute_pool import ComputePool, can_fork_workers, compute_slot, fan_out, map_tasks
+from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
@@ -767,92 +767,106 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.to(torch.int64), b.to(torch.int64))
 
 
-def check_every_tensor(
-    out: Path,
-    plan: Plan,
-    ckpt: Checkpoint,
-    headers: dict[str, ShardHeader],
-    report: VerifyReport,
-    *,
-    kernels: str,
-    device: torch.device,
-    seed: int,
-    act: str = "bf16",
-    progress: Progress | None = None,
-    skip_mtp_experts: bool = False,
-    pool: ComputePool | None = None,
-) -> Coverage:
-    """Add one check per layer (and one for embed/head) per component; return the coverage: every unit
-    expected, those run here computed.
+class TensorCheck:
+    """The per-tensor check of every output tensor, prepared to run: one check per layer (and one for embed/head)
+    per component, and the coverage (every unit expected, those run computed).
+
+    The units run in batches: :meth:`task` runs one (in a forked child of ``compute_pool.fan_out``, where the caller
+    may schedule other work beside them, or here), :meth:`absorb` takes a batch's answers back, and :meth:`finish`
+    runs whatever no child answered, adds the checks to the report and returns the coverage.
 
     ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
-    credits them to the coverage); they stay expected. ``pool``: run the units on it (else one at a time here)."""
-    progress = progress or NoProgress()
-    opts, cfg = plan.options, plan.config
-    components = sorted({f.component for f in plan.files})
-    plans = {
-        comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors))
-        for comp in components
-    }
-    coverage = Coverage(plan, headers, plans)
-    if skip_mtp_experts and "mtp" in plans:
-        plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
-    progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
-    with RowReader(direct_root=out) as reader:
-        runners = {
+    credits them to the coverage); they stay expected. ``pool``: run the units left to :meth:`finish` on it."""
+
+    def __init__(
+        self,
+        out: Path,
+        plan: Plan,
+        ckpt: Checkpoint,
+        headers: dict[str, ShardHeader],
+        reader: RowReader,
+        *,
+        kernels: str,
+        device: torch.device,
+        seed: int,
+        act: str = "bf16",
+        progress: Progress | None = None,
+        skip_mtp_experts: bool = False,
+        pool: ComputePool | None = None,
+    ) -> None:
+        from ckpt_tool.checkpoint.forked import TaskQueue
+
+        self.progress = progress or NoProgress()
+        opts, cfg = plan.options, plan.config
+        self.components = sorted({f.component for f in plan.files})
+        plans = {
+            comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors))
+            for comp in self.components
+        }
+        self.coverage = Coverage(plan, headers, plans)
+        if skip_mtp_experts and "mtp" in plans:
+            plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
+        self.progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
+        self.runners = {
             comp: LinearRunner(
                 _Sides(ckpt, out, plan, headers, comp, reader, device), kernels=kernels, act=act, seed=seed, pool=pool
             )
-            for comp in components
+            for comp in self.components
         }
-        jobs = [(comp, u) for comp in components for u in plans[comp]]
+        self.jobs = [(comp, u) for comp in self.components for u in plans[comp]]
+        self.per = max(1, -(-len(self.jobs) // TaskQueue.LIMIT))  # units per batch: a queue holds at most LIMIT
+        # largest units first (the 1 GiB vocab tables), so that no process is left with one at the end
+        self.order = sorted(range(len(self.jobs)), key=lambda i: -_unit_bytes(self.jobs[i][1]))
+        self.found: dict[int, str | None] = {}  # job -> its problem (None: agrees)
 
-        def run(job: tuple[str, Unit]) -> str | None:
-            comp, u = job
-            runner = runners[comp]
-            try:
-                with torch.no_grad():
-                    return runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
-            except (CheckpointError, ValueError, RuntimeError) as exc:
-                return f"tensor {unit_tensors(u)[0]!r}: {exc}"
+    @property
+    def tasks(self) -> int:
+        """Batches of units, for :meth:`task`."""
+        return -(-len(self.jobs) // self.per)
 
-        found: dict[int, str | None] = {}  # job -> its problem (None: agrees)
+    def _run(self, i: int) -> str | None:
+        comp, u = self.jobs[i]
+        runner = self.runners[comp]
+        try:
+            with torch.no_grad():
+                return runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u)
+        except (CheckpointError, ValueError, RuntimeError) as exc:
+            return f"tensor {unit_tensors(u)[0]!r}: {exc}"
 
-        def answer(i: int, msg: str | None) -> None:
-            found[i] = msg
-            progress.advance(1, f"{jobs[i][0]} {jobs[i][1].group}")
+    def task(self, task: int, pool: ComputePool | None) -> tuple[list, dict]:
+        """Batch ``task`` (largest units first): ``(answers, computed)`` for :meth:`absorb`, marshal-able."""
+        for runner in self.runners.values():
+            runner.pool = pool
+        answers = [(i, self._run(i)) for i in self.order[task * self.per : (task + 1) * self.per]]
+        return answers, {comp: runner.take_computed() for comp, runner in self.runners.items()}
 
-        if pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers():
-            from ckpt_tool.checkpoint.forked import TaskQueue
+    def absorb(self, result: tuple[list, dict]) -> None:
+        answers, computed = result
+        for i, msg in answers:
+            self._answer(i, msg)
+        for comp, records in computed.items():
+            self.coverage.add(comp, {tuple(key): bits for key, bits in records.items()})
 
-            per = -(-len(jobs) // TaskQueue.LIMIT)  # units per task: the queue holds at most LIMIT tasks
-            # largest units first (the 1 GiB vocab tables), so that no process is left with one at the end
-            order = sorted(range(len(jobs)), key=lambda i: -_unit_bytes(jobs[i][1]))
+    def _answer(self, i: int, msg: str | None) -> None:
+        self.found[i] = msg
+        self.progress.advance(1, f"{self.jobs[i][0]} {self.jobs[i][1].group}")
 
-            def run_task(task: int, child_pool: ComputePool) -> tuple[list, dict]:  # in a forked child
-                for runner in runners.values():
-                    runner.pool = child_pool
-                answers = [(i, run(jobs[i])) for i in order[task * per : (task + 1) * per]]
-                return answers, {comp: runner.take_computed() for comp, runner in runners.items()}
-
-            for _, (answers, computed) in fan_out(-(-len(jobs) // per), pool.workers, run_task):
-                for i, msg in answers:
-                    answer(i, msg)
-                for comp, records in computed.items():
-                    coverage.add(comp, {tuple(key): bits for key, bits in records.items()})
-        todo = [i for i in range(len(jobs)) if i not in found]  # all of them, or what no child answered
-        for i, msg in zip(todo, map_tasks(pool, lambda i: run(jobs[i]), todo)):
-            answer(i, msg)
-        for comp in components:
-            coverage.add(comp, runners[comp].take_computed())
-
+    def finish(self, report: VerifyReport, pool: ComputePool | None) -> Coverage:
+        """Run the units nothing answered (all of them, without children) on ``pool``; add the checks."""
+        for runner in self.runners.values():
+            runner.pool = pool
+        todo = [i for i in range(len(self.jobs)) if i not in self.found]
+        for i, msg in zip(todo, map_tasks(pool, self._run, todo)):
+            self._answer(i, msg)
+        for comp in self.components:
+            self.coverage.add(comp, self.runners[comp].take_computed())
         checks: dict[tuple[str, str], list[tuple[str, str]]] = {}  # (component, group) -> problems, in unit order
         sizes: dict[tuple[str, str], int] = {}
-        for i, (comp, u) in enumerate(jobs):
+        for i, (comp, u) in enumerate(self.jobs):
             sizes[comp, u.group] = sizes.get((comp, u.group), 0) + 1
             bad = checks.setdefault((comp, u.group), [])
-            if found[i]:
-                bad.append((found[i], unit_tensors(u)[0]))
+            if self.found[i]:
+                bad.append((self.found[i], unit_tensors(u)[0]))
         for (comp, group), bad in checks.items():
             report.add(problems_check(f"numeric:{comp}/{group}", f"{comp}/{group}", bad, {"units": sizes[comp, group]}))
-    return coverage
+        return self.coverage

@@ -34,6 +34,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from ckpt_tool.verify.compute_pool import ComputePool, can_fork_workers, compute
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
 from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
+
+if TYPE_CHECKING:
+    from ckpt_tool.verify.linear_check import Coverage, TensorCheck
 
 log = logging.getLogger(__name__)
 
@@ -505,6 +509,111 @@ def compare_expert_probes(
     return bad, compared
 
 
+class LayerForward:
+    """Side A and side B of one MTP layer on the same inputs, prepared to run: :meth:`side_task` computes one
+    side (in a forked child of ``compute_pool.fan_out``, whose result :meth:`absorb` takes back), and
+    :meth:`finish` computes here whatever side no child answered and returns both.
+
+    Side B reads every replicated role from rank 0; the other ranks' copies of replicated tensors are
+    proven by the per-tensor check (linear_check), which compares each rank's copy with the source.
+    ``route_all`` (the verify default) sends every routed expert tokens. With ``probes`` (a list to
+    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks. The
+    pool a side runs on computes its experts (and the head's tiles).
+    """
+
+    def __init__(
+        self,
+        cfg: V4Config,
+        plan: Plan,
+        ckpt: Checkpoint,
+        out: Path,
+        mtp: int,
+        inputs: NumericInputs,
+        reader: RowReader,
+        *,
+        device: torch.device,
+        kernels: str,
+        act: str,
+        headers: dict[str, ShardHeader] | None = None,
+        route_all: bool = True,
+        probes: list[_ProbedShard] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if headers is None:
+            headers = {
+                f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"
+            }
+        self.cfg, self.inputs, self.route_all = cfg, inputs, route_all
+        self.sides: list[list] = [
+            [SourceShard(cfg, ckpt, mtp, device, reader, act, None)],
+            [
+                ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, None)
+                for r in range(plan.options.tp)
+            ],
+        ]
+        if probes is not None:
+            tp_split = plan.options.moe_parallel == "tp"
+            self.sides = [
+                [_ProbedShard(self.sides[0][0], seed, False, device)],
+                [_ProbedShard(c, seed, tp_split, device) for c in self.sides[1]],
+            ]
+            probes.extend(self.sides[0] + self.sides[1])
+        self.results: dict[int, MTPOutput] = {}
+        # a child hands its side's outputs (the probe rows of every expert on every rank: 0.4 GB at V4-Pro widths)
+        # back through a file in memory, written from the tensors and read into new ones, never copied in between
+        self.files = [_TensorFile(), _TensorFile()]
+
+    def forward(self, which: int, pool: ComputePool | None) -> MTPOutput:
+        for shard in self.sides[which]:
+            (shard.shard if isinstance(shard, _ProbedShard) else shard).pool = pool
+
+        def map_fn(fn, items):
+            return map_tasks(pool, _no_grad(fn), items)
+
+        with torch.no_grad():
+            return mtp_layer_forward(
+                self.cfg,
+                self.sides[which],
+                self.inputs.input_ids,
+                self.inputs.positions,
+                self.inputs.prev_hidden,
+                route_all=self.route_all,
+                map_fn=map_fn,
+            )
+
+    def side_task(self, which: int, pool: ComputePool | None) -> tuple:
+        """In a child: side ``which`` computed, its outputs written to this side's file; marshal-able."""
+        result, put = self.forward(which, pool), self.files[which].put
+        return (
+            put(result.hidden),
+            put(result.logits),
+            [{role: put(t) for role, t in getattr(s, "outputs", {}).items()} for s in self.sides[which]],
+        )
+
+    def absorb(self, which: int, answer: tuple) -> None:
+        hidden, logits, outputs = answer
+        get = self.files[which].get
+        self.results[which] = MTPOutput(get(hidden), get(logits))
+        for shard, got in zip(self.sides[which], outputs):
+            if isinstance(shard, _ProbedShard):
+                shard.outputs.update({role: get(t) for role, t in got.items()})
+        self.files[which].close()
+
+    def finish(self, pool: ComputePool | None) -> tuple[MTPOutput, MTPOutput]:
+        """Both sides: a side no child answered is computed here, on ``pool``."""
+        try:
+            for which in (0, 1):
+                if which not in self.results:
+                    self.results[which] = self.forward(which, pool)
+        finally:
+            self.close()
+        return self.results[0], self.results[1]
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
 def run_layer(
     cfg: V4Config,
     plan: Plan,
@@ -522,79 +631,34 @@ def run_layer(
     seed: int = 0,
     pool: ComputePool | None = None,
 ) -> tuple[MTPOutput, MTPOutput]:
-    """Side A and side B of one MTP layer on the same inputs.
+    """One MTP layer's :class:`LayerForward` on its own: the two sides at once in forked processes where
+    :func:`_may_fork` allows, else one after the other here."""
+    with RowReader(direct_root=out, direct_source=True) as reader:
+        layer = LayerForward(
+            cfg,
+            plan,
+            ckpt,
+            out,
+            mtp,
+            inputs,
+            reader,
+            device=device,
+            kernels=kernels,
+            act=act,
+            headers=headers,
+            route_all=route_all,
+            probes=probes,
+            seed=seed,
+        )
+        if _may_fork(pool, device):
+            for which, answer in fan_out(2, 2, layer.side_task, servers=1):
+                layer.absorb(which, answer)
+        return layer.finish(pool)
 
-    Side B reads every replicated role from rank 0; the other ranks' copies of replicated tensors are
-    proven by the per-tensor check (linear_check), which compares each rank's copy with the source.
-    ``route_all`` (the verify default) sends every routed expert tokens. With ``probes`` (a list to
-    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks. ``pool``
-    runs the experts (and the head's tiles) of each side.
-    """
-    if headers is None:
-        headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"}
-    with RowReader(direct_root=out) as reader, torch.no_grad():
-        sides: list[list] = [
-            [SourceShard(cfg, ckpt, mtp, device, reader, act, pool)],
-            [
-                ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, pool)
-                for r in range(plan.options.tp)
-            ],
-        ]
-        if probes is not None:
-            tp_split = plan.options.moe_parallel == "tp"
-            sides = [
-                [_ProbedShard(sides[0][0], seed, False, device)],
-                [_ProbedShard(c, seed, tp_split, device) for c in sides[1]],
-            ]
-            probes.extend(sides[0] + sides[1])
 
-        def forward(which: int, side_pool: ComputePool | None) -> MTPOutput:
-            for shard in sides[which]:
-                (shard.shard if isinstance(shard, _ProbedShard) else shard).pool = side_pool
-
-            def map_fn(fn, items):
-                return map_tasks(side_pool, _no_grad(fn), items)
-
-            return mtp_layer_forward(
-                cfg,
-                sides[which],
-                inputs.input_ids,
-                inputs.positions,
-                inputs.prev_hidden,
-                route_all=route_all,
-                map_fn=map_fn,
-            )
-
-        results: dict[int, MTPOutput] = {}
-        if pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers():
-            # the two sides at once, each in a forked process of its own (no interpreter lock shared between them);
-            # their outputs (the probe rows of every expert on every rank: 0.4 GB at V4-Pro widths) come back
-            # through a file in memory, written from the tensors and read into new ones, never copied in between
-            files = [_TensorFile(), _TensorFile()]
-            try:
-
-                def side_task(which: int, child_pool: ComputePool) -> tuple:
-                    result, put = forward(which, child_pool), files[which].put
-                    return (
-                        put(result.hidden),
-                        put(result.logits),
-                        [{role: put(t) for role, t in getattr(s, "outputs", {}).items()} for s in sides[which]],
-                    )
-
-                for which, (hidden, logits, outputs) in fan_out(2, 2, side_task, servers=1):
-                    get = files[which].get
-                    results[which] = MTPOutput(get(hidden), get(logits))
-                    for shard, got in zip(sides[which], outputs):
-                        if isinstance(shard, _ProbedShard):
-                            shard.outputs.update({role: get(t) for role, t in got.items()})
-                    files[which].close()
-            finally:
-                for f in files:
-                    f.close()
-        for which in (0, 1):  # both here, or a side whose process did not answer
-            if which not in results:
-                results[which] = forward(which, pool)
-    return results[0], results[1]
+def _may_fork(pool: ComputePool | None, device: torch.device) -> bool:
+    """Whether work goes to forked processes: more than one worker, CPU tensors, and a process that may fork."""
+    return pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers()
 
 
 class _TensorFile:
@@ -697,29 +761,13 @@ def _check_numeric(
     pool: ComputePool,
 ) -> None:
     from ckpt_tool.verify.kernels import resolve_backend
-    from ckpt_tool.verify.linear_check import check_every_tensor
+    from ckpt_tool.verify.linear_check import TensorCheck
 
     cfg = plan.config
     dev = resolve_device(device)
     backend = resolve_backend(kernels, dev)
     release_freed_memory()  # what the values level's workers left in the heap
     has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
-    # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
-    # dequantized once per side; everything else by check_every_tensor.
-    coverage = check_every_tensor(
-        out,
-        plan,
-        ckpt,
-        headers,
-        report,
-        kernels=kernels,
-        device=dev,
-        seed=seed,
-        act=act,
-        progress=progress,
-        skip_mtp_experts=has_mtp,
-        pool=pool,
-    )
     if not has_mtp:
         report.add(
             skipped_check(
@@ -727,59 +775,56 @@ def _check_numeric(
             )
         )
     inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
-    for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
-        S = cfg.num_hidden_layers + i
-        name = f"numeric:mtp.{i}(layer {S})"
-        probes: list[_ProbedShard] = []
-        release_freed_memory()
-        if progress is not None:
-            progress.advance(0, f"mtp.{i} forward")
-        try:
-            a, b = run_layer(
-                cfg,
-                plan,
-                ckpt,
-                out,
-                i,
-                inputs,
-                device=dev,
-                kernels=kernels,
-                act=act,
-                headers=headers,
-                probes=probes,
-                seed=seed,
-                pool=pool,
-            )
-        except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-            report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
-            continue
-        bad, compared = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
-        coverage.credit("mtp", compared)
-        report.add(
-            problems_check(
-                f"numeric:mtp/mtp.{i} (layer {S}) routed experts",
-                f"mtp/mtp.{i} (layer {S})",
-                bad,
-                {"experts": cfg.n_routed_experts, "parts_compared": len(compared)},
-            )
+    with RowReader(direct_root=out, direct_source=True) as reader:
+        # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
+        # dequantized once per side; everything else by the per-tensor check.
+        check = TensorCheck(
+            out,
+            plan,
+            ckpt,
+            headers,
+            reader,
+            kernels=kernels,
+            device=dev,
+            seed=seed,
+            act=act,
+            progress=progress,
+            skip_mtp_experts=has_mtp,
+            pool=pool,
         )
-        metrics = compare_outputs(a, b)
-        bad = within_tolerance(metrics)
-        entry = {
-            "layer": S,
-            "mtp": i,
-            "backend": backend,
-            "device": str(dev),
-            "tokens": tokens,
-            "seed": seed,
-            "route_all": True,
-            **metrics,
-            "tolerances": {k: f"{op} {v}" for k, (op, v) in TOLERANCES.items()},
-            "ok": not bad,
-        }
-        report.numeric.append(entry)
-        msg = "" if not bad else f"layer {S}: converted MTP layer disagrees with the source forward: " + ", ".join(bad)
-        report.add(Check(name, not bad, msg, details=entry))
+        layers: dict[int, tuple[LayerForward, list[_ProbedShard]] | str] = {}  # MTP layer -> forward, or its error
+        for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
+            probes: list[_ProbedShard] = []
+            try:
+                layer = LayerForward(
+                    cfg,
+                    plan,
+                    ckpt,
+                    out,
+                    i,
+                    inputs,
+                    reader,
+                    device=dev,
+                    kernels=kernels,
+                    act=act,
+                    headers=headers,
+                    probes=probes,
+                    seed=seed,
+                )
+                layers[i] = (layer, probes)
+            except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
+                layers[i] = str(exc)
+        forwards = [entry[0] for entry in layers.values() if not isinstance(entry, str)]
+        try:
+            if _may_fork(pool, dev):
+                _run_forked(check, forwards, pool.workers)
+            coverage = check.finish(report, pool)
+            for i, entry in layers.items():
+                run = {"backend": backend, "device": str(dev), "tokens": tokens, "seed": seed}
+                _check_layer(cfg, plan, i, entry, coverage, report, pool, progress, run)
+        finally:
+            for layer in forwards:
+                layer.close()
 
     summary, missed = coverage.summary()
     report.coverage = summary
@@ -801,3 +846,77 @@ def _check_numeric(
         )
     else:
         report.add(Check("numeric:coverage", True, details=summary))
+
+
+def _run_forked(check: TensorCheck, forwards: list[LayerForward], workers: int) -> None:
+    """Everything on one queue of ``workers`` forked processes: the forward's sides first (the largest tasks), then
+    the per-tensor units, each process taking the next task when it is done with one, so that no core waits for
+    another's last (before, the two sides ran alone after the units, one finishing long before the other). What no
+    process answers, the ``finish`` of the check or the layer computes here."""
+    sides = [(layer, which) for layer in forwards for which in (0, 1)]
+
+    def run(task: int, child_pool: ComputePool):  # in a forked child
+        if task < len(sides):
+            layer, which = sides[task]
+            return layer.side_task(which, child_pool)
+        return check.task(task - len(sides), child_pool)
+
+    for task, answer in fan_out(len(sides) + check.tasks, workers, run):
+        if task < len(sides):
+            layer, which = sides[task]
+            layer.absorb(which, answer)
+        else:
+            check.absorb(answer)
+
+
+def _check_layer(
+    cfg: V4Config,
+    plan: Plan,
+    i: int,
+    entry: tuple[LayerForward, list[_ProbedShard]] | str,
+    coverage: Coverage,
+    report: VerifyReport,
+    pool: ComputePool,
+    progress: Progress | None,
+    run: dict,
+) -> None:
+    """MTP layer ``i``'s checks: its forward's two sides compared, its routed experts' probe rows compared and
+    credited to the coverage. ``entry``: the prepared forward, or why it could not be built."""
+    S = cfg.num_hidden_layers + i
+    name = f"numeric:mtp.{i}(layer {S})"
+    if isinstance(entry, str):
+        report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {entry}"))
+        return
+    layer, probes = entry
+    release_freed_memory()
+    if progress is not None:
+        progress.advance(0, f"mtp.{i} forward")
+    try:
+        a, b = layer.finish(pool)
+    except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
+        report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
+        return
+    bad, compared = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
+    coverage.credit("mtp", compared)
+    report.add(
+        problems_check(
+            f"numeric:mtp/mtp.{i} (layer {S}) routed experts",
+            f"mtp/mtp.{i} (layer {S})",
+            bad,
+            {"experts": cfg.n_routed_experts, "parts_compared": len(compared)},
+        )
+    )
+    metrics = compare_outputs(a, b)
+    bad = within_tolerance(metrics)
+    entry = {
+        "layer": S,
+        "mtp": i,
+        **run,
+        "route_all": True,
+        **metrics,
+        "tolerances": {k: f"{op} {v}" for k, (op, v) in TOLERANCES.items()},
+        "ok": not bad,
+    }
+    report.numeric.append(entry)
+    msg = "" if not bad else f"layer {S}: converted MTP layer disagrees with the source forward: " + ", ".join(bad)
+    report.add(Check(name, not bad, msg, details=entry))

@@ -13,7 +13,6 @@ import errno
 import math
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -61,14 +60,9 @@ def read_tile_rows(n: int, row_bytes: int, align: int) -> int:
 
 
 TRIM_EVERY_BYTES = 256 * 1024 * 1024
-WINDOW_BYTES = 2 * 1024 * 1024
-"""Bytes of a read-ahead window (see :class:`RowReader`)."""
-WINDOWED_BELOW = 256 * 1024
-"""Direct reads smaller than this are served from a window (copied out of it); larger ones go straight into
-the caller's buffer."""
-WINDOW_CACHE_BYTES = 96 * 1024 * 1024
-"""Windows kept at most (least recently used dropped first): enough for every stream a few threads read at
-once — a routed-expert tensor and its scales on each of 8 ranks, for the units next to each other."""
+DIRECT_FROM = 256 * 1024
+"""Reads of a file opened with ``O_DIRECT`` from this size on bypass the page cache; smaller ones (scales) do not
+(see :class:`RowReader`)."""
 
 
 def _malloc_trim():
@@ -105,20 +99,6 @@ class ReadBuffer:
         return self._buf[lead : lead + n]
 
 
-class _Window:
-    """Bytes ``[start, end)`` of one file in ``buffer``, being read until ``ready`` is set. ``users``: threads
-    copying out of it (or filling it); its buffer goes back to the reader's spares once it is dropped from the
-    cache and has none."""
-
-    def __init__(self, start: int, end: int, buffer: ReadBuffer) -> None:
-        self.start, self.end, self.buffer = start, end, buffer
-        self.data = torch.empty(0, dtype=torch.uint8)
-        self.error: BaseException | None = None
-        self.ready = threading.Event()
-        self.users = 0
-        self.dropped = False
-
-
 class RowReader:
     """Reads row ranges of tensors; each file is opened once, read-only, and closed by :meth:`close`.
 
@@ -127,10 +107,14 @@ class RowReader:
     pages into an aligned buffer, nothing copied through or left in the page cache, which keeps the cache for
     the source. ``CKPT_TOOL_DIRECT_IO=0`` (or a file system that refuses) reads them through the cache.
 
-    A direct read smaller than ``WINDOWED_BELOW`` (the scales of one rank's slice of a routed expert: 32 KiB)
-    is served from a ``WINDOW_BYTES`` window starting at its first page, kept for the reads that follow it in
-    the file (the next experts' scales): one read of 2 MiB instead of sixty-four of 32 KiB, each of which
-    would wait for the disk alone.
+    ``direct_source``: every other file (the source) is read with ``O_DIRECT`` as well. The numeric level
+    reads each source byte once, so the page cache would only cost it: on the 15 GiB skeleton the level's
+    system time fell from 28 to 10 CPU s with the source read directly (``bench/verify_bench.py``).
+
+    Reads smaller than ``DIRECT_FROM`` (the scales of one rank's slice of a routed expert: 32 KiB) go through
+    the page cache even there, on a second descriptor: the kernel's read-ahead then serves the next experts'
+    scales from one larger read, shared by every process reading the file, where each 32 KiB direct read would
+    wait for the disk alone.
 
     ``into`` (a :class:`ReadBuffer`) lets a caller that reads tile after tile reuse its memory.
 
@@ -139,15 +123,14 @@ class RowReader:
     full-width layer's forward climbs to GBs although the live data stay at tile size.
     """
 
-    def __init__(self, direct_root: Path | None = None) -> None:
+    def __init__(self, direct_root: Path | None = None, *, direct_source: bool = False) -> None:
         from ckpt_tool.output.writer import DIRECT_IO
 
         self._fds: dict[Path, tuple[int, bool]] = {}
+        self._buffered: dict[Path, int] = {}  # a second, buffered descriptor for small reads of a direct file
         self._lock = threading.Lock()
         self._direct_root = direct_root if DIRECT_IO else None
-        self._windows: OrderedDict[int, tuple[Path, _Window]] = OrderedDict()  # by id, least recently used first
-        self._by_path: dict[Path, list[_Window]] = {}
-        self._spares: list[ReadBuffer] = []  # buffers of dropped windows, for new ones
+        self._direct_source = direct_source and DIRECT_IO
         self._since_trim = 0
         self._trim = _malloc_trim()
 
@@ -161,7 +144,7 @@ class RowReader:
 
     def _open(self, path: Path) -> tuple[int, bool]:
         try:
-            if self._direct_root is not None and path.is_relative_to(self._direct_root):
+            if self._direct_source or (self._direct_root is not None and path.is_relative_to(self._direct_root)):
                 try:
                     return os.open(path, os.O_RDONLY | os.O_DIRECT), True
                 except OSError as exc:
@@ -174,13 +157,23 @@ class RowReader:
     def _read(self, path: Path, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
         """``n`` bytes at ``pos`` as a uint8 tensor (in ``into`` when given); short only where the file is."""
         fd, direct = self._fd(path)
-        if not direct:
-            buf = into.take(n, 64) if into is not None else torch.empty(n, dtype=torch.uint8)
-            got = os.preadv(fd, [buf.numpy()], pos) if n else 0
-            return buf[:got]
-        if n >= WINDOWED_BELOW:
+        if direct and n >= DIRECT_FROM:
             return self._read_direct(path, fd, pos, n, into)
-        return self._read_windowed(path, fd, pos, n, into)
+        if direct:
+            fd = self._buffered_fd(path)
+        buf = into.take(n, 64) if into is not None else torch.empty(n, dtype=torch.uint8)
+        got = os.preadv(fd, [buf.numpy()], pos) if n else 0
+        return buf[:got]
+
+    def _buffered_fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._buffered.get(path)
+            if fd is None:
+                try:
+                    fd = self._buffered[path] = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+            return fd
 
     def _read_direct(self, path: Path, fd: int, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
         """``_read`` with ``O_DIRECT``: whole pages into a page-aligned buffer, the bytes asked for viewed out."""
@@ -205,72 +198,9 @@ class RowReader:
         skip = pos - a0
         return page[skip : skip + max(0, min(n, got - skip))]
 
-    def _read_windowed(self, path: Path, fd: int, pos: int, n: int, into: ReadBuffer | None) -> torch.Tensor:
-        """A small direct read copied out of the window holding it, else out of a new window starting at its page
-        (read by this thread; others asking for bytes in it meanwhile wait for it rather than read them too).
-        Copied (into ``into``, else fresh memory) so that no tensor handed out shares a window's buffer, which
-        is reused: a fresh 2 MiB buffer per window costs more in page faults than the copies."""
-        from ckpt_tool.output.writer import DIRECT_ALIGN
-
-        with self._lock:
-            window = next((w for w in self._by_path.get(path, ()) if w.start <= pos and pos + n <= w.end), None)
-            fill = window is None
-            if fill:
-                start = pos - pos % DIRECT_ALIGN
-                window = _Window(start, start + WINDOW_BYTES, self._spares.pop() if self._spares else ReadBuffer())
-                self._remember(path, window)
-            else:
-                self._windows.move_to_end(id(window))
-            window.users += 1
-        try:
-            if fill:
-                try:
-                    window.data = self._read_direct(path, fd, window.start, WINDOW_BYTES, window.buffer)
-                    window.end = window.start + window.data.numel()  # short at the end of the file
-                except BaseException as exc:
-                    window.error = exc
-                    with self._lock:
-                        self._forget(id(window))
-                    raise
-                finally:
-                    window.ready.set()
-            else:
-                window.ready.wait()
-                if window.error is not None:
-                    return self._read_direct(path, fd, pos, n, into)  # the filling thread reports its error; try alone
-            skip = pos - window.start
-            part = window.data[skip : skip + max(0, min(n, window.data.numel() - skip))]
-            out = into.take(part.numel(), 64) if into is not None else torch.empty(part.numel(), dtype=torch.uint8)
-            return out.copy_(part)
-        finally:
-            with self._lock:
-                window.users -= 1
-                self._recycle(window)
-
-    def _recycle(self, window: _Window) -> None:
-        """(Under the lock.) A dropped window nobody reads from gives its buffer back."""
-        if window.dropped and not window.users and window.error is None and window.buffer is not None:
-            self._spares.append(window.buffer)
-            window.buffer, window.data = None, torch.empty(0, dtype=torch.uint8)
-
-    def _remember(self, path: Path, window: _Window) -> None:
-        """Keep ``window`` (under the lock), dropping the least recently used past ``WINDOW_CACHE_BYTES``."""
-        self._windows[id(window)] = (path, window)
-        self._by_path.setdefault(path, []).append(window)
-        while len(self._windows) * WINDOW_BYTES > WINDOW_CACHE_BYTES and len(self._windows) > 1:
-            self._forget(next(iter(self._windows)))
-
-    def _forget(self, key: int) -> None:
-        hit = self._windows.pop(key, None)
-        if hit is not None:
-            path, window = hit
-            self._by_path[path].remove(window)
-            window.dropped = True
-            self._recycle(window)
-
     def rows(self, path: Path, info: TensorInfo, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
         """Rows ``[r0, r1)`` of ``info`` (in file ``path``) as a ``[r1 - r0, last dim]`` tensor; read into ``into``
-        when given (valid until its next read; a small direct read may come from a window instead)."""
+        when given (valid until its next read)."""
         dtype = TORCH_DTYPES.get(info.dtype)
         if dtype is None:
             raise CheckpointError(
@@ -306,12 +236,10 @@ class RowReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
+            for fd in [fd for fd, _ in self._fds.values()] + list(self._buffered.values()):
                 os.close(fd)
             self._fds.clear()
-            self._windows.clear()
-            self._by_path.clear()
-            self._spares.clear()
+            self._buffered.clear()
 
     def __enter__(self) -> RowReader:
         return self
