@@ -819,8 +819,8 @@ def _check_numeric(
             if _may_fork(pool, dev):
                 _run_forked(check, forwards, pool.workers)
             coverage = check.finish(report, pool)
+            run = {"backend": backend, "device": str(dev), "tokens": tokens, "seed": seed}
             for i, entry in layers.items():
-                run = {"backend": backend, "device": str(dev), "tokens": tokens, "seed": seed}
                 _check_layer(cfg, plan, i, entry, coverage, report, pool, progress, run)
         finally:
             for layer in forwards:
@@ -884,8 +884,12 @@ def _check_layer(
     credited to the coverage. ``entry``: the prepared forward, or why it could not be built."""
     S = cfg.num_hidden_layers + i
     name = f"numeric:mtp.{i}(layer {S})"
+
+    def failed(why: object) -> None:
+        report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {why}"))
+
     if isinstance(entry, str):
-        report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {entry}"))
+        failed(entry)
         return
     layer, probes = entry
     release_freed_memory()
@@ -894,7 +898,7 @@ def _check_layer(
     try:
         a, b = layer.finish(pool)
     except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-        report.add(Check(name, False, f"layer {S}: forward from the converted weights failed: {exc}"))
+        failed(exc)
         return
     bad, compared = compare_expert_probes(cfg, plan, probes[0], probes[1:], i)
     coverage.credit("mtp", compared)

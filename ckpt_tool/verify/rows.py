@@ -105,7 +105,7 @@ class RowReader:
     Files under ``direct_root`` (the converted OUT: the writer wrote it with ``O_DIRECT``, so it is not in
     the page cache) are read with ``O_DIRECT`` where the file system allows: each read rounded out to whole
     pages into an aligned buffer, nothing copied through or left in the page cache, which keeps the cache for
-    the source. ``CKPT_TOOL_DIRECT_IO=0`` (or a file system that refuses) reads them through the cache.
+    the files read through it. ``CKPT_TOOL_DIRECT_IO=0`` (or a file system that refuses) reads them through the cache.
 
     ``direct_source``: every other file (the source) is read with ``O_DIRECT`` as well. The numeric level
     reads each source byte once, so the page cache would only cost it: on the 15 GiB skeleton the level's
