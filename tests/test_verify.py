@@ -455,6 +455,86 @@ def test_rewrite_helper_alone_keeps_verify_green(fixture_dir, tmp_path) -> None:
     assert report.ok, [(c.name, c.message) for c in report.failures]
 
 
+
+def _numeric_levels_started(monkeypatch) -> list:
+    """The :class:`numeric.NumericLevel` objects ``verify`` starts, in order."""
+    started, real = [], numeric.NumericLevel.start
+
+    def start(self) -> None:
+        started.append(self)
+        real(self)
+
+    monkeypatch.setattr(numeric.NumericLevel, "start", start)
+    return started
+
+
+def test_numeric_workers_compute_while_the_values_level_runs(fixture_dir, tmp_path, monkeypatch) -> None:
+    """verify --level numeric forks the numeric level's workers before the values level starts, and they answer
+    while it runs: the levels share the disk and the cores instead of taking turns. The report is the same."""
+    import time
+
+    from ckpt_tool.verify import levels
+    from ckpt_tool.verify.compute_pool import can_fork_workers
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    started, answered_during_values = _numeric_levels_started(monkeypatch), []
+    real_values = levels.check_values
+
+    def values_after_a_numeric_answer(*args, **kwargs):
+        deadline = time.monotonic() + 120
+        while started[0]._answers.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answered_during_values.append(not started[0]._answers.empty())
+        return real_values(*args, **kwargs)
+
+    monkeypatch.setattr(levels, "check_values", values_after_a_numeric_answer)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
+    assert answered_during_values == [True]
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    assert report.coverage["percent"] == 100.0
+    serial = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=1)
+    assert [(c.name, c.ok) for c in report.checks] == [(c.name, c.ok) for c in serial.checks]
+    assert report.coverage == serial.coverage
+
+
+def test_a_values_failure_stops_the_numeric_workers_and_adds_no_numeric_check(
+    fixture_dir, tmp_path, monkeypatch
+) -> None:
+    """The numeric level's workers, already computing, are stopped and reaped when the values level fails: the
+    report holds the values failure and no numeric check (numeric runs only after the levels before passed)."""
+    import os
+
+    from ckpt_tool.verify.compute_pool import can_fork_workers
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    name = corrupt_swap_w13(out, src)
+    rerecord_in_manifest(out, file_of(out, W13, 0))
+    from ckpt_tool.verify.compute_pool import ForkedTasks
+
+    pids, real_start = [], ForkedTasks.start
+
+    def start(self):
+        real_start(self)
+        pids.extend(self.pids.values())
+        return self
+
+    monkeypatch.setattr(ForkedTasks, "start", start)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
+    assert not report.ok and report.failures[0].name.startswith("values:") and report.failures[0].tensor == name
+    assert not [c.name for c in report.checks if c.name.startswith("numeric")]
+    assert report.numeric == [] and report.coverage is None
+    assert len(pids) == 2
+    for pid in pids:  # stopped and reaped: no process of that id is left, not even a zombie
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("cid,variant,tp,moe,corrupt,level", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
 def test_corruption_fails_verify_naming_the_tensor(
     fixture_dir, tmp_path, capsys, cid, variant, tp, moe, corrupt, level

@@ -128,17 +128,37 @@ def fan_out(
     tasks: int, processes: int, run: Callable[[int, ComputePool], Any], servers: int = 2
 ) -> Iterator[tuple[int, Any]]:
     """``run(task, pool)`` for tasks ``0..tasks-1`` in ``processes`` forked children, yielding ``(task, result)``
-    as results arrive (``result`` marshal-able). Each child runs a :class:`ComputePool` of one slot; ``servers``
-    of its threads take tasks from a shared :class:`~ckpt_tool.checkpoint.forked.TaskQueue`, one reading while another
-    computes (``servers=1``: the child's main thread takes them, and ``run`` may map work over ``pool``).
-    Tasks a child took and never answered (it died) are simply not yielded: the caller runs what is missing
-    itself, so a child never decides an outcome. Fewer children start when the system refuses a fork."""
-    from ckpt_tool.checkpoint.forked import TaskQueue
+    as results arrive (``result`` marshal-able): :class:`ForkedTasks` started, read and closed in one go."""
+    forked = ForkedTasks(tasks, processes, run, servers)
+    try:
+        forked.start()
+        yield from forked.results()
+    finally:
+        forked.close()
 
-    pids: dict[int, int] = {}  # read fd -> pid
-    with TaskQueue(tasks) as queue:
-        try:
-            for _ in range(processes):
+
+class ForkedTasks:
+    """``run(task, pool)`` for tasks ``0..tasks-1`` in ``processes`` forked children.
+
+    :meth:`start` forks them (call it while :func:`can_fork_workers` holds: before the caller starts other
+    threads, which a child would not have); :meth:`results` yields ``(task, result)`` as results arrive, and may
+    run on a thread the caller starts after the fork; :meth:`stop` kills the children (their pipes then end, so
+    :meth:`results` returns); :meth:`close` stops them and reaps them. Each child runs a :class:`ComputePool` of one
+    slot; ``servers`` of its threads take tasks from a shared :class:`~ckpt_tool.checkpoint.forked.TaskQueue`, one
+    reading while another computes (``servers=1``: the child's main thread takes them, and ``run`` may map work
+    over ``pool``). Tasks a child took and never answered (it died, or was stopped) are simply not yielded: the
+    caller runs what is missing itself, so a child never decides an outcome. Fewer children start when the
+    system refuses a fork."""
+
+    def __init__(self, tasks: int, processes: int, run: Callable[[int, ComputePool], Any], servers: int = 2) -> None:
+        self.tasks, self.processes, self.run, self.servers = tasks, processes, run, servers
+        self.pids: dict[int, int] = {}  # read fd -> pid
+
+    def start(self) -> ForkedTasks:
+        from ckpt_tool.checkpoint.forked import TaskQueue
+
+        with TaskQueue(self.tasks) as queue:  # closed here once forked: the children hold the read end
+            for _ in range(self.processes):
                 read_end, write_end = os.pipe()
                 try:
                     pid = os.fork()
@@ -148,19 +168,28 @@ def fan_out(
                     break
                 if pid == 0:  # pragma: no cover (the child's coverage is not collected)
                     os.close(read_end)
-                    _child(queue, write_end, run, servers)
+                    _child(queue, write_end, self.run, self.servers)
                 os.close(write_end)
-                pids[read_end] = pid
-            queue.close()  # the children hold the read end now
-            yield from _collect(pids)
-        finally:
-            for fd, pid in pids.items():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.close(fd)
-                os.waitpid(pid, 0)
+                self.pids[read_end] = pid
+        return self
+
+    def results(self) -> Iterator[tuple[int, Any]]:
+        return _collect(self.pids)
+
+    def stop(self) -> None:
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        """Stop and reap the children; call it once nothing reads :meth:`results` any more."""
+        self.stop()
+        for fd, pid in self.pids.items():
+            os.close(fd)
+            os.waitpid(pid, 0)
+        self.pids = {}
 
 
 def _collect(pids: dict[int, int]) -> Iterator[tuple[int, Any]]:

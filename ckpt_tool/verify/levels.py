@@ -13,7 +13,9 @@
    the report. It recombines every rank, so on an OUT of some ranks (convert --ranks) it fails, saying
    what to run instead.
 
-The levels stack: each runs only when the ones before passed. They share one record
+The levels stack: a level's checks join the report only when the ones before passed. The numeric level's forked
+workers start computing before the values level and run beside it (they share the disk and the cores instead of
+taking turns); their answers are taken only once values passed, else the workers are stopped. They share one record
 (ckpt_tool.verify.verdict: Check, VerifyReport, Progress); numeric never imports this module.
 """
 
@@ -123,19 +125,20 @@ def verify(
     deep = level in ("values", "numeric")
     headers = check_structure(out, plan, manifest, report, ckpt.root, hash_files=not deep, workers=workers)
     check_engine(plan, headers, report)
-    if deep and report.ok:
-        check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
-    if level == "numeric" and report.ok and manifest.get("ranks") is not None and len(manifest["ranks"]) < opts.tp:
-        report.add(_numeric_needs_every_rank([int(r) for r in manifest["ranks"]], opts.tp))
-    elif level == "numeric" and report.ok:
-        from ckpt_tool.verify.numeric import check_numeric
+    held = manifest.get("ranks")
+    every_rank = held is None or len(held) >= opts.tp
+    numeric = None
+    if level == "numeric" and report.ok and every_rank:
+        # the numeric level's workers compute while the values level reads (forked now, before its threads start):
+        # the two levels share the disk and the cores instead of taking turns; its checks join the report only
+        # once the values level passed
+        from ckpt_tool.verify.numeric import NumericLevel
 
-        check_numeric(
+        numeric = NumericLevel(
             out,
             plan,
             ckpt,
             headers,
-            report,
             kernels=kernels,
             device=device,
             tokens=tokens,
@@ -143,6 +146,19 @@ def verify(
             progress=progress,
             workers=numeric_workers,
         )
+    try:
+        if numeric is not None:
+            numeric.start()
+        if deep and report.ok:
+            check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
+        if level == "numeric" and report.ok:
+            if numeric is None:
+                report.add(_numeric_needs_every_rank([int(r) for r in held], opts.tp))
+            else:
+                numeric.finish(report)
+    finally:
+        if numeric is not None:
+            numeric.close()
     return report
 
 

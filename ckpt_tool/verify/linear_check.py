@@ -806,7 +806,6 @@ class TensorCheck:
         self.coverage = Coverage(plan, headers, plans)
         if skip_mtp_experts and "mtp" in plans:
             plans["mtp"] = [u for u in plans["mtp"] if not (isinstance(u, LinearUnit) and u.expert is not None)]
-        self.progress.stage("numeric: tensors", sum(len(u) for u in plans.values()), unit="tensors")
         self.runners = {
             comp: LinearRunner(
                 _Sides(ckpt, out, plan, headers, comp, reader, device), kernels=kernels, act=act, seed=seed, pool=pool
@@ -818,6 +817,10 @@ class TensorCheck:
         # largest units first (the 1 GiB vocab tables), so that no process is left with one at the end
         self.order = sorted(range(len(self.jobs)), key=lambda i: -_unit_bytes(self.jobs[i][1]))
         self.found: dict[int, str | None] = {}  # job -> its problem (None: agrees)
+
+    def stage(self) -> None:
+        """Start this check's progress stage; its workers may have run before, beside another level."""
+        self.progress.stage("numeric: tensors", len(self.jobs), unit="tensors")
 
     @property
     def tasks(self) -> int:

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,13 +48,20 @@ from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.compute_pool import ComputePool, can_fork_workers, compute_slot, fan_out, map_tasks
+from ckpt_tool.verify.compute_pool import (
+    ComputePool,
+    ForkedTasks,
+    can_fork_workers,
+    compute_slot,
+    fan_out,
+    map_tasks,
+)
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
 from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 if TYPE_CHECKING:
-    from ckpt_tool.verify.linear_check import Coverage, TensorCheck
+    from ckpt_tool.verify.linear_check import Coverage
 
 log = logging.getLogger(__name__)
 
@@ -724,149 +733,203 @@ def check_numeric(
     progress: Progress | None = None,
     workers: int | None = None,
 ) -> None:
-    """The numeric level: every output tensor against the source (linear_check), then the forward of
-    every MTP layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage:
-    units computed / expected, per rank, expert and fused part). ``workers``: tiles computed at once
-    (:class:`~ckpt_tool.verify.compute_pool.ComputePool`; default one per CPU)."""
-    with ComputePool(workers) as pool:
-        _check_numeric(
-            out,
-            plan,
-            ckpt,
-            headers,
-            report,
-            kernels=kernels,
-            device=device,
-            tokens=tokens,
-            seed=seed,
-            act=act,
-            progress=progress,
-            pool=pool,
-        )
+    """The numeric level on its own (:class:`NumericLevel` started and finished at once)."""
+    with NumericLevel(
+        out,
+        plan,
+        ckpt,
+        headers,
+        kernels=kernels,
+        device=device,
+        tokens=tokens,
+        seed=seed,
+        act=act,
+        progress=progress,
+        workers=workers,
+    ) as level:
+        level.start()
+        level.finish(report)
 
 
-def _check_numeric(
-    out: Path,
-    plan: Plan,
-    ckpt: Checkpoint,
-    headers: dict[str, ShardHeader],
-    report: VerifyReport,
-    *,
-    kernels: str,
-    device: str,
-    tokens: int,
-    seed: int,
-    act: str,
-    progress: Progress | None,
-    pool: ComputePool,
-) -> None:
-    from ckpt_tool.verify.kernels import resolve_backend
-    from ckpt_tool.verify.linear_check import TensorCheck
+class NumericLevel:
+    """The numeric level: every output tensor against the source (linear_check), then the forward of every MTP
+    layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage: units
+    computed / expected, per rank, expert and fused part). ``workers``: processes (or tiles) computing at once
+    (:class:`~ckpt_tool.verify.compute_pool.ComputePool`; default one per CPU).
 
-    cfg = plan.config
-    dev = resolve_device(device)
-    backend = resolve_backend(kernels, dev)
-    release_freed_memory()  # what the values level's workers left in the heap
-    has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
-    if not has_mtp:
-        report.add(
-            skipped_check(
-                "numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"
-            )
-        )
-    inputs = make_inputs(cfg, tokens, seed, dev) if has_mtp else None
-    with RowReader(direct_root=out, direct_source=True) as reader:
-        # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
-        # dequantized once per side; everything else by the per-tensor check.
-        check = TensorCheck(
-            out,
-            plan,
-            ckpt,
-            headers,
-            reader,
-            kernels=kernels,
-            device=dev,
-            seed=seed,
-            act=act,
-            progress=progress,
-            skip_mtp_experts=has_mtp,
-            pool=pool,
-        )
-        layers: dict[int, tuple[LayerForward, list[_ProbedShard]] | str] = {}  # MTP layer -> forward, or its error
-        for i in range(cfg.num_nextn_predict_layers if has_mtp else 0):
-            probes: list[_ProbedShard] = []
-            try:
-                layer = LayerForward(
-                    cfg,
-                    plan,
-                    ckpt,
-                    out,
-                    i,
-                    inputs,
-                    reader,
-                    device=dev,
-                    kernels=kernels,
-                    act=act,
-                    headers=headers,
-                    probes=probes,
-                    seed=seed,
-                )
-                layers[i] = (layer, probes)
-            except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-                layers[i] = str(exc)
-        forwards = [entry[0] for entry in layers.values() if not isinstance(entry, str)]
+    In three steps, so that the level can compute while the values level reads (``verify`` runs both at once):
+    the constructor prepares every check; :meth:`start` forks the workers and starts a thread collecting their
+    answers (call it before any other thread starts: a fork copies no thread, see ``can_fork_workers``);
+    :meth:`finish` takes the answers, computes here whatever no worker answered (everything, where no fork is
+    allowed) and adds the checks to the report. Leaving the ``with`` block stops workers still running (the values
+    level failed, or an error) and frees what the level holds.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        plan: Plan,
+        ckpt: Checkpoint,
+        headers: dict[str, ShardHeader],
+        *,
+        kernels: str,
+        device: str,
+        tokens: int,
+        seed: int,
+        act: str = "bf16",
+        progress: Progress | None = None,
+        workers: int | None = None,
+    ) -> None:
+        from ckpt_tool.verify.kernels import resolve_backend
+        from ckpt_tool.verify.linear_check import TensorCheck
+
+        self.cfg, self.plan, self.progress = plan.config, plan, progress
+        self._stack = ExitStack()
         try:
-            if _may_fork(pool, dev):
-                _run_forked(check, forwards, pool.workers)
-            coverage = check.finish(report, pool)
-            run = {"backend": backend, "device": str(dev), "tokens": tokens, "seed": seed}
-            for i, entry in layers.items():
-                _check_layer(cfg, plan, i, entry, coverage, report, pool, progress, run)
+            self.pool = self._stack.enter_context(ComputePool(workers))
+            self.device = resolve_device(device)
+            self.run = {
+                "backend": resolve_backend(kernels, self.device),
+                "device": str(self.device),
+                "tokens": tokens,
+                "seed": seed,
+            }
+            self.has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
+            inputs = make_inputs(self.cfg, tokens, seed, self.device) if self.has_mtp else None
+            reader = self._stack.enter_context(RowReader(direct_root=out, direct_source=True))
+            # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
+            # dequantized once per side; everything else by the per-tensor check.
+            self.check = TensorCheck(
+                out,
+                plan,
+                ckpt,
+                headers,
+                reader,
+                kernels=kernels,
+                device=self.device,
+                seed=seed,
+                act=act,
+                progress=progress,
+                skip_mtp_experts=self.has_mtp,
+                pool=self.pool,
+            )
+            # MTP layer -> its forward and probed shards, or why the forward could not be built
+            self.layers: dict[int, tuple[LayerForward, list[_ProbedShard]] | str] = {}
+            for i in range(self.cfg.num_nextn_predict_layers if self.has_mtp else 0):
+                probes: list[_ProbedShard] = []
+                try:
+                    layer = LayerForward(
+                        self.cfg,
+                        plan,
+                        ckpt,
+                        out,
+                        i,
+                        inputs,
+                        reader,
+                        device=self.device,
+                        kernels=kernels,
+                        act=act,
+                        headers=headers,
+                        probes=probes,
+                        seed=seed,
+                    )
+                except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
+                    self.layers[i] = str(exc)
+                    continue
+                self.layers[i] = (layer, probes)
+                self._stack.callback(layer.close)
+            self.forwards = [entry[0] for entry in self.layers.values() if not isinstance(entry, str)]
+            # the work forked processes take from one queue: the forward's sides first (the largest tasks), then
+            # the per-tensor units, each process taking the next task when done with one, so that no core waits for
+            # another's last
+            self.sides = [(layer, which) for layer in self.forwards for which in (0, 1)]
+        except BaseException:
+            self._stack.close()
+            raise
+        self._forked: ForkedTasks | None = None
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (task, answer) from the workers; None: no more
+        self._collector: threading.Thread | None = None
+
+    def __enter__(self) -> NumericLevel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Fork the workers, where allowed, and collect their answers on a thread."""
+        if not _may_fork(self.pool, self.device):
+            return
+
+        def run(task: int, child_pool: ComputePool):  # in a forked child
+            if task < len(self.sides):
+                layer, which = self.sides[task]
+                return layer.side_task(which, child_pool)
+            return self.check.task(task - len(self.sides), child_pool)
+
+        self._forked = ForkedTasks(len(self.sides) + self.check.tasks, self.pool.workers, run).start()
+        self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
+        self._collector.start()
+
+    def _collect(self) -> None:
+        try:
+            for item in self._forked.results():
+                self._answers.put(item)
         finally:
-            for layer in forwards:
-                layer.close()
+            self._answers.put(None)
 
-    summary, missed = coverage.summary()
-    report.coverage = summary
-    total, short = summary["total"], summary["total"] - summary["checked"]
-    if not total:
-        report.add(
-            skipped_check(
-                "numeric:coverage", "n/a: OUT holds nothing the numeric level computes (0 of 0 units)", details=summary
+    def finish(self, report: VerifyReport) -> None:
+        """Wait for the workers' answers, compute what none answered, and add the level's checks to ``report``."""
+        self.check.stage()
+        if not self.has_mtp:
+            report.add(
+                skipped_check(
+                    "numeric:mtp-forward", "OUT holds no MTP draft (converted with --only model): no MTP layer to run"
+                )
             )
-        )
-    elif short:
-        report.add(
-            Check(
-                "numeric:coverage",
-                False,
-                f"{short} of {total} units not computed numerically ({summary['percent']} % covered), e.g. {missed[0]}",
-                details={**summary, "not_computed": missed},
+        while self._collector is not None and (item := self._answers.get()) is not None:
+            task, answer = item
+            if task < len(self.sides):
+                layer, which = self.sides[task]
+                layer.absorb(which, answer)
+            else:
+                self.check.absorb(answer)
+        release_freed_memory()  # what the values level's threads left in the heap, before computing here
+        coverage = self.check.finish(report, self.pool)
+        for i, entry in self.layers.items():
+            _check_layer(self.cfg, self.plan, i, entry, coverage, report, self.pool, self.progress, self.run)
+        summary, missed = coverage.summary()
+        report.coverage = summary
+        total, short = summary["total"], summary["total"] - summary["checked"]
+        if not total:
+            report.add(
+                skipped_check(
+                    "numeric:coverage",
+                    "n/a: OUT holds nothing the numeric level computes (0 of 0 units)",
+                    details=summary,
+                )
             )
-        )
-    else:
-        report.add(Check("numeric:coverage", True, details=summary))
-
-
-def _run_forked(check: TensorCheck, forwards: list[LayerForward], workers: int) -> None:
-    """Everything on one queue of ``workers`` forked processes: the forward's sides first (the largest tasks), then
-    the per-tensor units, each process taking the next task when it is done with one, so that no core waits for
-    another's last (before, the two sides ran alone after the units, one finishing long before the other). What no
-    process answers, the ``finish`` of the check or the layer computes here."""
-    sides = [(layer, which) for layer in forwards for which in (0, 1)]
-
-    def run(task: int, child_pool: ComputePool):  # in a forked child
-        if task < len(sides):
-            layer, which = sides[task]
-            return layer.side_task(which, child_pool)
-        return check.task(task - len(sides), child_pool)
-
-    for task, answer in fan_out(len(sides) + check.tasks, workers, run):
-        if task < len(sides):
-            layer, which = sides[task]
-            layer.absorb(which, answer)
+        elif short:
+            report.add(
+                Check(
+                    "numeric:coverage",
+                    False,
+                    f"{short} of {total} units not computed numerically ({summary['percent']} % covered), "
+                    f"e.g. {missed[0]}",
+                    details={**summary, "not_computed": missed},
+                )
+            )
         else:
-            check.absorb(answer)
+            report.add(Check("numeric:coverage", True, details=summary))
+
+    def close(self) -> None:
+        """Stop workers still computing, reap them, and free the readers and the forward's files."""
+        if self._forked is not None:
+            self._forked.stop()  # their pipes end, so the collecting thread returns
+            self._collector.join()
+            self._forked.close()
+            self._forked = None
+        self._stack.close()
 
 
 def _check_layer(
