@@ -455,7 +455,6 @@ def test_rewrite_helper_alone_keeps_verify_green(fixture_dir, tmp_path) -> None:
     assert report.ok, [(c.name, c.message) for c in report.failures]
 
 
-
 def _numeric_levels_started(monkeypatch) -> list:
     """The :class:`numeric.NumericLevel` objects ``verify`` starts, in order."""
     started, real = [], numeric.NumericLevel.start
