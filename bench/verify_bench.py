@@ -8,13 +8,13 @@
 
 In one run, on one skeleton (bench/make_skeleton.py: the real config, names, shapes and dtypes, random valid
 bytes; by default 3 main layers and the MTP layer, 256 MXFP4 experts each): ``convert --tp 8``, then rounds of
-``verify --level values`` and ``verify --level numeric`` (which runs the values level first; 16 tokens, torch
-kernels on cpu). Each is a subprocess under ``/usr/bin/time``: wall seconds, CPU seconds (user + sys, forked
+``verify --level values`` and ``verify --level numeric`` (which runs the values level too, its own workers
+computing beside it; 16 tokens, torch kernels on cpu). Each is a subprocess under ``/usr/bin/time``: wall seconds, CPU seconds (user + sys, forked
 workers included), peak RSS of the largest process, bytes read from the disk; plus the numeric coverage.
 
 Cold start: before every timed command the source and OUT are dropped from the page cache
 (``posix_fadvise(DONTNEED)`` per file), as a whole checkpoint never fits there. Within one numeric run the
-values pass may leave the source cached for the numeric pass on this 24 GiB VM; at V4-Flash scale it could
+values pass may leave the source cached for its own later reads on this 24 GiB VM; at V4-Flash scale it could
 not, so the projection below models reads instead of scaling this run's seconds.
 
 Figures per GiB of the source, and against the values level of the same round (the VM's speed moves over the
@@ -24,7 +24,7 @@ Targets (issue 22): numeric <= 2 x values, coverage 100 %, peak RSS <= 2 GiB; va
 Projection to V4-Flash (148.6 GiB) and V4-Pro (805 GiB, make_skeleton's specs): a level takes
 max(CPU seconds / cores, bytes it asks to read / disk rate). CPU seconds scale with the source from this run;
 the bytes asked for are counted from the plan (values reads whole source rows for each rank's column slice;
-numeric reads the source and OUT once more after values); the disk rate is a direct read measured here.
+numeric reads the source and OUT once more beside values); the disk rate is a direct read measured here.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -719,34 +719,11 @@ def _no_grad(fn):
 
 
 def check_numeric(
-    out: Path,
-    plan: Plan,
-    ckpt: Checkpoint,
-    headers: dict[str, ShardHeader],
-    report: VerifyReport,
-    *,
-    kernels: str,
-    device: str,
-    tokens: int,
-    seed: int,
-    act: str = "bf16",
-    progress: Progress | None = None,
-    workers: int | None = None,
+    out: Path, plan: Plan, ckpt: Checkpoint, headers: dict[str, ShardHeader], report: VerifyReport, **options: Any
 ) -> None:
-    """The numeric level on its own (:class:`NumericLevel` started and finished at once)."""
-    with NumericLevel(
-        out,
-        plan,
-        ckpt,
-        headers,
-        kernels=kernels,
-        device=device,
-        tokens=tokens,
-        seed=seed,
-        act=act,
-        progress=progress,
-        workers=workers,
-    ) as level:
+    """The numeric level on its own: :class:`NumericLevel` (``options``: its keyword arguments) started and
+    finished at once."""
+    with NumericLevel(out, plan, ckpt, headers, **options) as level:
         level.start()
         level.finish(report)
 
