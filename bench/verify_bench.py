@@ -9,8 +9,9 @@
 In one run, on one skeleton (bench/make_skeleton.py: the real config, names, shapes and dtypes, random valid
 bytes; by default 3 main layers and the MTP layer, 256 MXFP4 experts each): ``convert --tp 8``, then rounds of
 ``verify --level values`` and ``verify --level numeric`` (which runs the values level too, its own workers
-computing beside it; 16 tokens, torch kernels on cpu). Each is a subprocess under ``/usr/bin/time``: wall seconds, CPU seconds (user + sys, forked
-workers included), peak RSS of the largest process, bytes read from the disk; plus the numeric coverage.
+computing beside it; 16 tokens, torch kernels on cpu). Each is a subprocess under ``/usr/bin/time``: wall
+seconds, CPU seconds (user + sys, forked workers included), peak RSS of the largest process, bytes read from the
+disk; plus the numeric coverage.
 
 Cold start: before every timed command the source and OUT are dropped from the page cache
 (``posix_fadvise(DONTNEED)`` per file), as a whole checkpoint never fits there. Within one numeric run the

@@ -506,7 +506,7 @@ def test_a_values_failure_stops_the_numeric_workers_and_adds_no_numeric_check(
     report holds the values failure and no numeric check (numeric runs only after the levels before passed)."""
     import os
 
-    from ckpt_tool.verify.compute_pool import can_fork_workers
+    from ckpt_tool.verify.compute_pool import ForkedTasks, can_fork_workers
 
     if not can_fork_workers():
         pytest.skip("forked workers are not available here")
@@ -514,8 +514,6 @@ def test_a_values_failure_stops_the_numeric_workers_and_adds_no_numeric_check(
     out = do_convert(src, tmp_path / "out", 2)
     name = corrupt_swap_w13(out, src)
     rerecord_in_manifest(out, file_of(out, W13, 0))
-    from ckpt_tool.verify.compute_pool import ForkedTasks
-
     pids, real_start = [], ForkedTasks.start
 
     def start(self):
