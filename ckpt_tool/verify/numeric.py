@@ -631,35 +631,15 @@ def run_layer(
     mtp: int,
     inputs: NumericInputs,
     *,
-    device: torch.device,
-    kernels: str,
-    act: str,
-    headers: dict[str, ShardHeader] | None = None,
-    route_all: bool = True,
-    probes: list[_ProbedShard] | None = None,
-    seed: int = 0,
     pool: ComputePool | None = None,
+    **options: Any,
 ) -> tuple[MTPOutput, MTPOutput]:
-    """One MTP layer's :class:`LayerForward` on its own: the two sides at once in forked processes where
-    :func:`_may_fork` allows, else one after the other here."""
+    """One MTP layer's :class:`LayerForward` on its own (``options``: its keyword arguments; it gets a reader of
+    its own): the two sides at once in forked processes where :func:`_may_fork` allows, else one after the other
+    here."""
     with RowReader(direct_root=out, direct_source=True) as reader:
-        layer = LayerForward(
-            cfg,
-            plan,
-            ckpt,
-            out,
-            mtp,
-            inputs,
-            reader,
-            device=device,
-            kernels=kernels,
-            act=act,
-            headers=headers,
-            route_all=route_all,
-            probes=probes,
-            seed=seed,
-        )
-        if _may_fork(pool, device):
+        layer = LayerForward(cfg, plan, ckpt, out, mtp, inputs, reader, **options)
+        if _may_fork(pool, options["device"]):
             for which, answer in fan_out(2, 2, layer.side_task, servers=1):
                 layer.absorb(which, answer)
         return layer.finish(pool)

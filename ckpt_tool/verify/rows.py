@@ -126,25 +126,27 @@ class RowReader:
     def __init__(self, direct_root: Path | None = None, *, direct_source: bool = False) -> None:
         from ckpt_tool.output.writer import DIRECT_IO
 
-        self._fds: dict[Path, tuple[int, bool]] = {}
-        self._buffered: dict[Path, int] = {}  # a second, buffered descriptor for small reads of a direct file
+        # (path, for small reads) -> (fd, direct): a file read with O_DIRECT gets a second, buffered descriptor for
+        # reads under DIRECT_FROM
+        self._fds: dict[tuple[Path, bool], tuple[int, bool]] = {}
         self._lock = threading.Lock()
         self._direct_root = direct_root if DIRECT_IO else None
         self._direct_source = direct_source and DIRECT_IO
         self._since_trim = 0
         self._trim = _malloc_trim()
 
-    def _fd(self, path: Path) -> tuple[int, bool]:
-        """``(fd, direct)`` of ``path``, opened on first use."""
+    def _fd(self, path: Path, small: bool = False) -> tuple[int, bool]:
+        """``(fd, direct)`` of ``path``, opened on first use; ``small``: the buffered one, for small reads."""
         with self._lock:
-            hit = self._fds.get(path)
+            hit = self._fds.get((path, small))
             if hit is None:
-                hit = self._fds[path] = self._open(path)
+                hit = self._fds[path, small] = self._open(path, direct_ok=not small)
             return hit
 
-    def _open(self, path: Path) -> tuple[int, bool]:
+    def _open(self, path: Path, direct_ok: bool) -> tuple[int, bool]:
+        direct = self._direct_source or (self._direct_root is not None and path.is_relative_to(self._direct_root))
         try:
-            if self._direct_source or (self._direct_root is not None and path.is_relative_to(self._direct_root)):
+            if direct and direct_ok:
                 try:
                     return os.open(path, os.O_RDONLY | os.O_DIRECT), True
                 except OSError as exc:
@@ -157,23 +159,13 @@ class RowReader:
     def _read(self, path: Path, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
         """``n`` bytes at ``pos`` as a uint8 tensor (in ``into`` when given); short only where the file is."""
         fd, direct = self._fd(path)
-        if direct and n >= DIRECT_FROM:
-            return self._read_direct(path, fd, pos, n, into)
+        if direct and n < DIRECT_FROM:
+            fd, direct = self._fd(path, small=True)
         if direct:
-            fd = self._buffered_fd(path)
+            return self._read_direct(path, fd, pos, n, into)
         buf = into.take(n, 64) if into is not None else torch.empty(n, dtype=torch.uint8)
         got = os.preadv(fd, [buf.numpy()], pos) if n else 0
         return buf[:got]
-
-    def _buffered_fd(self, path: Path) -> int:
-        with self._lock:
-            fd = self._buffered.get(path)
-            if fd is None:
-                try:
-                    fd = self._buffered[path] = os.open(path, os.O_RDONLY)
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
-            return fd
 
     def _read_direct(self, path: Path, fd: int, pos: int, n: int, into: ReadBuffer | None = None) -> torch.Tensor:
         """``_read`` with ``O_DIRECT``: whole pages into a page-aligned buffer, the bytes asked for viewed out."""
@@ -193,7 +185,7 @@ class RowReader:
             if exc.errno != errno.EINVAL:
                 raise
             with self._lock:  # the file system took the open but not the read: read it through the cache
-                self._fds[path] = (os.open(path, os.O_RDONLY), False)
+                self._fds[path, False] = (os.open(path, os.O_RDONLY), False)
             return self._read(path, pos, n, into)
         skip = pos - a0
         return page[skip : skip + max(0, min(n, got - skip))]
@@ -236,10 +228,9 @@ class RowReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd in [fd for fd, _ in self._fds.values()] + list(self._buffered.values()):
+            for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-            self._buffered.clear()
 
     def __enter__(self) -> RowReader:
         return self
