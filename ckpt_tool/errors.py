@@ -42,3 +42,11 @@ MTP_MISSING_MESSAGE = (
     "The checkpoint may have been quantized without including the MTP layers. "
     "Use a checkpoint that includes MTP layer weights, or disable speculative decoding."
 )
+
+# An absent DSpark stage: vLLM's DSpark loader (vllm/models/deepseek_v4/nvidia/dspark.py) has no check of its own and
+# would leave the stage's parameters uninitialised.
+DSPARK_STAGE_MISSING_MESSAGE = (
+    "DSpark stage mtp.{stage} has no tensor in the checkpoint, but config.json gives {stages} stages (n_mtp_layers, "
+    "default 3); vLLM would build it and leave it uninitialised: the checkpoint is incomplete, download the missing "
+    "files again, or convert the target alone with --only model"
+)

@@ -15,7 +15,8 @@ another's (the wrong variant's, one edited for another expert count) would start
 Layout (DeepSeek-V4's inference/model.py): compress ratio 0 → sliding-window only; ratio > 0 → a compressor;
 ratio 4 → also the indexer (with its own compressor). Hash layers (``L < num_hash_layers``) route
 through ``ffn.gate.tid2eid`` and have no gate bias; the others carry ``ffn.gate.bias`` (noaux_tc).
-MTP blocks never compress and always carry the bias. The vision model (``vision_n_layers > 0``) adds
+MTP blocks never compress and always carry the bias; so do DSpark stages, which replace the MTP layers when
+config.json names ``dspark_target_layer_ids`` (:func:`dspark_layout`). The vision model (``vision_n_layers > 0``) adds
 ``ffn.gate.bias_vl`` to every block, ``ffn.gate.bias`` to hash layers too, and its tower (:func:`vision_layout`).
 An MTP layer's own embedding/head are optional:
 the plan materializes them from ``embed.weight`` / ``head.weight`` when absent.
@@ -34,7 +35,7 @@ from typing import Any
 from ckpt_tool.checkpoint.blocks import MX_BLOCK
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import TensorInfo
-from ckpt_tool.errors import MTP_MISSING_MESSAGE, PlanError
+from ckpt_tool.errors import DSPARK_STAGE_MISSING_MESSAGE, MTP_MISSING_MESSAGE, PlanError
 
 GLOBAL_GROUP = "globals"
 # A group whose missing names exceed this is summarised instead of listed.
@@ -316,6 +317,38 @@ def mtp_layout(config: V4Config) -> tuple[Layout, Layout, Layout]:
     return before, after, optional
 
 
+# DSpark stages (vllm/models/deepseek_v4/nvidia/dspark.py, 0.33.0 and 0.34.0; DeepSeek-V4-Flash-0731's mtp.*): a
+# decoder block per stage (layer id num_hidden_layers + i: compress ratio 1, never hash-routed), main_proj and
+# main_norm on the first stage, the head stack on the last. Markov and confidence heads are unquantized.
+HEAD_FLOAT = ("BF16", "F32")
+MARKOV_KEY = "dspark_markov_rank"
+TARGETS_KEY = "dspark_target_layer_ids"
+
+
+@functools.lru_cache(maxsize=4)
+def dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
+    """A DSpark draft's tensors besides its stages' decoder blocks: (the first stage's, after ``mtp.0.``; the last
+    stage's, after ``mtp.{n-1}.``). ``main_proj`` is a block-FP8 [H, H·len(dspark_target_layer_ids)] (ReplicatedLinear
+    with the target's quant config); ``markov_w1`` [V, r] and ``markov_w2`` [draft_vocab, r] (DSparkMarkovHead,
+    vllm/model_executor/models/qwen3_dspark.py); ``confidence_head.proj`` [1, H + r] when enable_confidence_head."""
+    D, V, hc = _dim(config, "hidden_size"), _dim(config, "vocab_size"), _dim(config, "hc_mult")
+    targets = Dim(len(config.dspark_target_layer_ids), (TARGETS_KEY,))
+    r = Dim(config.dspark_markov_rank, (MARKOV_KEY,))
+    draft_vocab = Dim(config.draft_vocab_size, ("draft_vocab_size",)) if config.draft_vocab_size else V
+    first = (*_fp8_linear(config, "main_proj", D, D * targets), ("main_norm.weight", _spec(BF16, D)))
+    last: tuple[tuple[str, Expected], ...] = (
+        ("norm.weight", _spec(BF16, D)),
+        ("hc_head_fn", _spec(F32, hc, hc * D)),
+        ("hc_head_base", _spec(F32, hc)),
+        ("hc_head_scale", _spec(F32, Dim(1))),
+        ("markov_head.markov_w1.weight", _spec(HEAD_FLOAT, V, r)),
+        ("markov_head.markov_w2.weight", _spec(HEAD_FLOAT, draft_vocab, r)),
+    )
+    if config.enable_confidence_head:
+        last += (("confidence_head.proj.weight", _spec(HEAD_FLOAT, Dim(1), D + r)),)
+    return first, last
+
+
 # The vision tower stores float weights; vLLM casts whatever float dtype it finds into its BF16 parameters (F32 for
 # image_*), so either is accepted, the usual one first.
 TOWER_FLOAT = ("BF16", "F32")
@@ -387,6 +420,22 @@ def mtp_tensors(i: int, config: V4Config) -> list[str]:
     return names
 
 
+def dspark_tensors(i: int, config: V4Config) -> list[str]:
+    """Source names DSpark stage ``i`` must hold."""
+    p = f"mtp.{i}"
+    first, last = dspark_layout(config)
+    names = list(map(f"{p}.".__add__, _suffixes(first))) if i == 0 else []
+    names += block_tensors(p, config, ratio=0, hash_layer=False)
+    if i == config.draft_layers - 1:
+        names += map(f"{p}.".__add__, _suffixes(last))
+    return names
+
+
+def draft_tensors(i: int, config: V4Config) -> list[str]:
+    """Source names draft layer ``i`` must hold: a DSpark stage or a classic MTP layer."""
+    return dspark_tensors(i, config) if config.is_dspark else mtp_tensors(i, config)
+
+
 def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, list[str]]:
     """Group (``globals``, ``layers.L``, ``mtp.i``) → the source names the engine needs, for ``components``."""
     components = set(components)
@@ -405,9 +454,9 @@ def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, l
             groups[VISION_GROUP] = _suffixes(outside)
             for b in range(config.vision_n_layers):
                 groups[f"vision.blocks.{b}"] = [f"vision.blocks.{b}.{suffix}" for suffix in _suffixes(block)]
-    if "mtp" in components:
-        for i in range(config.num_nextn_predict_layers):
-            groups[f"mtp.{i}"] = mtp_tensors(i, config)
+    if "mtp" in components:  # the draft, whichever kind
+        for i in range(config.draft_layers):
+            groups[f"mtp.{i}"] = draft_tensors(i, config)
     return groups
 
 
@@ -417,16 +466,20 @@ class Completeness:
 
     missing_groups: dict[str, list[str]]  # group -> missing names (in required order)
     required_counts: dict[str, int]  # group -> how many names the group requires
-    mtp_absent: tuple[int, ...]  # MTP layers with no tensor at all (the engine's own message applies)
-    mtp_waived: bool  # --only model and no MTP layer at all: allowed, with a note
+    mtp_absent: tuple[int, ...]  # draft layers with no tensor at all (the engine's own message applies)
+    mtp_waived: bool  # --only model and no draft layer at all: allowed, with a note
+    mismatch: str | None = None  # mtp.* hold another draft kind than config.json describes (nothing is missing)
 
     @property
     def complete(self) -> bool:
-        return not self.missing_groups and not self.mtp_absent
+        return not self.missing_groups and not self.mtp_absent and self.mismatch is None
 
     def message(self, config: V4Config) -> str:
-        """The one-line verdict: the engine's own sentence for an absent MTP layer, grouped names otherwise."""
-        absent = [MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i) for i in self.mtp_absent]
+        """The one-line verdict: the draft-kind mismatch alone when there is one; else the engine's own sentence
+        for an absent MTP layer (ours for an absent DSpark stage), grouped names otherwise."""
+        if self.mismatch is not None:
+            return self.mismatch
+        absent = [absent_draft_layer(config, i) for i in self.mtp_absent]
         if not self.missing_groups:
             return " ".join(absent)
         groups = [describe_missing(g, names, self.required_counts[g]) for g, names in self.missing_groups.items()]
@@ -449,8 +502,12 @@ def check_completeness(
     if mtp_present is None:
         mtp_present = set(count_by_index(have, "mtp."))
     components = {"model", "mtp"} if only is None else {only}
-    mtp_waived = only == "model" and not mtp_present and config.num_nextn_predict_layers > 0
-    absent = tuple(i for i in range(config.num_nextn_predict_layers) if i not in mtp_present)
+    mtp_waived = only == "model" and not mtp_present and config.draft_layers > 0
+    if only != "model" and mtp_present:
+        mismatch = draft_kind_mismatch(config, have)
+        if mismatch is not None:
+            return Completeness({}, {}, (), False, mismatch)
+    absent = tuple(i for i in range(config.draft_layers) if i not in mtp_present)
     if only == "model":
         absent = ()  # MTP layers are not converted: none need be there (a partial one still fails the plan)
     groups = required_tensors(config, components)
@@ -464,6 +521,52 @@ def check_completeness(
         if lack:
             missing[group] = lack
     return Completeness(missing, {g: len(r) for g, r in groups.items()}, absent, mtp_waived)
+
+
+# What tells the two draft kinds apart in a checkpoint's names: a classic MTP layer's input projections, a DSpark
+# draft's head stack (nvidia/mtp.py and nvidia/dspark.py load them; the other class has no such parameter).
+CLASSIC_MTP_SIGNS = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight")
+DSPARK_SIGNS = ("main_proj.weight", "main_norm.weight", "markov_head.", "confidence_head.")
+
+
+def _signs(names: Iterable[str], signs: tuple[str, ...]) -> list[str]:
+    pattern = re.compile(r"^mtp\.(?:0|[1-9][0-9]*)\.(?:" + "|".join(map(re.escape, signs)) + ")")
+    return sorted(n for n in names if n.startswith("mtp.") and pattern.match(n))
+
+
+def draft_kind_mismatch(config: V4Config, names: Iterable[str]) -> str | None:
+    """One line when ``mtp.*`` holds the other draft kind than config.json describes (None when they agree).
+
+    vLLM takes the draft kind from the speculative method the user names, and builds its parameters from
+    config.json: DSpark stages served as MTP end in ``KeyError ... mtp_block.main_norm`` (nvidia/mtp.py), and
+    classic MTP weights under a DSpark config leave every DSpark head uninitialised. Nothing is missing, so the
+    verdict names the config, not a download."""
+    if config.is_dspark:
+        found = _signs(names, CLASSIC_MTP_SIGNS)
+        if found:
+            return (
+                f"config.json names {TARGETS_KEY} (a DSpark draft), but mtp.* hold a classic MTP head "
+                f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), which vLLM's DSpark draft has no "
+                "parameter for; config.json is not the one released with these weights: use that one (it has no "
+                "dspark_* keys), or convert the target alone with --only model"
+            )
+        return None
+    found = _signs(names, DSPARK_SIGNS)
+    if found:
+        return (
+            f"mtp.* hold DSpark stages ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}), but config.json "
+            f"has no {TARGETS_KEY}, so vLLM would build a classic MTP draft and fail on them (KeyError ... "
+            "mtp_block.main_norm); config.json is not the one released with these weights: use that one (it names "
+            f"{TARGETS_KEY} and {MARKOV_KEY}), or convert the target alone with --only model"
+        )
+    return None
+
+
+def absent_draft_layer(config: V4Config, i: int) -> str:
+    """The sentence for draft layer ``i`` without any tensor: vLLM's own for a classic MTP layer."""
+    if config.is_dspark:
+        return DSPARK_STAGE_MISSING_MESSAGE.format(stage=i, stages=config.draft_layers)
+    return MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i)
 
 
 def require_complete(config: V4Config, names: Iterable[str], only: str | None = None) -> Completeness:
@@ -541,6 +644,12 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
         roles.update(outside)
         for b in range(config.vision_n_layers):
             roles.update((f"vision.blocks.{b}.{suffix}", e) for suffix, e in vblock)
+    if config.is_dspark:
+        first, last = dspark_layout(config)
+        for i in range(config.draft_layers):
+            roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*first, *last))  # any stage may hold them
+            block(f"mtp.{i}", 0, False)
+        return roles
     before, after, optional = mtp_layout(config)
     for i in range(config.num_nextn_predict_layers):
         roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*before, *after, *optional))

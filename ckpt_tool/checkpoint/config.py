@@ -50,6 +50,13 @@ VISION_KEYS = (
 )
 
 
+# The DSpark draft (DeepSeek-V4-Flash-0731: the stages mtp.0-2). vLLM 0.33.0 / 0.34.0's DSparkDeepseekV4Model
+# (vllm/models/deepseek_v4/nvidia/dspark.py) reads dspark_target_layer_ids and dspark_markov_rank without a default:
+# a config.json naming target layers is a DSpark checkpoint, and must give the Markov rank too.
+DSPARK_KEY = "dspark_target_layer_ids"
+DSPARK_DEFAULT_STAGES = 3  # nvidia/dspark.py: `getattr(config, "n_mtp_layers", None) or 3` (V4 ignores nextn)
+
+
 @dataclass(frozen=True)
 class V4Config:
     """Typed view of a DeepSeek V4 ``config.json``."""
@@ -92,12 +99,32 @@ class V4Config:
     vision_inter_dim: int = 0
     vision_patch_size: int = 0
     vision_downsample_ratio: int = 0
+    # the DSpark draft (empty dspark_target_layer_ids: a classic MTP draft); see DSPARK_KEY
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_block_size: int | None = None
+    n_mtp_layers: int | None = None
+    enable_confidence_head: bool = True
+    draft_vocab_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mtp_layer_ids(self) -> list[int]:
         """Engine layer index S = num_hidden_layers + i of every MTP layer i."""
         return [self.num_hidden_layers + i for i in range(self.num_nextn_predict_layers)]
+
+    @property
+    def is_dspark(self) -> bool:
+        """Whether ``mtp.*`` holds DSpark stages (config.json names ``dspark_target_layer_ids``)."""
+        return bool(self.dspark_target_layer_ids)
+
+    @property
+    def draft_layers(self) -> int:
+        """How many draft layers vLLM builds: DSpark stages (``n_mtp_layers``, else 3: vLLM's DSpark model does
+        not fall back to ``num_nextn_predict_layers`` for V4), or classic MTP layers (``num_nextn_predict_layers``)."""
+        if self.is_dspark:
+            return self.n_mtp_layers or DSPARK_DEFAULT_STAGES
+        return self.num_nextn_predict_layers
 
     @property
     def is_vision(self) -> bool:
@@ -160,6 +187,7 @@ class V4Config:
                     "config.json"
                 )
             vision.update((k, raw[k]) for k in VISION_KEYS)
+        dspark = _dspark_fields(raw, where)
         quant = raw.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size", (128, 128)))
         return cls(
@@ -195,6 +223,7 @@ class V4Config:
             weight_block_size=(int(block[0]), int(block[1])),
             scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
             **vision,
+            **dspark,
             raw=raw,
         )
 
@@ -214,3 +243,40 @@ class V4Config:
                 f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json"
             ) from None
         return cls.from_dict(raw, where=str(path))
+
+
+def _dspark_fields(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DSpark keys of ``raw`` (none when it does not name ``dspark_target_layer_ids``), checked as vLLM's DSpark
+    model reads them: the target layers a non-empty list of ints, the Markov rank a positive int."""
+    ids = raw.get(DSPARK_KEY)
+    if ids is None:
+        return {}
+    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise CheckpointError(
+            f"{where}: {DSPARK_KEY} is {ids!r}, not a non-empty list of layer numbers; use the model's released "
+            "config.json"
+        )
+    bad = [k for k in ("dspark_markov_rank",) if not _positive_int(raw.get(k))]
+    bad += [
+        k
+        for k in ("n_mtp_layers", "dspark_block_size", "draft_vocab_size")
+        if k in raw and raw[k] is not None and not _positive_int(raw[k])
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{where}: {DSPARK_KEY} makes this a DSpark checkpoint, but {', '.join(bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} missing or not a positive integer; vLLM's DSpark draft "
+            "(vllm/models/deepseek_v4/nvidia/dspark.py) reads them: use the model's released config.json"
+        )
+    return {
+        "dspark_target_layer_ids": tuple(ids),
+        "dspark_markov_rank": raw["dspark_markov_rank"],
+        "dspark_block_size": raw.get("dspark_block_size"),
+        "n_mtp_layers": raw.get("n_mtp_layers"),
+        "enable_confidence_head": raw.get("enable_confidence_head", True) is not False,
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+    }
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

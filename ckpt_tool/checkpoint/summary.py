@@ -15,6 +15,7 @@ from ckpt_tool.checkpoint.completeness import (
     Completeness,
     Disagreement,
     DtypeShape,
+    absent_draft_layer,
     check_completeness,
     config_disagreement,
     count_by_index,
@@ -27,7 +28,6 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
-from ckpt_tool.errors import MTP_MISSING_MESSAGE
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class InspectReport:
     dtype_bytes: dict[str, int]
     quant: QuantScheme
     main_layers: list[int]
-    mtp_expected: list[int]  # MTP indices i the config asks for
+    mtp_expected: list[int]  # draft layer (MTP layer or DSpark stage) indices i the config asks for
     mtp_present: list[int]
     mtp_missing: list[int]
     mtp_tensor_counts: dict[int, int]
@@ -255,7 +255,7 @@ def summarize(
         config_expert_dtype=config.expert_dtype if config else None,
     )
 
-    expected = list(range(config.num_nextn_predict_layers)) if config else []
+    expected = list(range(config.draft_layers)) if config else []
     missing = [i for i in expected if i not in mtp_counts]
 
     problems: list[str] = []
@@ -274,7 +274,7 @@ def summarize(
                 problems.append(completeness.message(config))
             missing_tensors = completeness.missing_groups
         elif disagreement is None:  # one shard of several: only say which MTP layers it lacks
-            problems += [MTP_MISSING_MESSAGE.format(layer=config.num_hidden_layers + i) for i in missing]
+            problems += [absent_draft_layer(config, i) for i in missing]
         if not quant.consistent and disagreement is None:
             file, name = first_expert_weight[expert_dtype]
             problems.append(

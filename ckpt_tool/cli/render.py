@@ -120,16 +120,36 @@ def render_inspect(r: InspectReport) -> None:
         )
     out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
     present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
+    kind = (r.model or {}).get("draft_kind")
+    title = "DSpark stages" if kind and kind["kind"] == "dspark" else "MTP layers"
     out.print(
-        f"MTP layers: expected {', '.join(f'mtp.{i}' for i in r.mtp_expected) or 'none (num_nextn_predict_layers 0)'}; "
+        f"{title}: expected {', '.join(f'mtp.{i}' for i in r.mtp_expected) or 'none (num_nextn_predict_layers 0)'}; "
         f"present {present}; missing {', '.join(f'mtp.{i}' for i in r.mtp_missing) or 'none'}",
         highlight=False,
     )
+    if kind:
+        out.print(draft_line(kind), highlight=False)
     if r.ok:
         out.print("[green]verdict: ok[/]")
     else:
         for p in r.problems:
             error_line(p)
+
+
+def draft_line(kind: dict) -> str:
+    """``draft: DSpark (DSparkDraftModel), 3 stages; serve with --speculative-config '{...}' ...``."""
+    n = kind["layers"]
+    if kind["kind"] == "dspark":
+        what = f"DSpark ({kind['architecture']}), {n} stage{'s' if n != 1 else ''}"
+        rule = " (num_speculative_tokens: vLLM's default, dspark_block_size)"
+    else:
+        what = f"classic MTP ({kind['architecture']}), {n} layer{'s' if n != 1 else ''}"
+        rule = ""
+    spec = (
+        f'{{"method": "{kind["method"]}", "model": "OUT/{kind["folder"]}", '
+        f'"num_speculative_tokens": {kind["num_speculative_tokens"]}}}'
+    )
+    return f"draft: {what}; serve with --speculative-config '{spec}'{rule}"
 
 
 def _segment_json(s) -> dict:

@@ -137,7 +137,8 @@ class _Table:
 def engine_params(
     cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp"
 ) -> dict[str, EngineParam]:
-    """Every parameter one rank of ``component`` (model | mtp) holds under ``profile`` (the same set on every rank)."""
+    """Every parameter one rank of ``component`` (model | mtp | dspark) holds under ``profile`` (the same set on
+    every rank)."""
     t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
     D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
@@ -157,6 +158,9 @@ def engine_params(
         params = {prefix + n: EngineParam(prefix + n, p.shape, p.dtype, p.prefix) for n, p in t.params.items()}
         params.update(vision_params(cfg, tp))
         return params
+    if component == "dspark":
+        _dspark(t, cfg)
+        return t.params
     for S in cfg.mtp_layer_ids:  # MTP blocks never compress and are never hash-routed
         p = f"model.layers.{S}"
         t.add(f"{p}.enorm.weight", (D,), "BF16")
@@ -170,6 +174,35 @@ def engine_params(
         t.add(f"{p}.shared_head.head.weight", (V // tp, D), "BF16")
         t.block(f"{p}.mtp_block", ratio=0, hash_layer=False)
     return t.params
+
+
+def _dspark(t: _Table, cfg: V4Config) -> None:
+    """DSparkDeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/dspark.py, 0.33.0 and 0.34.0) beside the
+    embedding: the target's lm_head (vocab-parallel), main_proj (ReplicatedLinear, block FP8 with the target's quant
+    config), the norms, context_wkv_proj (MergedColumnParallelLinear([head_dim] * stages, disable_tp=True)), hc_head,
+    the Markov head (nn.Embedding and ParallelLMHead(disable_tp=True), model dtype) and the float32 confidence head;
+    every stage a decoder block at ModuleList index i (compress ratio 1, not hash-routed)."""
+    D, V, hc, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.draft_layers
+    r, K = cfg.dspark_markov_rank, len(cfg.dspark_target_layer_ids)
+    t.add("lm_head.weight", (V // t.tp, D), "BF16")
+    t.linear("model.main_proj", D, K * D)
+    t.add("model.main_norm.weight", (D,), "BF16")
+    t.add("model.context_wkv_proj.weight", (n * cfg.head_dim, D), "F8_E4M3")
+    t.add(
+        "model.context_wkv_proj.weight_scale_inv",
+        (n * cdiv(cfg.head_dim, FP8_BLOCK), cdiv(D, FP8_BLOCK)),
+        t.scale_dtype,
+    )
+    t.add("model.norm.weight", (D,), "BF16")
+    t.add("model.hc_head_fn", (hc, hc * D), "F32")
+    t.add("model.hc_head_base", (hc,), "F32")
+    t.add("model.hc_head_scale", (1,), "F32")
+    t.add("model.markov_head.markov_w1.weight", (V, r), "BF16")
+    t.add("model.markov_head.markov_w2.weight", (cfg.draft_vocab_size or V, r), "BF16")
+    if cfg.enable_confidence_head:
+        t.add("model.confidence_head.proj.weight", (1, D + r), "F32")
+    for i in range(n):
+        t.block(f"model.layers.{i}", ratio=0, hash_layer=False)
 
 
 def vision_params(cfg: V4Config, tp: int) -> dict[str, EngineParam]:

@@ -34,11 +34,16 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES, canonical_name, model_class_of
+from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, MTP, PROFILES, canonical_name, draft_kind_of, model_class_of
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split, indexable
 
 GiB = 1024**3
 _MTP_RE = re.compile(r"^mtp\.(0|[1-9][0-9]*)\.")
+DSPARK_ALIAS_NOTE = (
+    "dspark: model.embed_tokens.weight and lm_head.weight hold the target's embed/head shards (vLLM replaces the "
+    "draft's with the target's after loading, but its sharded loader wants the keys); model.context_wkv_proj holds "
+    "every stage's attn.wkv a second time, as vLLM's DSpark loader duplicates it"
+)
 NO_MTP_NOTE = (
     "the checkpoint has no MTP layers: converted the target model only; speculative decoding needs the MTP draft "
     "from a checkpoint that includes it (convert that one with --only mtp)"
@@ -51,7 +56,7 @@ class Options:
 
     tp: int = 1
     moe_parallel: str = "tp"  # tp | ep
-    only: str | None = None  # None | "model" | "mtp"
+    only: str | None = None  # None | "model" | "mtp" (the draft, whichever kind: its source tensors are mtp.*)
     max_shard_size: int = 5 * GiB
     profile: str = DEFAULT_PROFILE
 
@@ -67,6 +72,13 @@ class Options:
             "max_shard_size": self.max_shard_size,
             "profile": self.profile,
         }
+
+
+def selects(only: str | None, component: str) -> bool:
+    """Whether ``--only only`` converts ``component`` (an OUT folder): ``mtp`` selects the draft of either kind."""
+    if only is None:
+        return True
+    return component == "model" if only == "model" else component != "model"
 
 
 ZERO = "<zero>"  # Segment.src of a zero fill (no source tensor can have this name: it matches no rule)
@@ -180,7 +192,7 @@ class OutTensor:
 
 @dataclass(frozen=True)
 class OutFile:
-    component: str  # model | mtp
+    component: str  # model | mtp | dspark: the folder of OUT
     rank: int
     part: int
     tensors: tuple[OutTensor, ...]
@@ -263,11 +275,11 @@ def _binds(rule: Rule, cfg: V4Config) -> list[dict[str, int]]:
     if "{vblock}" in text:
         binds = [{**b, "vblock": i} for b in binds for i in range(cfg.vision_n_layers)]
     if "{mtp}" in text:
-        mtps = range(cfg.num_nextn_predict_layers)
+        mtps = range(cfg.draft_layers)
         if rule.when_mtp == "first":
-            mtps = range(min(1, cfg.num_nextn_predict_layers))
+            mtps = range(min(1, cfg.draft_layers))
         elif rule.when_mtp == "rest":
-            mtps = range(1, cfg.num_nextn_predict_layers)
+            mtps = range(1, cfg.draft_layers)
         binds = [{**b, "mtp": i} for b in binds for i in mtps]
     return binds
 
@@ -693,34 +705,23 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         raise PlanError(f"--moe-parallel must be 'tp' or 'ep', got {opts.moe_parallel!r}")
     if opts.profile not in PROFILES:
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
-    rules = PROFILES[opts.profile].rules(config.expert_dtype, model_class_of(config))
+    profile = PROFILES[opts.profile]
+    draft = profile.draft_of(config) if opts.only != "model" else draft_kind_of(config)
+    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config))
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     mtp_present = set(count_by_index(tensors, "mtp."))
-    extra_mtp = sorted(i for i in mtp_present if i >= config.num_nextn_predict_layers)
+    extra_mtp = sorted(i for i in mtp_present if i >= config.draft_layers)
     if extra_mtp:
+        key = "num_nextn_predict_layers" if draft is MTP else "n_mtp_layers (default 3)"
         raise PlanError(
-            f"checkpoint has MTP layer(s) {extra_mtp} but config.json num_nextn_predict_layers is "
-            f"{config.num_nextn_predict_layers}; fix the config or remove the extra tensors"
+            f"checkpoint has {draft.layer_word}(s) {extra_mtp} but config.json {key} gives "
+            f"{config.draft_layers}; fix the config or remove the extra tensors"
         )
 
     sources = dict(tensors)
-    materialized: dict[str, str] = {}
-    for i in (
-        range(config.num_nextn_predict_layers) if opts.only != "model" else ()
-    ):  # nothing of the draft is written with --only model
-        for alias_pat, real in MATERIALIZE.items():
-            alias = alias_pat.format(mtp=i)
-            if alias in sources or (alias.endswith("emb.tok_emb.weight") and i > 0):
-                continue
-            if real not in tensors:
-                raise PlanError(
-                    f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either"
-                )
-            r = tensors[real]
-            sources[alias] = TensorInfo(alias, r.dtype, r.shape, r.file, r.start, r.end)
-            materialized[alias] = real
+    materialized = _materialize(config, tensors, sources, draft) if opts.only != "model" else {}
 
     groups, dropped, unknown = _group_sources(rules, sources, config)
     if unknown:
@@ -751,7 +752,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             srcs = tuple(chain.from_iterable(zip(*g.names)))
         else:
             srcs = tuple(g.parts[k].name for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0])))
-        if opts.only and rule.component != opts.only:
+        if not selects(opts.only, rule.component):
             unused_by_selection.extend(srcs)
             continue
         first = next(iter(g.parts.values()))
@@ -765,14 +766,18 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
                 ((info.file, info.start, target), OutTensor(target, dtype, shape, segs, rule.id, read, zeros))
             )
 
+    _require_one_source(outputs)
     files = _pack(outputs, opts)
     deviations = []
-    if materialized:
+    notes: list[str] = [NO_MTP_NOTE] if complete.mtp_waived else []
+    if materialized and draft is MTP:
         deviations.append(
             "materialized "
             + ", ".join(f"{a} from {r}" for a, r in sorted(materialized.items()))
             + " (vLLM's stock loaders leave them uninitialised; its sharded loader needs the keys)"
         )
+    elif materialized:
+        notes.append(DSPARK_ALIAS_NOTE)
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
             "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store "
@@ -787,9 +792,45 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         materialized=materialized,
         deviations=tuple(deviations),
         unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=((NO_MTP_NOTE,) if complete.mtp_waived else ())
-        + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
+        notes=tuple(notes) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
+
+
+def _materialize(
+    config: V4Config, tensors: dict[str, TensorInfo], sources: dict[str, TensorInfo], draft
+) -> dict[str, str]:
+    """Add to ``sources`` the aliases the draft's rules read (alias → real source tensor): the classic MTP's own
+    embedding/head where the checkpoint lacks them, every alias of another draft kind."""
+    wanted: dict[str, str] = {}
+    if draft is MTP:
+        for i in range(config.draft_layers):
+            for alias_pat, real in MATERIALIZE.items():
+                alias = alias_pat.format(mtp=i)
+                if alias not in tensors and not (alias.endswith("emb.tok_emb.weight") and i > 0):
+                    wanted[alias] = real
+    else:
+        wanted = draft.aliases(config)
+    for alias, real in wanted.items():
+        if real not in tensors:
+            raise PlanError(f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either")
+        r = tensors[real]
+        sources[alias] = TensorInfo(alias, r.dtype, r.shape, r.file, r.start, r.end)
+    return wanted
+
+
+def _require_one_source(outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]]) -> None:
+    """Every output tensor of a rank made by one rule instance: a DSpark head-stack tensor shipped by two stages
+    (vLLM's loader keeps whichever it reads last) is refused, naming both."""
+    for (component, _rank), items in outputs.items():
+        seen: dict[str, OutTensor] = {}
+        for _key, t in items:
+            if t.name in seen:
+                a, b = seen[t.name].sources[0], t.sources[0]
+                raise PlanError(
+                    f"{component}/{t.name} would be written from both {a!r} and {b!r}; vLLM's loader keeps whichever "
+                    "it reads last: remove the copy the checkpoint should not have"
+                )
+            seen[t.name] = t
 
 
 def _group_ok(g: _Group, cfg: V4Config) -> bool:
@@ -914,22 +955,27 @@ def needed_sources(names: list[str] | set[str], config: V4Config, opts: Options)
     names = set(names)
     if opts.only != "mtp":
         return names
-    rules = PROFILES[opts.profile].rules(config.expert_dtype, model_class_of(config))
+    profile = PROFILES[opts.profile]
+    draft = profile.draft_of(config)
+    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config))
     keep: set[str] = set()
     for name in names:
         hit = _match(rules, name)
         if hit is None:
             if _MTP_RE.match(name):
                 keep.add(name)  # an unknown MTP tensor: kept so the plan reports it
-        elif hit[0].kind != "drop" and hit[0].component == "mtp":
+        elif hit[0].kind != "drop" and hit[0].component != "model":
             keep.add(name)
-    for i in range(config.num_nextn_predict_layers):
-        for alias_pat, real in MATERIALIZE.items():
-            alias = alias_pat.format(mtp=i)
-            if alias in names or (alias.endswith("emb.tok_emb.weight") and i > 0):
-                continue
-            if real in names:
-                keep.add(real)
+    if draft is MTP:
+        for i in range(config.draft_layers):
+            for alias_pat, real in MATERIALIZE.items():
+                alias = alias_pat.format(mtp=i)
+                if alias in names or (alias.endswith("emb.tok_emb.weight") and i > 0):
+                    continue
+                if real in names:
+                    keep.add(real)
+    else:
+        keep.update(real for real in draft.aliases(config).values() if real in names)
     return keep
 
 

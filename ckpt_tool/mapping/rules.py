@@ -367,3 +367,71 @@ def vision_tower_rules() -> list[Rule]:
 
 
 IMAGE_EMBEDDINGS = ("image_start", "image_end", "image_newline", "image_pad")
+
+
+# ---------------------------------------------------------------------------------------------
+# The DSpark draft (DSparkDeepseekV4ForCausalLM, vllm/models/deepseek_v4/nvidia/dspark.py, vLLM 0.33.0 and 0.34.0):
+# what replaces the classic MTP rules when config.json names dspark_target_layer_ids. Names as its load_weights and
+# _remap_dspark_name place them: head-stack tensors (main_proj, main_norm, norm, hc_head_*, markov_head,
+# confidence_head) from whichever stage holds them at model level, everything else of stage i under
+# model.layers.{i} (the ModuleList index, not num_hidden_layers + i as the classic MTP's), and every stage's
+# attn.wkv a second time as its shard of model.context_wkv_proj (_duplicate_context_wkv_weights).
+
+DSPARK_EMBED = "dspark.embed.weight"  # alias of embed.weight: the draft's VocabParallelEmbedding
+DSPARK_HEAD = "dspark.head.weight"  # alias of head.weight: the draft's ParallelLMHead
+
+
+def dspark_context_wkv(stage: int, part: str) -> str:
+    """Alias of ``mtp.{stage}.attn.wkv.{part}`` read a second time for ``model.context_wkv_proj`` (a name no
+    checkpoint holds and no other rule matches)."""
+    return f"dspark.context_wkv.stage{stage}.{part}"
+
+
+def dspark_rules(expert_dtype: str, stages: int, *, vision: bool) -> list[Rule]:
+    """The DSpark draft's rules: ``stages`` stages under ``mtp.{mtp}``, written to OUT's ``dspark`` folder."""
+    m, d = "mtp.{mtp}", dict(component="dspark")
+    rules = [
+        # has_own_embed_tokens / has_own_lm_head = False: load_dspark_model (v1/worker/gpu/spec_decode/dspark/
+        # utils.py) replaces both with the target's after loading, but the modules exist and the sharded loader wants
+        # their keys: the target's own vocab shards, what vLLM's save_model would hold after that replacement
+        Rename(DSPARK_EMBED, "model.embed_tokens.weight", Split.DIM0, note="the target's embed (aliased)", **d),
+        Rename(DSPARK_HEAD, "lm_head.weight", Split.DIM0, note="the target's head (aliased)", **d),
+        Rename(f"{m}.main_proj.weight", "model.main_proj.weight", note="ReplicatedLinear, block FP8", **d),
+        Rename(f"{m}.main_proj.scale", "model.main_proj.weight_scale_inv", **d),
+        Rename(f"{m}.main_norm.weight", "model.main_norm.weight", **d),
+        Rename(f"{m}.norm.weight", "model.norm.weight", **d),
+        Rename(f"{m}.hc_head_fn", "model.hc_head_fn", **d),
+        Rename(f"{m}.hc_head_base", "model.hc_head_base", **d),
+        Rename(f"{m}.hc_head_scale", "model.hc_head_scale", **d),
+        # DSparkMarkovHead (model_executor/models/qwen3_dspark.py): nn.Embedding and ParallelLMHead(disable_tp=True),
+        # unquantized, in the model dtype
+        Rename(f"{m}.markov_head.markov_w1.weight", "model.markov_head.markov_w1.weight", convert="to_bf16", **d),
+        Rename(f"{m}.markov_head.markov_w2.weight", "model.markov_head.markov_w2.weight", convert="to_bf16", **d),
+        # DSparkConfidenceHead.proj: ReplicatedLinear(params_dtype=torch.float32), no bias
+        Rename(f"{m}.confidence_head.proj.weight", "model.confidence_head.proj.weight", convert="to_f32", **d),
+    ]
+    if stages:
+        # MergedColumnParallelLinear([head_dim] * stages, disable_tp=True): stage i's wkv rows (and scale rows) in order
+        for part, target in (("weight", "weight"), ("scale", "weight_scale_inv")):
+            rules.append(
+                Fuse(
+                    tuple(dspark_context_wkv(i, part) for i in range(stages)),
+                    f"model.context_wkv_proj.{target}",
+                    note="every stage's attn.wkv, stacked in stage order",
+                    **d,
+                )
+            )
+    # DeepseekV4DecoderLayer built at layer id num_hidden_layers + i: compress ratio 1 (no compressor or indexer)
+    rules += _block_rules(m, "model.layers.{mtp}", expert_dtype, "dspark", with_compressor=False)
+    if vision:  # the layer reads the target's (vision) config: its router has bias_vl
+        rules.append(Rename(f"{m}.ffn.gate.bias_vl", "model.layers.{mtp}.ffn.gate.bias_vl", **d))
+    return [_compiled(r) for r in rules]
+
+
+def dspark_aliases(stages: int) -> dict[str, str]:
+    """Alias name → the source tensor it reads: the embedding, the head and every stage's wkv a second time."""
+    out = {DSPARK_EMBED: "embed.weight", DSPARK_HEAD: "head.weight"}
+    for i in range(stages):
+        for part in ("weight", "scale"):
+            out[dspark_context_wkv(i, part)] = f"mtp.{i}.attn.wkv.{part}"
+    return out

@@ -2,7 +2,9 @@
 
     OUT/
       model/  model-rank-{r}-part-{p}.safetensors, index.json, config.json (+ the source's serving files)
-      mtp/    the same for the MTP draft (model.layers.{N+i}.*)
+      mtp/    the same for a classic MTP draft (model.layers.{N+i}.*), or
+      dspark/ the same for a DSpark draft (model.layers.{i}.*, main_proj, the heads); vLLM detects DSpark by "dspark"
+              in the draft's path when the speculative config names no method
       ckpt-tool.json          the manifest, written last with "complete": true
       ckpt-tool-source.json   the source's raw safetensors headers (unconvert rebuilds the source from OUT alone)
       .ckpt-tool-journal[-K-of-M].json, .ckpt-tool[-K-of-M].lock   while a conversion runs
@@ -26,12 +28,13 @@ from ckpt_tool import __version__
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping.plan import Options, Plan
+from ckpt_tool.mapping.profiles import DRAFT_COMPONENTS
 
 MANIFEST = "ckpt-tool.json"
 SOURCE_LAYOUT = "ckpt-tool-source.json"
 JOURNAL = ".ckpt-tool-journal.json"
 LOCK = ".ckpt-tool.lock"
-COMPONENTS = ("model", "mtp")
+COMPONENTS = ("model", *DRAFT_COMPONENTS)  # the folders of OUT: the target, then each draft kind's
 JOURNAL_RE = re.compile(r"^\.ckpt-tool-journal(?:-\d+-of-\d+)?\.json$")
 SHARD_LOCK_RE = re.compile(r"^\.ckpt-tool-\d+-of-\d+\.lock$")
 

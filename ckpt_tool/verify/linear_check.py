@@ -312,6 +312,9 @@ def tensor_units(
             b.units = [_prefixed(u, prefix) for u in b.units]
             b.vision()
         return b.units
+    if component == "dspark":
+        _dspark_units(b, cfg, source_names)
+        return b.units
     # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
     emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
     b.bf16("model.embed_tokens.weight", [(emb, V)], D, "col")
@@ -329,6 +332,39 @@ def tensor_units(
         b.bf16(f"{p}.shared_head.head.weight", [(head, V)], D, "col")
         b.block(f"{p}.mtp_block", sp, ratio=0, hash_layer=False)
     return b.units
+
+
+def _dspark_units(b: _Builder, cfg: V4Config, source_names: set[str]) -> None:
+    """The DSpark draft (vllm/models/deepseek_v4/nvidia/dspark.py) against DeepSeek's mtp.* names: the target's
+    embedding and head (the draft holds the target's), main_proj and every stage's wkv again as context_wkv_proj
+    through the fp8 kernel, the Markov head as bf16 linears, the norms, hc_head and confidence head by value, every
+    stage's decoder block as a target layer's."""
+    D, V, n, r = cfg.hidden_size, cfg.vocab_size, cfg.draft_layers, cfg.dspark_markov_rank
+
+    def stage_of(suffix: str, default: int) -> str:
+        """The stage holding a head-stack tensor (vLLM takes it from any stage): DeepSeek ships it on ``default``."""
+        held = [i for i in range(n) if f"mtp.{i}.{suffix}" in source_names]
+        return f"mtp.{held[0] if held else default}"
+
+    first, last = stage_of("main_proj.weight", 0), stage_of("markov_head.markov_w1.weight", n - 1)
+    b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
+    b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
+    b.group = "dspark heads"
+    b.fp8("model.main_proj", [(f"{first}.main_proj", D)], D * len(cfg.dspark_target_layer_ids), "full")
+    b.exact("model.main_norm.weight", f"{stage_of('main_norm.weight', 0)}.main_norm.weight")
+    b.fp8("model.context_wkv_proj", [(f"mtp.{i}.attn.wkv", cfg.head_dim) for i in range(n)], D, "full")
+    b.exact("model.norm.weight", f"{stage_of('norm.weight', n - 1)}.norm.weight")
+    for t in ("fn", "base", "scale"):
+        b.exact(f"model.hc_head_{t}", f"{stage_of(f'hc_head_{t}', n - 1)}.hc_head_{t}")
+    b.bf16("model.markov_head.markov_w1.weight", [(f"{last}.markov_head.markov_w1.weight", V)], r)
+    w2 = f"{stage_of('markov_head.markov_w2.weight', n - 1)}.markov_head.markov_w2.weight"
+    b.bf16("model.markov_head.markov_w2.weight", [(w2, cfg.draft_vocab_size or V)], r)
+    if cfg.enable_confidence_head:
+        conf = stage_of("confidence_head.proj.weight", n - 1)
+        b.exact("model.confidence_head.proj.weight", f"{conf}.confidence_head.proj.weight")
+    for i in range(n):
+        b.group = f"dspark stage mtp.{i}"
+        b.block(f"model.layers.{i}", f"mtp.{i}", ratio=0, hash_layer=False)
 
 
 def _prefixed(u: Unit, prefix: str) -> Unit:

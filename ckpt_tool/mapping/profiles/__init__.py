@@ -3,7 +3,8 @@
 Adding a vLLM release whose layout is unchanged is one version in an existing profile's ``covers`` and
 ``verified``; a release that changes the layout is one new module beside these and one entry in
 ``_MODULES`` (docs/adding-a-vllm-release.md is the checklist). The model class (text or vision,
-:mod:`.model_class`) is a second dimension applied on top of any profile. Everything else — the engine
+:mod:`.model_class`) is a second dimension applied on top of any profile, and so is the draft kind (classic MTP
+or DSpark, :mod:`.draft_kind`), among those a profile's engine builds (``Profile.drafts``). Everything else — the engine
 table verify holds OUT against, the names numeric verification reads, ``--target auto``, the engine test matrix —
 derives from these records.
 """
@@ -11,11 +12,20 @@ derives from these records.
 from __future__ import annotations
 
 from ckpt_tool.mapping.profiles import vllm_0_33_plus, vllm_seed
+from ckpt_tool.mapping.profiles.draft_kind import (
+    DRAFT_COMPONENTS,
+    DRAFT_KINDS,
+    DSPARK,
+    MTP,
+    DraftKind,
+    draft_kind_of,
+)
 from ckpt_tool.mapping.profiles.model_class import MODEL_CLASSES, TEXT, VISION, ModelClass, model_class_of
 from ckpt_tool.mapping.profiles.profile import ConvertOverride, EngineNames, Profile, series_of
 
 __all__ = [
-    "ALIASES", "DEFAULT_PROFILE", "MODEL_CLASSES", "PROFILES", "TEXT", "VISION", "ConvertOverride", "EngineNames",
+    "ALIASES", "DEFAULT_PROFILE", "DRAFT_COMPONENTS", "DRAFT_KINDS", "DSPARK", "MODEL_CLASSES", "MTP", "DraftKind",
+    "draft_kind_of", "PROFILES", "TEXT", "VISION", "ConvertOverride", "EngineNames",
     "ModelClass", "Profile", "model_class_of",
     "canonical_name", "get_profile", "known_names", "newest_profile", "series_of", "verified_releases",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 from ckpt_tool.mapping.rules import Rule, vision_block_rules, vision_tower_rules
 
 
@@ -35,18 +36,21 @@ class ModelClass:
 
     name: str  # text | vision
     architecture: str  # the class vLLM's registry resolves for the target model
-    draft: str  # the class of the speculative draft
+    draft: str  # the class of the classic MTP draft (a DSpark checkpoint's: draft_kind.DSPARK)
     target_prefix: str  # prefix of every target-model key the text tables name
     block_rules: Callable[[], list[Rule]] = _none  # rules in the text model's names (prefixed and renamed)
     extra_rules: Callable[[], list[Rule]] = _none  # rules in the engine's own names (neither)
     description: str = ""
 
     def describe(self, config) -> dict:
-        """What vLLM builds for ``config`` (a V4Config): this class, its draft, and the vision tower's size."""
+        """What vLLM builds for ``config`` (a V4Config): this class, its draft (the class, and ``draft_kind``: which
+        draft, its layers and how to serve it), and the vision tower's size."""
+        kind = draft_kind_of(config)
         doc: dict = {
             "class": self.name,
             "architecture": self.architecture,
-            "draft": self.draft if config.num_nextn_predict_layers else None,
+            "draft": kind.vllm_class.rsplit(":", 1)[-1] if config.draft_layers else None,
+            "draft_kind": kind.describe(config) if config.draft_layers else None,
             "target_prefix": self.target_prefix,
             "description": self.description,
         }

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass
+from ckpt_tool.errors import PlanError
+from ckpt_tool.mapping.profiles.draft_kind import DraftKind, draft_kind_of
+from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass, model_class_of
 from ckpt_tool.mapping.rules import Rule
 
 
@@ -72,13 +74,36 @@ class Profile:
     verified_by: str = ""
     notes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
+    drafts: tuple[str, ...] = ("mtp",)  # the draft kinds (draft_kind.DRAFT_KINDS) this engine layout builds
 
-    def rules(self, expert_dtype: str, model_class: ModelClass = TEXT) -> list[Rule]:
-        """This layout's rule table for ``model_class`` (the text model unless given): the class's block rules
-        go through the profile's renames like the base table's, then the target model's keys get the class's
-        prefix; the class's own rules (the vision tower) are added as they are."""
+    def rules_for(self, config) -> list[Rule]:
+        """This layout's rule table for ``config`` (a V4Config): its model class and its draft kind."""
+        return self.rules(config.expert_dtype, model_class_of(config), self.draft_of(config).rules(config))
+
+    def draft_of(self, config) -> DraftKind:
+        """The draft kind of ``config``; PlanError when this layout's engine does not build it."""
+        kind = draft_kind_of(config)
+        if kind.name not in self.drafts:
+            raise PlanError(
+                f"config.json describes a {kind.name} draft ({kind.architecture}), which profile {self.name!r} "
+                f"does not build (its engine builds: {', '.join(self.drafts)}); convert with a profile whose vLLM "
+                "serves it (ckpt-tool profiles), or with --only model"
+            )
+        return kind
+
+    def rules(
+        self, expert_dtype: str, model_class: ModelClass = TEXT, draft_rules: list[Rule] | None = None
+    ) -> list[Rule]:
+        """This layout's rule table for ``model_class`` (the text model unless given) and its draft (the classic
+        MTP unless ``draft_rules`` are given): the class's block rules go through the profile's renames like the
+        base table's, then the target model's keys get the class's prefix; the class's own rules (the vision tower)
+        are added as they are. Another draft kind's rules (:meth:`DraftKind.rules`) replace the classic MTP rules
+        (the vision class's MTP ones too) and go through the renames like them."""
         out = []
-        for rule in [*self.build(expert_dtype), *model_class.block_rules()]:
+        base = [*self.build(expert_dtype), *model_class.block_rules()]
+        if draft_rules is not None:
+            base = [r for r in base if r.component != "mtp"] + draft_rules
+        for rule in base:
             rule = override_convert(rule, self.converts, expert_dtype)
             if any(_segment_run(src, run) >= 0 for src in rule.sources for run in self.pads):
                 rule = replace(rule, pad=True)

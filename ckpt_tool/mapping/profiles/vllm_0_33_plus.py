@@ -73,4 +73,7 @@ PROFILE = Profile(
         "(model_loader/mtp_validation.py was removed): convert's check before writing is the early one",
     ),
     aliases=("vllm-0.33",),
+    # DSparkDeepseekV4ForCausalLM (nvidia/dspark.py) in both releases: same decoder-layer classes and aliasing as the
+    # target's, so the renames above hold for its stages too
+    drafts=("mtp", "dspark"),
 )
