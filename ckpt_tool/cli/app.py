@@ -242,7 +242,11 @@ def convert(
     ] = "tp",
     only: Annotated[
         Literal["model", "mtp"] | None,
-        typer.Option("--only", help="Write only the target model or only the MTP draft."),
+        typer.Option(
+            "--only",
+            help="Write only the target model, or only the draft built from the source's mtp.* tensors (OUT/mtp "
+            "for a classic MTP draft, OUT/dspark for a DSpark one).",
+        ),
     ] = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output part file, e.g. 5GiB, 500MB.")
@@ -687,7 +691,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     OUT with `ckpt-tool verify OUT --engine`.
     """
     from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.mapping.profiles import PROFILES
+    from ckpt_tool.mapping.profiles import DRAFT_KINDS, PROFILES
     from ckpt_tool.mapping.target import installed_vllm
 
     installed = installed_vllm()
@@ -701,6 +705,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
             "vllm_covers": [f"{c}.x" for c in p.covers],
             "verified_by": p.verified_by,
             "notes": list(p.notes),
+            "drafts": [draft_doc(DRAFT_KINDS[k]) for k in p.drafts],
         }
         for p in PROFILES.values()
     ]
@@ -712,6 +717,10 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
         verified = f"verified against vLLM {', '.join(d['vllm_verified'])}" if d["vllm_verified"] else d["verified_by"]
         aliases = f" (also: {', '.join(d['aliases'])})" if d["aliases"] else ""
         typer.echo(f"{d['name']:{width}s}{verified}{aliases}\n{'':{width}s}{d['description']}")
+        drafts = "; ".join(
+            f"{x['kind']} ({x['architecture']}, method {x['method']}, OUT/{x['folder']})" for x in d["drafts"]
+        )
+        typer.echo(f"{'':{width}s}drafts: {drafts}")
     picked = auto["auto"] or auto["auto_error"]
     if auto["auto"] and auto["auto_verified"] is False:
         picked += f" (NOT verified for vLLM {installed}: check OUT with `ckpt-tool verify OUT --engine`)"
@@ -732,12 +741,28 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     doc["target_auto"] = auto["auto"] or f"error: {auto['auto_error']}"
     doc["target_auto_verified"] = auto["auto_verified"]
     doc["installed_vllm"] = installed_vllm()
+    doc["target_auto_drafts"] = _auto_drafts(auto["auto"])
     if _wants_json(json_out, fmt):
         print_json(json_document("env", doc))
         return
     width = max(len(k) for k in doc)
     for k, v in doc.items():
         typer.echo(f"{k:{width}s}  {v if v is not None else '-'}")
+
+
+def draft_doc(kind) -> dict:
+    """One draft kind (``mapping.profiles.DraftKind``) for ``profiles`` and ``env``."""
+    return {"kind": kind.name, "architecture": kind.architecture, "method": kind.method, "folder": kind.component}
+
+
+def _auto_drafts(profile: str | None) -> str | None:
+    """The draft kinds the profile --target auto picks builds: ``mtp (method mtp, OUT/mtp), dspark (...)``."""
+    from ckpt_tool.mapping.profiles import DRAFT_KINDS, get_profile
+
+    if profile is None:
+        return None
+    kinds = [DRAFT_KINDS[k] for k in get_profile(profile).drafts]
+    return ", ".join(f"{k.name} ({k.architecture}, method {k.method}, OUT/{k.component})" for k in kinds)
 
 
 def _auto_target() -> dict:

@@ -133,7 +133,7 @@ def _config(out: Path, manifest: dict) -> tuple[bytes, V4Config]:
             if hashlib.sha256(raw).hexdigest() != (manifest.get("source") or {}).get("config_sha256"):
                 raise CheckpointError(f"{path}: differs from the source config.json recorded in the manifest")
             return raw, V4Config.load(path)
-    raise CheckpointError(f"{out}: no model/config.json or mtp/config.json; OUT is incomplete")
+    raise CheckpointError(f"{out}: no config.json in any of {', '.join(COMPONENTS)}; OUT is incomplete")
 
 
 def _check_dest(out: Path, dest: Path, force: bool) -> None:

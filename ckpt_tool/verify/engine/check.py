@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from ckpt_tool.errors import CkptToolError
+from ckpt_tool.mapping.plan import selects
+from ckpt_tool.output.layout import COMPONENTS, MANIFEST
 from ckpt_tool.verify.engine.judge import HeldTensor, judge_files, judge_load
 from ckpt_tool.verify.verdict import Check, VerifyReport
 
@@ -59,10 +61,16 @@ def check_with_vllm(
     tp = int(opts.get("tp", 1))
     ep = opts.get("moe_parallel", "tp") == "ep"
     only = opts.get("only")
-    components = [c for c in ("model", "mtp") if only in (None, c)]
+    # the folders the manifest lists files in: the target, the draft of either kind (OUT/mtp or OUT/dspark)
+    written = {rel.split("/", 1)[0] for rel in manifest.get("outputs") or {}}
+    components = [c for c in COMPONENTS if c in written and selects(only, c)]
+    if not components:
+        report.add(Check("engine-vllm", False, f"{out / MANIFEST}: lists no output file; rerun convert"))
+        return
     ranks = [int(r) for r in manifest["ranks"]] if manifest.get("ranks") is not None else list(range(tp))
     config_dir = out / components[0]
-    draft_dir = out / "mtp" if "mtp" in components else None
+    drafts = [c for c in components if c != "model"]
+    draft_dir = out / drafts[0] if drafts else None  # vLLM's speculative config picks the method from its config.json
 
     rank_files = {
         (c, r): sorted((out / c).glob(f"model-rank-{r}-part-*.safetensors")) for c in components for r in ranks
@@ -111,8 +119,6 @@ def check_with_vllm(
 
 def _manifest(out: Path, report: VerifyReport) -> dict | None:
     """OUT's manifest; a failed ``manifest`` check (added unless a level already checked it) when it is unusable."""
-    from ckpt_tool.output.layout import MANIFEST
-
     path = out / MANIFEST
     checked = any(c.name == "manifest" for c in report.checks)
     try:
