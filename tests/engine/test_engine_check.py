@@ -256,6 +256,32 @@ def test_a_vision_out_is_judged_by_vllms_vision_class(serving_python, converted,
         assert "(DeepSeekV4MTP): 42 parameters match" in messages[f"engine-vllm:mtp/rank-{r}"]
 
 
+def test_a_dspark_out_is_judged_by_vllms_dspark_class(serving_python, converted, tmp_path) -> None:
+    """OUT/dspark is built as vLLM builds the draft for ``"method": "dspark"`` (DSparkDeepseekV4ForCausalLM) and loaded
+    by its sharded loader on every rank; a tensor renamed in it fails that rank, naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    proc = verify(converted("dspark-fp4", 2), "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["engine"]["ranks"] == 4
+    messages = {c["name"]: c["message"] for c in doc["results"] if c["name"].startswith("engine-vllm:")}
+    for r in range(2):
+        assert "(DSparkDeepseekV4ForCausalLM): 101 parameters match" in messages[f"engine-vllm:dspark/rank-{r}"]
+
+    out = tmp_path / "out"
+    shutil.copytree(converted("dspark-fp4", 2), out)
+    path = out / "dspark" / "model-rank-0-part-0.safetensors"
+    tensors = load_file(path)
+    tensors["model.markov_head.markov_w9.weight"] = tensors.pop("model.markov_head.markov_w2.weight")
+    save_file(tensors, str(path))
+    proc = verify(out, "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert [f["name"] for f in json.loads(proc.stdout)["failures"]] == ["engine-vllm:dspark/rank-0"]
+
+
 def test_out_for_another_profile_fails_naming_keys_on_every_rank(engine_site, serving_python, converted) -> None:
     out = converted("fp4", 2, target="vllm-seed")
     proc = verify(out, "--engine", "--engine-python", serving_python, "--json")

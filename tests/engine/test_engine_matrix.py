@@ -90,12 +90,19 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _mtp_materialized_keys(manifest: dict, num_hidden_layers: int, target_prefix: str = "") -> dict[str, str]:
-    """Engine key of the MTP component -> engine key of the model component it was materialized from
-    (``target_prefix``: the vision model holds the text model's keys under ``language_model.``)."""
+    """Engine key of a draft component -> engine key of the model component it was materialized from
+    (``target_prefix``: the vision model holds the text model's keys under ``language_model.``). A DSpark draft's
+    embedding and head are the target's; its other aliases (every stage's wkv, read again for context_wkv_proj)
+    write keys vLLM's stock load writes too, compared as any other."""
     real_to_key = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}
     real_to_key = {real: target_prefix + key for real, key in real_to_key.items()}
     out = {}
     for alias, real in manifest.get("materialized", {}).items():
+        if alias.startswith("dspark.context_wkv."):
+            continue
+        if alias in ("dspark.embed.weight", "dspark.head.weight"):
+            out["model.embed_tokens.weight" if alias == "dspark.embed.weight" else "lm_head.weight"] = real_to_key[real]
+            continue
         m = re.fullmatch(r"mtp\.(\d+)\.(emb\.tok_emb|head)\.weight", alias)
         assert m and real in real_to_key, f"manifest materializes {alias} from {real}: unknown to this test"
         i, what = int(m.group(1)), m.group(2)
@@ -168,7 +175,7 @@ def compare(
                 if _bits_equal(a, b):
                     continue
                 if key in untouched:
-                    if component == "mtp" and key in materialized:
+                    if component != "model" and key in materialized:
                         ref = materialized[key]
                         target_sharded = load_file(by[("sharded-load", "model", rank)]["job"]["dump"])[ref]
                         target_stock = load_file(by[("stock-load", "model", rank)]["job"]["dump"])[ref]

@@ -1,14 +1,20 @@
-"""Build vLLM 0.33.0's own DeepSeek V4 classes on CPU and run vLLM's own loaders on them.
+"""Build vLLM's own DeepSeek V4 classes on CPU and run vLLM's own loaders on them.
 
 Run it with the project venv's python; ``--site`` (default ``<repo>/.engine-site``, see install.py) is put
 first on ``sys.path``. Everything vLLM prints goes to stderr; stdout carries one JSON document.
 
-    python tests/engine/vllm_worker.py expect       --config SRC --tp 2 --rank 0 [--ep] --component model|mtp
+    python tests/engine/vllm_worker.py expect       --config SRC --tp 2 --rank 0 [--ep] --component model|mtp|dspark
     python tests/engine/vllm_worker.py sharded-load --config SRC --tp 2 --rank 0 [--ep] --component model
                                                     --folder OUT/model [--dump F]
     python tests/engine/vllm_worker.py stock-load   --config SRC --tp 2 --rank 0 [--ep] --component mtp
                                                     [--source SRC] [--dump F]
     python tests/engine/vllm_worker.py batch JOBS.json|-      # {"jobs": [{"op": ..., "config": ..., ...}, ...]}
+
+Components: ``model`` (the target, ``nvidia/model.py``, or the vision wrapper the registry resolves), ``mtp`` (the
+classic MTP draft, ``nvidia/mtp.py::DeepSeekV4MTP``, speculative method "mtp") and ``dspark`` (the DSpark draft,
+``nvidia/dspark.py::DSparkDeepseekV4ForCausalLM``, registry name ``DSparkDraftModel``, speculative method "dspark",
+chosen when config.json has ``dspark_target_layer_ids``; built under the draft config vLLM's ``load_dspark_model``
+makes, see ``vllm_stubs.component_vllm_config``). A checkpoint has either an ``mtp`` or a ``dspark`` draft.
 
 Operations (each builds a fresh model for (config, tp, rank, ep, component)):
 
@@ -19,9 +25,12 @@ Operations (each builds a fresh model for (config, tp, rank, ep, component)):
   any exception are reported; on success the filtered state dict is dumped.
 * ``stock-load``: ``DefaultModelLoader.load_weights`` (``--load-format auto``) on the original DeepSeek-named
   checkpoint: vLLM reads the whole checkpoint and the model class's own ``load_weights`` (hf_to_vllm_mapper,
-  MTP name remapping) places the tensors. For ``mtp`` this is how vLLM loads the draft (same folder, the MTP
-  class picks the ``mtp.*`` tensors). Also reports which source tensor wrote which state-dict key. ``--save DIR``
-  then writes the loaded model with vLLM's own ``ShardedStateLoader.save_model`` (a reference sharded output).
+  MTP name remapping) places the tensors. For ``mtp`` and ``dspark`` this is how vLLM loads the draft (same
+  folder, the class picks the ``mtp.*`` tensors; DSpark also writes ``model.context_wkv_proj`` from every
+  ``mtp.{i}.attn.wkv.*``). Also reports which source tensor wrote which state-dict key. ``--save DIR`` then
+  writes the loaded model with vLLM's own ``ShardedStateLoader.save_model`` (a reference sharded output).
+  The DSpark draft's ``model.embed_tokens`` and ``lm_head`` are written by no source tensor (vLLM replaces them by
+  the target's after a real load, v1/worker/gpu/spec_decode/dspark/utils.py): they stay uninitialised here.
 
 Dump: ``--dump F`` writes the filtered state dict to safetensors file F; the JSON always carries dtype, shape
 and sha256 of the raw bytes of every key. Weight post-processing (``process_weights_after_loading``, which
@@ -80,6 +89,24 @@ def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str):
     return stubs.engine_config(config_dir, tp, ep, load_format)
 
 
+def _component_class(component: str):
+    """The class vLLM serves ``component`` with on an NVIDIA GPU (imported from ``nvidia/`` directly: on a CPU
+    platform ``vllm.models.deepseek_v4`` resolves CPU stand-ins)."""
+    if component == "model":
+        from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM
+
+        return DeepseekV4ForCausalLM
+    if component == "mtp":
+        from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
+
+        return DeepSeekV4MTP
+    if component == "dspark":
+        from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+
+        return DSparkDeepseekV4ForCausalLM
+    raise ValueError(f"component must be one of {', '.join(map(repr, stubs.COMPONENTS))}, got {component!r}")
+
+
 _ModelConfigAt = stubs.ModelConfigAt
 _capture = stubs.capture
 
@@ -93,11 +120,9 @@ def _exception(e: BaseException) -> dict:
 
 
 def _build(job: dict, load_format: str):
-    """(model, vllm_config, model_config the component is loaded with, build report)."""
+    """(model, vllm_config the component is built and loaded under, its model_config, build report)."""
     import torch
     from vllm.model_executor.model_loader.utils import get_model_architecture, initialize_model
-    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM
-    from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     tp, rank, ep, component = int(job["tp"]), int(job["rank"]), bool(job.get("ep")), job["component"]
@@ -106,26 +131,32 @@ def _build(job: dict, load_format: str):
     _fake_groups(tp, rank)
     t0 = time.perf_counter()
     with _capture() as cap:
+        cls = _component_class(component)
         cfg = _engine_config(job["config"], tp, ep, load_format)
-        if component == "model":
-            cls, model_config = DeepseekV4ForCausalLM, cfg.model_config
-        elif component == "mtp":
-            if cfg.speculative_config is None:
-                raise ValueError("config.json has no MTP layer (num_nextn_predict_layers is 0)")
-            cls, model_config = DeepSeekV4MTP, cfg.speculative_config.draft_model_config
-        else:
-            raise ValueError(f"component must be 'model' or 'mtp', got {component!r}")
-        registry_cls = get_model_architecture(model_config)[0]
+        model_config = stubs.component_model_config(cfg, component)
+        # the target's config for model and mtp; for dspark the draft config load_dspark_model builds it under
+        cfg = stubs.component_vllm_config(cfg, component)
+        registry_cls, registry_arch = get_model_architecture(model_config)
         if component == "model" and registry_cls.__name__ == "DeepseekV4ForConditionalGeneration":
             # a config with vision_n_layers > 0: vLLM's arch convertor rewrites architectures and the registry
             # resolves the vision wrapper (vllm/models/deepseek_v4/common/vl_model.py): build what it serves
             cls = registry_cls
         # BaseModelLoader.load_model builds under the model dtype and the target device (here: the CPU).
-        with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
             model = initialize_model(cfg, model_class=cls, model_config=model_config)
+    spec = cfg.speculative_config
     report = {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "registry_class": f"{registry_cls.__module__}.{registry_cls.__qualname__}",
+        "registry_architecture": registry_arch,
+        "speculative": None
+        if spec is None or component == "model"
+        else {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_architectures": list(spec.draft_model_config.hf_config.architectures or []),
+            "draft_model_type": spec.draft_model_config.hf_config.model_type,
+        },
         "build_seconds": round(time.perf_counter() - t0, 3),
         "build_log": [r for r in cap["log"] if r["level"] != "DEBUG"],
         "build_warnings": cap["warnings"],
@@ -442,9 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--tp", type=int, required=True)
         s.add_argument("--rank", type=int, default=0)
         s.add_argument("--ep", action="store_true", help="--enable-expert-parallel")
-        s.add_argument("--component", choices=["model", "mtp"], default="model")
+        s.add_argument("--component", choices=list(stubs.COMPONENTS), default="model")
         if name == "sharded-load":
-            s.add_argument("--folder", required=True, help="OUT/model or OUT/mtp")
+            s.add_argument("--folder", required=True, help="OUT/model, OUT/mtp or OUT/dspark")
         if name == "stock-load":
             s.add_argument("--source", help="original checkpoint folder (default: --config)")
             s.add_argument("--save", help="then write the loaded model with vLLM's ShardedStateLoader.save_model here")

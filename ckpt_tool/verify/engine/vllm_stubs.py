@@ -20,6 +20,11 @@ What is stubbed, and why:
   have the stubs).
 * Config: ``kernel_config.enable_jit_warmup = False`` where the release has it (it only registers TileLang/Triton
   JIT warmups, which need the CUDA-only ``tilelang``); this does not change any parameter.
+* Model runner choice, for a DSpark draft only (:func:`gpu_model_runner`): vLLM 0.33's ``VllmConfig`` falls back to
+  Model Runner V1 when Triton is not importable (``vllm.config.vllm.HAS_TRITON``; a CUDA install always has it,
+  torch's CUDA wheels require it), and V1 refuses ``method="dspark"``. While a DSpark engine config (or the draft's
+  own config) is made, that one name answers True, as on the GPU; ``vllm.triton_utils`` is left alone, so no Triton
+  kernel is imported. Releases without that fallback (0.34) are not touched; model and MTP configs never are.
 
 Every failure to import or build is raised as :class:`EngineUnavailable` naming the stage that failed.
 """
@@ -326,16 +331,51 @@ def fake_groups(tp: int, rank: int) -> None:
         setattr(ps, attr, FakeGroup(attr.strip("_").lower(), world, r))
 
 
+def speculative_method(config_dir: str | Path) -> str | None:
+    """The draft ``vllm serve`` is asked for with this checkpoint: ``"dspark"`` when config.json names the DSpark
+    draft's target layers (``dspark_target_layer_ids``), ``"mtp"`` when it has MTP layers, else None."""
+    with open(Path(config_dir) / "config.json") as fh:
+        config = json.load(fh)
+    if config.get("dspark_target_layer_ids"):
+        return "dspark"
+    return "mtp" if int(config.get("num_nextn_predict_layers") or 0) else None
+
+
+@contextlib.contextmanager
+def gpu_model_runner():
+    """Make a DSpark config as on a GPU: vLLM 0.33 picks Model Runner V1 when Triton is not importable (it is on
+    every CUDA install) and V1 refuses ``method="dspark"``; ``vllm.config.vllm.HAS_TRITON`` answers True meanwhile
+    (only that module's name: no Triton kernel is imported). A release without the name (0.34) is not touched."""
+    import vllm.config.vllm as vllm_config_module
+
+    if getattr(vllm_config_module, "HAS_TRITON", True):
+        yield
+        return
+    STUB_CALLS.append("vllm.config.vllm.HAS_TRITON (answered True: model runner choice for DSpark)")
+    vllm_config_module.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        vllm_config_module.HAS_TRITON = False
+
+
 def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, draft_dir: str | Path | None = None):
     """vLLM's engine config for ``vllm serve config_dir --tensor-parallel-size tp [--enable-expert-parallel]
-    --load-format load_format --speculative-config '{"method": "mtp", "model": draft_dir}'`` (the speculative
-    config only when config.json has MTP layers; ``draft_dir`` defaults to ``config_dir``)."""
+    --load-format load_format --speculative-config SPEC``, SPEC being ``{"method": "mtp", "model": draft_dir,
+    "num_speculative_tokens": 1}`` when config.json has MTP layers, ``{"method": "dspark", "model": draft_dir}``
+    (num_speculative_tokens: vLLM's default, dspark_block_size) when it has ``dspark_target_layer_ids``, none
+    otherwise; ``draft_dir`` defaults to ``config_dir``."""
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
 
-    with open(Path(config_dir) / "config.json") as fh:
-        n_mtp = int(json.load(fh).get("num_nextn_predict_layers") or 0)
+    method = speculative_method(config_dir)
+    draft = str(draft_dir or config_dir)
+    speculative = None
+    if method == "mtp":
+        speculative = {"method": "mtp", "model": draft, "num_speculative_tokens": 1}
+    elif method == "dspark":
+        speculative = {"method": "dspark", "model": draft}
     kwargs = dict(
         model=str(config_dir),
         tokenizer=str(config_dir),
@@ -345,14 +385,13 @@ def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, d
         load_format=load_format,
         max_model_len=1024,
         kernel_config={"enable_jit_warmup": False},
-        speculative_config=(
-            {"method": "mtp", "model": str(draft_dir or config_dir), "num_speculative_tokens": 1} if n_mtp else None
-        ),
+        speculative_config=speculative,
     )
     fields = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set(kwargs)
     if "kernel_config" not in fields:  # a release without it has no JIT warmup to switch off
         kwargs.pop("kernel_config")
-    return EngineArgs(**kwargs).create_engine_config()
+    with gpu_model_runner() if method == "dspark" else contextlib.nullcontext():
+        return EngineArgs(**kwargs).create_engine_config()
 
 
 class ModelConfigAt:
@@ -396,26 +435,102 @@ def capture():
         box["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
+COMPONENTS = ("model", "mtp", "dspark")
+
+
+def _draft_method(cfg) -> str | None:
+    spec = cfg.speculative_config
+    return None if spec is None else spec.method
+
+
 def component_model_config(cfg, component: str):
-    """The model config vLLM builds (and loads) ``component`` with: the target's, or the MTP draft's."""
+    """The model config vLLM builds (and loads) ``component`` with: the target's, the MTP draft's, or the DSpark
+    draft's (``speculative_config.draft_model_config``, architectures ``["DSparkDraftModel"]``)."""
     if component == "model":
         return cfg.model_config
-    if component == "mtp":
-        if cfg.speculative_config is None:
-            raise ValueError("config.json has no MTP layer (num_nextn_predict_layers is 0)")
+    if component in ("mtp", "dspark"):
+        method = _draft_method(cfg)
+        if method != component:
+            if method is None and component == "mtp":
+                raise ValueError("config.json has no MTP layer (num_nextn_predict_layers is 0)")
+            have = {
+                None: "config.json has no dspark_target_layer_ids (no DSpark draft)",
+                "mtp": "config.json has an MTP draft, no dspark_target_layer_ids: its component is 'mtp'",
+                "dspark": "config.json has dspark_target_layer_ids: its draft is the component 'dspark'",
+            }.get(method, f"the speculative method is {method!r}")
+            raise ValueError(f"no {component!r} component: {have}")
         return cfg.speculative_config.draft_model_config
-    raise ValueError(f"component must be 'model' or 'mtp', got {component!r}")
+    raise ValueError(f"component must be one of {', '.join(map(repr, COMPONENTS))}, got {component!r}")
+
+
+def component_vllm_config(cfg, component: str):
+    """The engine config vLLM builds and loads ``component`` under: ``cfg`` for the target and the MTP draft; for
+    the DSpark draft, the draft config of vLLM's ``load_dspark_model`` (v1/worker/gpu/spec_decode/dspark/utils.py):
+    the target's config (target model_config kept: the class reads ``speculative_config.draft_model_config``) with
+    the draft's parallel, attention, cache and load configs and ``get_draft_quant_config``'s quant config.
+
+    Mirrored, not imported: that module imports the V2 GPU runner's utilities, whose import chain reaches Triton
+    kernels (mamba ssd ops) that do not import without Triton under an SM90 platform. What it computes here: PP 1
+    at the draft's TP size with EPLB off and no redundant experts (the EPLB branch needs ``--enable-eplb``, which
+    ``engine_config`` never sets), ``use_non_causal`` from ``dflash_has_any_non_causal``, the draft attention backend
+    (else the target's, for a deepseek_v4 draft), the draft's KV cache dtype if set, ``get_draft_load_config``
+    (``get_pp_safe_draft_load_config`` changes nothing at PP 1)."""
+    component_model_config(cfg, component)  # checks the component exists
+    if component != "dspark":
+        return cfg
+    from vllm.config import replace
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.model_executor.models.utils import get_draft_quant_config
+
+    spec = cfg.speculative_config
+    draft_model_config = spec.draft_model_config
+    if cfg.parallel_config.enable_eplb or cfg.parallel_config.pipeline_parallel_size != 1:
+        raise ValueError("the DSpark draft config is mirrored for PP 1 without EPLB only")
+    backend = spec.attention_backend
+    if backend is None and draft_model_config.hf_config.model_type in ("deepseek_v4", "deepseek_v41"):
+        backend = cfg.attention_config.backend
+    with gpu_model_runner():
+        draft = replace(
+            cfg,
+            parallel_config=replace(
+                cfg.parallel_config,
+                pipeline_parallel_size=1,
+                tensor_parallel_size=spec.draft_parallel_config.tensor_parallel_size,
+                enable_eplb=False,
+                eplb_config=replace(cfg.parallel_config.eplb_config, num_redundant_experts=0),
+                enable_elastic_ep=False,
+            ),
+            attention_config=replace(
+                cfg.attention_config,
+                use_non_causal=dflash_has_any_non_causal(draft_model_config.hf_config),
+                backend=backend,
+            ),
+            cache_config=(
+                replace(cfg.cache_config, cache_dtype=spec.kv_cache_dtype)
+                if spec.kv_cache_dtype is not None
+                else cfg.cache_config
+            ),
+            load_config=get_draft_load_config(cfg),
+        )
+    # load_dspark_model: "VllmConfig post-init restores the target's quant config ... so we must override it"
+    draft.quant_config = get_draft_quant_config(cfg)
+    return draft
 
 
 def build_model(cfg, model_config, device: str, model_class=None):
     """The model as vLLM's ``BaseModelLoader.load_model`` creates it: under the model dtype and ``device``.
 
     ``device="meta"`` allocates nothing for the weights (tensors a module places explicitly land on the
-    platform's device, the CPU here). ``model_class=None``: the class vLLM's registry picks for the config."""
+    platform's device, the CPU here). ``model_class=None``: the class vLLM's registry picks for the config.
+    The DSpark draft (``model_config`` is a dspark speculative config's draft model config) is built under
+    :func:`component_vllm_config`'s draft config, as ``load_dspark_model`` builds it."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    if _draft_method(cfg) == "dspark" and model_config is cfg.speculative_config.draft_model_config:
+        cfg = component_vllm_config(cfg, "dspark")
     with set_default_torch_dtype(model_config.dtype), torch.device(device):
         if model_class is None:
             return initialize_model(vllm_config=cfg, model_config=model_config)
