@@ -349,6 +349,113 @@ def dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
     return first, last
 
 
+# DeepSeek V4.1 (vllm/models/deepseek_v41/, 0.33.0 and 0.34.0): MXFP8 linears (F8_E4M3 with [out/32, in/32] E8M0
+# scales, weight_block_size [32, 32]), MXFP4 routed experts, a compressor (bf16 wkv, and wgate at ratio 2) only on
+# kv_source_layer_ids, an indexer only on index_source_layer_ids (wk / k_norm only where the layer is a kv source too),
+# a gate bias_vl on every MoE layer (the V4.1 config has vision), the Engram on engram_layer_ids, no hash layers,
+# no hc_head; draft stages with dspark_n_routed_experts experts, never sources, without Engram.
+MX8_SCALE = ("F8_E8M0", "U8")
+
+
+def _mx8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:
+    bo, bi = _blocks(config)
+    return [
+        (f"{prefix}.weight", _spec(FP8, out, inp)),
+        (f"{prefix}.scale", _spec(MX8_SCALE, out.blocks(bo), inp.blocks(bi))),
+    ]
+
+
+@functools.lru_cache(maxsize=64)
+def v41_block_layout(config: V4Config, layer: int | None) -> tuple[Layout, Layout]:
+    """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert, as :func:`block_layout`."""
+    d = functools.partial(_dim, config)
+    D, H, Dh, Qr, G, Or, hc = (
+        d(k)
+        for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
+    )
+    mix = (2 + hc) * hc
+    fixed = [("attn_norm.weight", _spec(BF16, D)), ("ffn_norm.weight", _spec(BF16, D))]
+    for part in ("attn", "ffn"):
+        fixed += [
+            (f"hc_{part}_fn", _spec(F32, mix, hc * D)),
+            (f"hc_{part}_base", _spec(F32, mix)),
+            (f"hc_{part}_scale", _spec(F32, Dim(3))),
+        ]
+    for lin, out, inp in (("wq_a", Qr, D), ("wq_b", H * Dh, Qr), ("wkv", Dh, D), ("wo_a", G * Or, H * Dh // G),
+                          ("wo_b", D, G * Or)):  # fmt: skip
+        fixed += _mx8_linear(config, f"attn.{lin}", out, inp)
+    fixed += [
+        ("attn.q_norm.weight", _spec(BF16, Qr)),
+        ("attn.kv_norm.weight", _spec(BF16, Dh)),
+        ("attn.attn_sink", _spec(F32, H)),
+    ]
+    kv = layer is not None and layer in config.kv_source_layer_ids
+    index = layer is not None and layer in config.index_source_layer_ids
+    if kv:
+        fixed += [("attn.compressor.wkv.weight", _spec(BF16, Dh, D))]
+        if config.compress_ratio(layer) > 1:
+            fixed += [("attn.compressor.wgate.weight", _spec(BF16, Dh, D))]
+        fixed += [("attn.compressor.norm.weight", _spec(BF16, Dh))]
+    if index:
+        IH, ID = d("index_n_heads"), d("index_head_dim")
+        fixed += _mx8_linear(config, "attn.indexer.wq_b", IH * ID, Qr)
+        fixed += [("attn.indexer.weights_proj.weight", _spec(BF16, IH, D))]
+        if kv:
+            fixed += [("attn.indexer.wk.weight", _spec(BF16, ID, Dh)), ("attn.indexer.k_norm.weight", _spec(BF16, ID))]
+    E = d("n_routed_experts") if layer is not None else Dim(config.dspark_n_routed_experts or 0,
+                                                            ("dspark_n_routed_experts",))  # fmt: skip
+    I = d("moe_intermediate_size")
+    fixed += [
+        ("ffn.gate.weight", _spec(BF16, E, D)),
+        ("ffn.gate.bias", _spec(F32, E)),
+        ("ffn.gate.bias_vl", _spec(F32, E)),
+    ]
+    shared = I * d("n_shared_experts")
+    for w, out, inp in (("w1", shared, D), ("w2", D, shared), ("w3", shared, D)):
+        fixed += _mx8_linear(config, f"ffn.shared_experts.{w}", out, inp)
+    if layer is not None and layer in config.engram_layer_ids:
+        rows = Dim(config.engram_num_embeddings[config.engram_layer_ids.index(layer)], ("engram_num_embeddings",))
+        ed = d("engram_head_dim")
+        cols = Dim(
+            (config.engram_max_ngram_size - 1) * config.engram_n_heads, ("engram_max_ngram_size", "engram_n_heads")
+        )
+        fixed += [
+            ("engram.embed.weight", _spec(FP8, rows, ed)),
+            ("engram.embed.scale", _spec(MX8_SCALE, rows, ed // MX_BLOCK)),
+            *_mx8_linear(config, "engram.wkv", D * (hc + 1), cols * ed),
+            ("engram.q_weight", _spec(BF16, hc, D)),
+            ("engram.k_weight", _spec(BF16, hc, D)),
+        ]
+    expert: list[tuple[str, Expected]] = []
+    for w, out, inp in (("w1", I, D), ("w2", D, I), ("w3", I, D)):
+        expert += _routed_expert(config, w, out, inp)
+    return tuple(fixed), tuple(expert)
+
+
+@functools.lru_cache(maxsize=4)
+def v41_dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
+    """The V4.1 DSpark draft's first-stage and last-stage tensors besides their blocks (MXFP8 main_proj; the
+    Markov head as markov_head.embed / .head; no hc_head)."""
+    D, V = _dim(config, "hidden_size"), _dim(config, "vocab_size")
+    targets = Dim(len(config.dspark_target_layer_ids), (TARGETS_KEY,))
+    r = Dim(config.dspark_markov_rank, (MARKOV_KEY,))
+    first = (*_mx8_linear(config, "main_proj", D, D * targets), ("main_norm.weight", _spec(BF16, D)))
+    last: tuple[tuple[str, Expected], ...] = (
+        ("norm.weight", _spec(BF16, D)),
+        ("markov_head.embed.weight", _spec(HEAD_FLOAT, V, r)),
+        ("markov_head.head.weight", _spec(HEAD_FLOAT, V, r)),
+    )
+    if config.enable_confidence_head:
+        last += (("confidence_head.proj.weight", _spec(HEAD_FLOAT, Dim(1), D + r)),)
+    return first, last
+
+
+@functools.lru_cache(maxsize=4)
+def v41_global_layout(config: V4Config) -> Layout:
+    D, V = _dim(config, "hidden_size"), _dim(config, "vocab_size")
+    return (("embed.weight", _spec(BF16, V, D)), ("head.weight", _spec(BF16, V, D)), ("norm.weight", _spec(BF16, D)))
+
+
 # The vision tower stores float weights; vLLM casts whatever float dtype it finds into its BF16 parameters (F32 for
 # image_*), so either is accepted, the usual one first.
 TOWER_FLOAT = ("BF16", "F32")
@@ -396,12 +503,20 @@ def _suffixes(layout: Layout) -> list[str]:
     return [suffix for suffix, _ in layout]
 
 
-def block_tensors(prefix: str, config: V4Config, *, ratio: int, hash_layer: bool) -> list[str]:
-    """Source names of one decoder block (a main layer or an MTP block) under ``prefix``."""
-    fixed, expert = block_layout(config, ratio, hash_layer)
+def block_tensors(
+    prefix: str, config: V4Config, *, ratio: int, hash_layer: bool, v41_layer: int | None | bool = False
+) -> list[str]:
+    """Source names of one decoder block (a main layer or an MTP block) under ``prefix``; ``v41_layer``: a V4.1
+    block, of main layer ``v41_layer`` (None: a DSpark stage)."""
+    if v41_layer is not False:
+        fixed, expert = v41_block_layout(config, v41_layer)
+        experts = config.n_routed_experts if v41_layer is not None else (config.dspark_n_routed_experts or 0)
+    else:
+        fixed, expert = block_layout(config, ratio, hash_layer)
+        experts = config.n_routed_experts
     names = list(map(f"{prefix}.".__add__, _suffixes(fixed)))
     # 6 names per routed expert, 66k in a V4 checkpoint: the same suffixes for every block, joined by concatenation
-    names += map(f"{prefix}.ffn.experts".__add__, _expert_suffixes(config.n_routed_experts, tuple(_suffixes(expert))))
+    names += map(f"{prefix}.ffn.experts".__add__, _expert_suffixes(experts, tuple(_suffixes(expert))))
     return names
 
 
@@ -423,9 +538,9 @@ def mtp_tensors(i: int, config: V4Config) -> list[str]:
 def dspark_tensors(i: int, config: V4Config) -> list[str]:
     """Source names DSpark stage ``i`` must hold."""
     p = f"mtp.{i}"
-    first, last = dspark_layout(config)
+    first, last = v41_dspark_layout(config) if config.is_v41 else dspark_layout(config)
     names = list(map(f"{p}.".__add__, _suffixes(first))) if i == 0 else []
-    names += block_tensors(p, config, ratio=0, hash_layer=False)
+    names += block_tensors(p, config, ratio=0, hash_layer=False, v41_layer=None if config.is_v41 else False)
     if i == config.draft_layers - 1:
         names += map(f"{p}.".__add__, _suffixes(last))
     return names
@@ -440,7 +555,17 @@ def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, l
     """Group (``globals``, ``layers.L``, ``mtp.i``) → the source names the engine needs, for ``components``."""
     components = set(components)
     groups: dict[str, list[str]] = {}
-    if "model" in components:
+    if "model" in components and config.is_v41:
+        groups[GLOBAL_GROUP] = _suffixes(v41_global_layout(config))
+        for layer in range(config.num_hidden_layers):
+            groups[f"layers.{layer}"] = block_tensors(
+                f"layers.{layer}", config, ratio=0, hash_layer=False, v41_layer=layer
+            )
+        outside, block = vision_layout(config)
+        groups[VISION_GROUP] = [n for n in _suffixes(outside) if n != "image_pad"]  # V4.1's wrapper has no image_pad
+        for b in range(config.vision_n_layers):
+            groups[f"vision.blocks.{b}"] = [f"vision.blocks.{b}.{suffix}" for suffix in _suffixes(block)]
+    elif "model" in components:
         groups[GLOBAL_GROUP] = _suffixes(global_layout(config))
         for layer in range(config.num_hidden_layers):
             groups[f"layers.{layer}"] = block_tensors(
@@ -630,6 +755,8 @@ def _collapse_linears(items: list[str]) -> list[str]:
 def expected_shapes(config: V4Config) -> dict[str, Expected]:
     """Role (a name, routed experts' index as ``*``: :func:`tensor_roles`) → what config.json implies for
     it, for every tensor the engine needs and the optional MTP embedding/head."""
+    if config.is_v41:
+        return _v41_expected_shapes(config)
     roles = dict(global_layout(config))
 
     def block(prefix: str, ratio: int, hash_layer: bool) -> None:
@@ -654,6 +781,27 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
     for i in range(config.num_nextn_predict_layers):
         roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*before, *after, *optional))
         block(f"mtp.{i}", 0, False)
+    return roles
+
+
+def _v41_expected_shapes(config: V4Config) -> dict[str, Expected]:
+    roles = dict(v41_global_layout(config))
+
+    def block(prefix: str, layer: int | None) -> None:
+        fixed, expert = v41_block_layout(config, layer)
+        roles.update((f"{prefix}.{suffix}", e) for suffix, e in fixed)
+        roles.update((f"{prefix}{EXPERT_ROLE}{suffix}", e) for suffix, e in expert)
+
+    for layer in range(config.num_hidden_layers):
+        block(f"layers.{layer}", layer)
+    outside, vblock = vision_layout(config)
+    roles.update(outside)
+    for b in range(config.vision_n_layers):
+        roles.update((f"vision.blocks.{b}.{suffix}", e) for suffix, e in vblock)
+    first, last = v41_dspark_layout(config)
+    for i in range(config.draft_layers):
+        roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*first, *last))
+        block(f"mtp.{i}", None)
     return roles
 
 

@@ -7,7 +7,7 @@ document is kept in ``raw`` so it can be copied to the output unchanged.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,61 @@ VISION_KEYS = (
     "vision_patch_size",
     "vision_downsample_ratio",
 )
+
+
+# DeepSeek V4.1: vLLM 0.33.0 / 0.34.0's own config class (vllm/transformers_utils/configs/deepseek_v41.py,
+# DeepseekV41Config) copies every key of the nested text_config to the top level, maps vision_config to vision_*
+# attributes (with its defaults) and takes expert_dtype from quantization_config when absent. V4.1 has no hash layers
+# (vllm/models/deepseek_v41/nvidia/model.py: num_hash_layers 0).
+V41_MODEL_TYPE = "deepseek_v41"
+V41_VISION_KEYS = {  # vision_config key -> (our attribute, vLLM's default)
+    "num_hidden_layers": ("vision_n_layers", 0),
+    "hidden_size": ("vision_dim", 1024),
+    "num_attention_heads": ("vision_n_heads", 16),
+    "intermediate_size": ("vision_inter_dim", 2816),
+    "patch_size": ("vision_patch_size", 14),
+    "downsample_ratio": ("vision_downsample_ratio", 3),
+}
+
+
+def flatten_v41(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """A V4.1 config.json flattened as vLLM's DeepseekV41Config flattens it (the nested document stays ``raw``)."""
+    text, vision = raw.get("text_config") or {}, raw.get("vision_config") or {}
+    if not isinstance(text, dict) or not isinstance(vision, dict):
+        raise CheckpointError(
+            f"{where}: model_type {V41_MODEL_TYPE} needs text_config and vision_config objects; use the model's "
+            "released config.json"
+        )
+    flat = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    flat.update((k, v) for k, v in text.items() if k != "model_type")
+    flat["model_type"] = V41_MODEL_TYPE
+    for key, (attr, default) in V41_VISION_KEYS.items():
+        flat[attr] = vision.get(key, default)
+    quant = flat.get("quantization_config") or {}
+    if "expert_dtype" not in flat and isinstance(quant, dict) and "expert_dtype" in quant:
+        flat["expert_dtype"] = quant["expert_dtype"]
+    flat.setdefault("num_hash_layers", 0)
+    return flat
+
+
+def _v41_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("model_type") != V41_MODEL_TYPE:
+        return {}
+    ints = lambda key: tuple(int(x) for x in raw.get(key) or ())  # noqa: E731
+    return {
+        "model_type": V41_MODEL_TYPE,
+        "kv_source_layer_ids": ints("kv_source_layer_ids"),
+        "index_source_layer_ids": ints("index_source_layer_ids"),
+        "engram_layer_ids": ints("engram_layer_ids"),
+        "engram_num_embeddings": ints("engram_num_embeddings"),
+        "engram_max_ngram_size": int(raw.get("engram_max_ngram_size") or 0),
+        "engram_n_heads": int(raw.get("engram_n_heads") or 0),
+        "engram_head_dim": int(raw.get("engram_head_dim") or 0),
+        "engram_vocab_size": int(raw.get("engram_vocab_size") or 0),
+        "engram_compressed_vocab_size": int(raw.get("engram_compressed_vocab_size") or 0),
+        "dspark_n_routed_experts": raw.get("dspark_n_routed_experts"),
+        "dspark_num_experts_per_tok": raw.get("dspark_num_experts_per_tok"),
+    }
 
 
 # The DSpark draft (DeepSeek-V4-Flash-0731: the stages mtp.0-2). vLLM 0.33.0 / 0.34.0's DSparkDeepseekV4Model
@@ -106,6 +161,19 @@ class V4Config:
     n_mtp_layers: int | None = None
     enable_confidence_head: bool = True
     draft_vocab_size: int | None = None
+    # DeepSeek V4.1 (model_type deepseek_v41): see V41_MODEL_TYPE
+    model_type: str = "deepseek_v4"
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_vocab_size: int = 0
+    engram_compressed_vocab_size: int = 0
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -122,9 +190,16 @@ class V4Config:
     def draft_layers(self) -> int:
         """How many draft layers vLLM builds: DSpark stages (``n_mtp_layers``, else 3: vLLM's DSpark model does
         not fall back to ``num_nextn_predict_layers`` for V4), or classic MTP layers (``num_nextn_predict_layers``)."""
+        if self.is_dspark and self.is_v41:  # vllm/models/deepseek_v41/nvidia/dspark.py: n_mtp_layers, nextn, 3
+            return self.n_mtp_layers or self.num_nextn_predict_layers or DSPARK_DEFAULT_STAGES
         if self.is_dspark:
             return self.n_mtp_layers or DSPARK_DEFAULT_STAGES
         return self.num_nextn_predict_layers
+
+    @property
+    def is_v41(self) -> bool:
+        """Whether vLLM serves this config as DeepSeek V4.1 (``model_type: deepseek_v41``)."""
+        return self.model_type == V41_MODEL_TYPE
 
     @property
     def is_vision(self) -> bool:
@@ -141,6 +216,9 @@ class V4Config:
             raise CheckpointError(
                 f"{where}: expected a JSON object, got {type(raw).__name__}; use the model's released config.json"
             )
+        original = raw
+        if raw.get("model_type") == V41_MODEL_TYPE:
+            raw = flatten_v41(raw, where)
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise CheckpointError(
@@ -162,7 +240,7 @@ class V4Config:
                 "config.json"
             )
         try:
-            return cls._build(raw)
+            return replace(cls._build(raw), raw=original)
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CheckpointError(
                 f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json"
@@ -224,6 +302,7 @@ class V4Config:
             scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
             **vision,
             **dspark,
+            **_v41_fields(raw),
             raw=raw,
         )
 

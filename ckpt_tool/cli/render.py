@@ -118,10 +118,12 @@ def render_inspect(r: InspectReport) -> None:
             f"model: {m['class']} — vLLM builds {m['architecture']}{draft}{tower}",
             highlight=False,
         )
+        if m.get("engram"):
+            out.print(engram_line(m["engram"]), highlight=False)
     out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
     present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
     kind = (r.model or {}).get("draft_kind")
-    title = "DSpark stages" if kind and kind["kind"] == "dspark" else "MTP layers"
+    title = "DSpark stages" if kind and kind["method"] == "dspark" else "MTP layers"
     out.print(
         f"{title}: expected {', '.join(f'mtp.{i}' for i in r.mtp_expected) or 'none (num_nextn_predict_layers 0)'}; "
         f"present {present}; missing {', '.join(f'mtp.{i}' for i in r.mtp_missing) or 'none'}",
@@ -136,10 +138,24 @@ def render_inspect(r: InspectReport) -> None:
             error_line(p)
 
 
+def engram_line(e: dict) -> str:
+    """``Engram: layers 1, 2 (5,556 and 6,164 rows, 0.2 MiB); split by 10 hash heads; vLLM accepts tp 1, 2, ...``."""
+    sizes = ", ".join(f"layer {layer}: {rows:,} rows ({human_bytes(b)})" for layer, rows, b in
+                      zip(e["layers"], e["rows"], e["bytes"]))  # fmt: skip
+    per = "; ".join(
+        f"tp {tp}: " + ", ".join(f"layer {layer} {'/'.join(f'{n:,}' for n in rows)}" for layer, rows in by.items())
+        for tp, by in e["rows_per_rank"].items()
+    )
+    return (
+        f"Engram tables: {sizes}; split over tp by {e['hash_heads']} hash heads (rows per rank {per}); vLLM's Engram "
+        f"split accepts tp {', '.join(map(str, e['accepted_tp']))}"
+    )
+
+
 def draft_line(kind: dict) -> str:
     """``draft: DSpark (DSparkDraftModel), 3 stages; serve with --speculative-config '{...}' ...``."""
     n = kind["layers"]
-    if kind["kind"] == "dspark":
+    if kind["method"] == "dspark":
         what = f"DSpark ({kind['architecture']}), {n} stage{'s' if n != 1 else ''}"
         rule = " (num_speculative_tokens: vLLM's default, dspark_block_size)"
     else:
@@ -149,6 +165,8 @@ def draft_line(kind: dict) -> str:
         f'{{"method": "{kind["method"]}", "model": "OUT/{kind["folder"]}", '
         f'"num_speculative_tokens": {kind["num_speculative_tokens"]}}}'
     )
+    if kind.get("not_written"):
+        return f"draft: {what}; not converted: {kind['not_written']} (convert the target with --only model)"
     return f"draft: {what}; serve with --speculative-config '{spec}'{rule}"
 
 

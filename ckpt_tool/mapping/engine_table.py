@@ -15,10 +15,11 @@ the ``H/tp`` the file holds and marks it ``prefix``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.engram import engram_layout
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile, model_class_of
 
 
@@ -135,11 +136,13 @@ class _Table:
 
 
 def engine_params(
-    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp"
+    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp", rank: int = 0
 ) -> dict[str, EngineParam]:
-    """Every parameter one rank of ``component`` (model | mtp | dspark) holds under ``profile`` (the same set on
-    every rank)."""
+    """Every parameter rank ``rank`` of ``component`` (model | mtp | dspark) holds under ``profile`` (the same set
+    on every rank; the same shapes too but for V4.1's Engram tables, split unevenly by hash head)."""
     t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
+    if cfg.is_v41 and component == "model":
+        return _v41_target(t, cfg, rank)
     D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
     if component == "model":
@@ -203,6 +206,89 @@ def _dspark(t: _Table, cfg: V4Config) -> None:
         t.add("model.confidence_head.proj.weight", (1, D + r), "F32")
     for i in range(n):
         t.block(f"model.layers.{i}", ratio=0, hash_layer=False)
+
+
+def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
+    """DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py and model.py, 0.33.0 and 0.34.0, as their
+    classes hold it built on CPU: tests/engine/test_engine_v41.py): the text model under language_model., MXFP8
+    linears (``weight_scale`` uint8, one row a weight row), compressors and indexers only on their source layers,
+    every router's bias_vl, the Engram of its layers, no hc_head; the vision tower and aligner as V4's, image_start /
+    image_end / image_newline (no image_pad)."""
+    D, V, T = cfg.hidden_size, cfg.vocab_size, t.tp
+    H, hd, ql, hc = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
+    mx = MX_BLOCK
+
+    def linear(name: str, out: int, inp: int, split: str | None = None) -> None:
+        out, inp = (out // T, inp) if split == "col" else (out, inp // T) if split == "row" else (out, inp)
+        t.add(f"{name}.weight", (out, inp), "F8_E4M3")
+        t.add(f"{name}.weight_scale", (out, inp // mx), "U8")
+
+    layout = engram_layout(cfg)
+    n = t.n
+    t.add("model.embed_tokens.weight", (V // T, D), "BF16")
+    t.add("lm_head.weight", (V // T, D), "BF16")
+    t.add("model.norm.weight", (D,), "BF16")
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        t.add(f"{p}.attn_norm.weight", (D,), "BF16")
+        t.add(f"{p}.ffn_norm.weight", (D,), "BF16")
+        for part in ("attn", "ffn"):
+            t.add(f"{p}.hc_{part}_fn", ((2 + hc) * hc, hc * D), "F32")
+            t.add(f"{p}.hc_{part}_base", ((2 + hc) * hc,), "F32")
+            t.add(f"{p}.hc_{part}_scale", (3,), "F32")
+        a = f"{p}.attn"
+        t.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
+        t.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
+        t.add(f"{a}.fused_wqa_wkv.weight_scale", (ql + hd, D // mx), "U8")
+        t.add(f"{a}.q_norm.weight", (ql,), "BF16")
+        t.add(f"{a}.kv_norm.weight", (hd,), "BF16")
+        linear(f"{a}.wq_b", H * hd, ql, "col")
+        linear(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, "col")
+        linear(f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank, "row")
+        kv, index = layer in cfg.kv_source_layer_ids, layer in cfg.index_source_layer_ids
+        if kv:  # DeepseekV4CompressorKVScoreLinear: wkv, and wgate at ratio 2
+            gate = 2 if cfg.compress_ratio(layer) > 1 else 1
+            t.add(f"{a}.compressor.fused_wkv_wgate.weight", (gate * hd, D), "BF16")
+            t.add(f"{a}.compressor.norm.weight", (hd,), "BF16")
+        if index:
+            ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+            linear(f"{a}.indexer.wq_b", ih * ihd, ql)
+            t.add(f"{a}.indexer.weights_proj.weight", (ih, D), "BF16")
+            if kv:
+                t.add(f"{a}.indexer.wk.weight", (ihd, hd), "BF16")
+                t.add(f"{a}.indexer.k_norm.weight", (ihd,), "BF16")
+        _v41_moe(t, cfg, p, n, cfg.n_routed_experts, linear)
+        if layout is not None and layer in layout.layer_ids:
+            e, ed = f"{p}.engram", cfg.engram_head_dim
+            lo, hi = layout.rank_rows(layer, T)[rank]
+            t.add(f"{e}.embed_tokens.weight", (hi - lo, ed), "F8_E4M3")
+            t.add(f"{e}.embed_tokens.weight_scale_inv", (hi - lo, ed // mx), "U8")
+            linear(f"{e}.wkv", D * (hc + 1), layout.hash_heads * ed, "col")
+            t.add(f"{e}.q_weight", (hc, D), "BF16")
+            t.add(f"{e}.k_weight", (hc, D), "BF16")
+    params = {f"language_model.{k}": replace(p, name=f"language_model.{k}") for k, p in t.params.items()}
+    params.update(vision_params(cfg, T))
+    params.pop("image_pad")
+    return params
+
+
+def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int, linear) -> None:
+    """A V4.1 MoE: the router with bias_vl, MXFP8 shared experts, MXFP4 routed experts (``experts`` of them)."""
+    D, I, T = cfg.hidden_size, cfg.moe_intermediate_size, t.tp
+    g = f"{p}.{n.gate}"
+    t.add(f"{g}.weight", (experts, D), "BF16")
+    t.add(f"{g}.e_score_correction_bias", (experts,), "F32")
+    t.add(f"{g}.bias_vl", (experts,), "F32")
+    sh, Ish = f"{p}.{n.shared}", I * cfg.n_shared_experts
+    t.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
+    t.add(f"{sh}.gate_up_proj.weight_scale", (2 * Ish // T, D // MX_BLOCK), "U8")
+    linear(f"{sh}.down_proj", D, Ish, "row")
+    El, Il = (experts // T, I) if t.ep else (experts, I // T)
+    r = f"{p}.{n.routed}"
+    t.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
+    t.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // MX_BLOCK), "U8")
+    t.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
+    t.add(f"{r}.w2_weight_scale", (El, D, Il // MX_BLOCK), "U8")
 
 
 def vision_params(cfg: V4Config, tp: int) -> dict[str, EngineParam]:

@@ -31,6 +31,7 @@ from operator import attrgetter
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.engram import engram_layout
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
@@ -100,6 +101,7 @@ class Segment:
     col1: int
     convert: str = "copy"  # a conversions.KINDS entry
     pad: int = 0  # zero elements after each row's columns (a rank partly past the end of a padded column split)
+    repeat: int = 1  # each source row written this many times in a row (MXFP8 scales expanded to one row a weight row)
 
     @property
     def kind(self) -> str:
@@ -112,13 +114,18 @@ class Segment:
         return self.col1 - self.col0 + self.pad
 
     @property
+    def rows(self) -> int:
+        """Output rows."""
+        return (self.row1 - self.row0) * self.repeat
+
+    @property
     def numel(self) -> int:
-        return (self.row1 - self.row0) * self.width
+        return self.rows * self.width
 
     @property
     def zeros(self) -> int:
         """Output elements that are zero fill."""
-        return self.numel if self.src == ZERO else (self.row1 - self.row0) * self.pad
+        return self.numel if self.src == ZERO else self.rows * self.pad
 
 
 Bounds = tuple[int, int, int, int]  # row0, row1, col0, col1
@@ -133,13 +140,14 @@ class Segments(Sequence[Segment]):
     only while a consumer holds it. Indexes, iterates, compares and hashes like the tuple of its segments.
     """
 
-    __slots__ = ("names", "bounds", "convert")
+    __slots__ = ("names", "bounds", "convert", "repeat")
 
-    def __init__(self, names: tuple[str, ...], bounds: tuple[Bounds, ...], convert: str) -> None:
+    def __init__(self, names: tuple[str, ...], bounds: tuple[Bounds, ...], convert: str, repeat: int = 1) -> None:
         assert bounds and len(names) % len(bounds) == 0, (len(names), len(bounds))
         self.names = names
         self.bounds = bounds
         self.convert = convert
+        self.repeat = repeat
 
     def __len__(self) -> int:
         return len(self.names)
@@ -149,19 +157,20 @@ class Segments(Sequence[Segment]):
             return tuple(self[i] for i in range(*k.indices(len(self.names))))
         name = self.names[k]  # IndexError / TypeError as a tuple gives them
         r0, r1, c0, c1 = self.bounds[k % len(self.bounds)]  # k % n is the same period for negative k
-        return Segment(name, r0, r1, c0, c1, self.convert)
+        return Segment(name, r0, r1, c0, c1, self.convert, repeat=self.repeat)
 
     def __iter__(self) -> Iterator[Segment]:
-        bounds, period, conv = self.bounds, len(self.bounds), self.convert
+        bounds, period, conv, rep = self.bounds, len(self.bounds), self.convert, self.repeat
         for k, name in enumerate(self.names):
             r0, r1, c0, c1 = bounds[k % period]
-            yield Segment(name, r0, r1, c0, c1, conv)
+            yield Segment(name, r0, r1, c0, c1, conv, repeat=rep)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Segments) and (self.names, self.bounds, self.convert) == (
+        if isinstance(other, Segments) and (self.names, self.bounds, self.convert, self.repeat) == (
             other.names,
             other.bounds,
             other.convert,
+            other.repeat,
         ):
             return True
         if isinstance(other, (Segments, tuple, list)):
@@ -306,10 +315,10 @@ def _group_sources(
     found: list[list[str]] = []
     claimed = 0
     if indexable(rules):
-        experts = range(cfg.n_routed_experts)
         get = sources.get
-        expert_keys: dict[int, list[tuple[int, int]]] = {}
+        expert_keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for rule in rules:
+            experts = range(getattr(cfg, rule.experts_key) or 0)
             for bind in _binds(rule, cfg):
                 per_idx = [_expand(p, bind, experts) for p in rule.sources]
                 if rule.kind == "drop":
@@ -332,7 +341,8 @@ def _group_sources(
                     if len(names) == 1 and "{expert}" not in rule.sources[idx]:
                         keys: Sequence = ((idx, None),)
                     else:
-                        keys = expert_keys.get(idx) or expert_keys.setdefault(idx, [(idx, j) for j in experts])
+                        ek = (idx, len(experts))
+                        keys = expert_keys.get(ek) or expert_keys.setdefault(ek, [(idx, j) for j in experts])
                     if lacking:
                         complete = False
                         hit = [(k, n, i) for k, n, i in zip(keys, names, infos) if i is not None]
@@ -391,8 +401,11 @@ def _rows_cols(t: TensorInfo) -> tuple[int, int]:
     return t.shape[0], math.prod(t.shape[1:]) if len(t.shape) > 1 else 1
 
 
-def _check_split(name: str, info: TensorInfo, dim: int, tp: int, sibling: TensorInfo | None) -> None:
-    """TP split of ``dim`` must divide evenly and, for quantized weights, at block granularity."""
+def _check_split(
+    name: str, info: TensorInfo, dim: int, tp: int, sibling: TensorInfo | None, fp8_block: int = FP8_BLOCK
+) -> None:
+    """TP split of ``dim`` must divide evenly and, for quantized weights, at block granularity (``fp8_block``:
+    config.json's weight_block_size, 128 for V4's block FP8, 32 for V4.1's MXFP8)."""
     size = info.shape[dim] if dim < len(info.shape) else 1
     if size % tp:
         raise PlanError(
@@ -413,11 +426,25 @@ def _check_split(name: str, info: TensorInfo, dim: int, tp: int, sibling: Tensor
         logical = wdim * 2 if dim == 1 else wdim
         block = MX_BLOCK if dim == 1 else 1
     else:
-        logical, block = wdim, FP8_BLOCK
+        logical, block = wdim, fp8_block
     if (logical // tp) != (sdim // tp) * block:
         raise PlanError(
             f"{weight.file}: tensor {weight.name!r}: a tp={tp} chunk of dim {dim} holds {logical // tp} values, "
             f"not a whole number of {block}-wide scale blocks; choose a tp that splits at block granularity"
+        )
+
+
+def _check_mx_split(info: TensorInfo, dim: int, tp: int, sibling: TensorInfo, block: int) -> None:
+    """An MXFP8 linear's split: vLLM expands the scale to one row a weight row before slicing, so rows split anywhere
+    that divides them; its input dim must leave each rank whole 32-wide blocks (KMxfp8Static.create_weights,
+    vllm/model_executor/layers/quantization/modelopt.py: "MXFP8 requires input size divisible by 32")."""
+    weight = info if info.name.endswith(".weight") else sibling
+    size = weight.shape[dim] if dim < len(weight.shape) else 1
+    if size % tp or (dim == 1 and (size // tp) % block):
+        raise PlanError(
+            f"{weight.file}: tensor {weight.name!r}: dim {dim} of size {size} does not split over tp={tp}"
+            + (f" into whole {block}-wide MXFP8 blocks" if dim == 1 else "")
+            + "; choose a tp that divides it"
         )
 
 
@@ -434,11 +461,17 @@ def _sibling(sources: dict[str, TensorInfo], name: str) -> TensorInfo | None:
     return None if other is None else sources.get(other)
 
 
-def _check_piece(info: TensorInfo, split_dim: int | None, tp: int, sources: dict[str, TensorInfo]) -> None:
+def _check_piece(
+    info: TensorInfo, split_dim: int | None, tp: int, sources: dict[str, TensorInfo], fp8_block: int = FP8_BLOCK
+) -> None:
     """What splitting ``info`` on ``split_dim`` over ``tp`` ranks requires (the same for every rank)."""
     if split_dim is None or tp == 1:
         return
-    _check_split(info.name, info, split_dim, tp, _sibling(sources, info.name))
+    sibling = _sibling(sources, info.name)
+    if sibling is not None and fp8_block != FP8_BLOCK:
+        _check_mx_split(info, split_dim, tp, sibling, fp8_block)
+        return
+    _check_split(info.name, info, split_dim, tp, sibling, fp8_block)
     if split_dim == 1 and len(info.shape) != 2:
         raise PlanError(
             f"{info.file}: tensor {info.name!r}: column split needs a 2-D tensor, got shape {list(info.shape)}"
@@ -538,6 +571,12 @@ def _plan_group(
     ``padded`` collects (size, per-rank size) of every weight split the engine zero-pads (for the plan's note).
     """
     rule, tp = g.rule, opts.tp
+    if rule.split == Split.ENGRAM:
+        return _plan_engram(g, cfg, tp)
+    if rule.kind in ("rename", "fuse") and rule.repeat > 1:
+        infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
+        split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
+        return _plan_repeated(infos, split_dim, tp, conv_of(infos[0], rule), rule.repeat)
     if rule.kind in ("rename", "fuse"):
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
         if rule.replicate_unless and getattr(cfg, rule.replicate_unless) % tp:
@@ -552,7 +591,7 @@ def _plan_group(
             if any(pads):
                 return _plan_padded(infos, pads, split_dim, tp, conv, sources, padded)
         for info in infos:
-            _check_piece(info, split_dim, tp, sources)
+            _check_piece(info, split_dim, tp, sources, cfg.weight_block_size[split_dim or 0])
         names = tuple(i.name for i in infos)
         tail = list(first.shape[1:])
         if split_dim == 1:
@@ -574,7 +613,7 @@ def _plan_group(
 
     # StackExperts: [E_local, rows, cols]; every expert's parts share one shape (checked), so one period
     # (routed experts are never padded: a split that does not divide at block granularity is refused)
-    E = cfg.n_routed_experts
+    E = getattr(cfg, rule.experts_key)
     conv = conversions.effective(g.parts[(0, 0)].dtype, rule.convert)
     nsrc = len(rule.sources)
     if opts.moe_parallel == "ep":
@@ -599,6 +638,82 @@ def _plan_group(
             names, n_local = srcs, E
         rows = sum(b[1] - b[0] for b in bounds)
         out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0], 0))
+    return out
+
+
+def _plan_repeated(
+    infos: list[TensorInfo], split_dim: int | None, tp: int, conv: str, repeat: int
+) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+    """Per rank of a scale whose rows the engine repeats ``repeat`` times before its TP split (an MXFP8 scale:
+    vLLM's KMxfp8Static loader, vllm/model_executor/layers/quantization/modelopt.py, repeat_interleaves the
+    checkpoint's [out/32, in/32] to [out, in/32]); each fused part is expanded on its own, as the engine loads
+    each shard of a merged linear separately."""
+    out = []
+    for rank in range(tp):
+        segs: list[Segment] = []
+        rows = width = 0
+        for info in infos:
+            R, C = _rows_cols(info)
+            if split_dim == 0 and tp > 1:
+                if (R * repeat) % tp:
+                    raise PlanError(
+                        f"{info.file}: tensor {info.name!r}: {R * repeat} expanded scale rows do not split over "
+                        f"tp={tp}; choose a tp that divides them"
+                    )
+                per = R * repeat // tp  # a rank may start or end inside one scale row's copies
+                segs += _repeated_rows(info.name, rank * per, (rank + 1) * per, C, conv, repeat)
+                rows, width = rows + per, C
+            elif split_dim == 1 and tp > 1:
+                if C % tp:
+                    raise PlanError(
+                        f"{info.file}: tensor {info.name!r}: {C} scale columns do not split evenly over tp={tp}; "
+                        "choose a tp that divides them"
+                    )
+                step = C // tp
+                segs.append(Segment(info.name, 0, R, rank * step, (rank + 1) * step, conv, repeat=repeat))
+                rows, width = rows + R * repeat, step
+            else:
+                segs.append(Segment(info.name, 0, R, 0, C, conv, repeat=repeat))
+                rows, width = rows + R * repeat, C
+        out.append(((rows, width), tuple(segs), infos[0].name, 0))
+    return out
+
+
+def _repeated_rows(name: str, lo: int, hi: int, cols: int, conv: str, repeat: int) -> list[Segment]:
+    """Expanded rows [lo, hi) of a source whose rows each appear ``repeat`` times: at most a partial first row, a run
+    of whole ones and a partial last row."""
+    segs, row = [], lo // repeat
+    if lo % repeat:
+        k = min(repeat - lo % repeat, hi - lo)
+        segs.append(Segment(name, row, row + 1, 0, cols, conv, repeat=k))
+        lo, row = lo + k, row + 1
+    whole = (hi - lo) // repeat
+    if whole:
+        segs.append(Segment(name, row, row + whole, 0, cols, conv, repeat=repeat))
+        lo, row = lo + whole * repeat, row + whole
+    if hi > lo:
+        segs.append(Segment(name, row, row + 1, 0, cols, conv, repeat=hi - lo))
+    return segs
+
+
+def _plan_engram(g: _Group, cfg: V4Config, tp: int) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+    """Per rank of an Engram table (or its scale): the rows of the rank's hash heads, uneven across ranks
+    (:mod:`ckpt_tool.checkpoint.engram`), read in one run of whole rows."""
+    layout = engram_layout(cfg)
+    assert layout is not None and "layer" in g.bind, g.rule.id
+    layout.require(tp)
+    (info,) = [g.parts[k] for k in g.parts]
+    rows, cols = _rows_cols(info)
+    want = layout.num_embeddings[layout.layer_ids.index(g.bind["layer"])]
+    if rows != want:
+        raise PlanError(
+            f"{info.file}: tensor {info.name!r} has {rows} rows, config.json engram_num_embeddings says {want}; "
+            "use the config.json released with these weights"
+        )
+    conv = conv_of(info, g.rule)
+    out = []
+    for lo, hi in layout.rank_rows(g.bind["layer"], tp):
+        out.append(((hi - lo, *info.shape[1:]), (Segment(info.name, lo, hi, 0, cols, conv),), info.name, 0))
     return out
 
 
@@ -711,6 +826,9 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
+    layout = engram_layout(config) if selects(opts.only, "model") else None
+    if layout is not None:
+        layout.require(opts.tp)  # vLLM's own refusal of this tp, before any other split is looked at
     mtp_present = set(count_by_index(tensors, "mtp."))
     extra_mtp = sorted(i for i in mtp_present if i >= config.draft_layers)
     if extra_mtp:
@@ -881,7 +999,7 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
     rule = g.rule
     where = rule.target.format(**{**g.bind, "spec": cfg.num_hidden_layers + g.bind.get("mtp", 0)})  # type: ignore[union-attr]
     if rule.kind == "stack":
-        E = cfg.n_routed_experts
+        E = getattr(cfg, rule.experts_key)
         for idx, pat in enumerate(rule.sources):
             have = sorted(e for (i, e) in g.parts if i == idx)
             if have != list(range(E)):
@@ -889,11 +1007,15 @@ def _check_group(g: _Group, cfg: V4Config) -> None:
                 extra = sorted(set(have) - set(range(E)))
                 raise PlanError(
                     f"{where}: routed experts incomplete for {pat.format(**g.bind, expert='{j}')}: "
-                    f"missing {missing or '-'}, unexpected {extra or '-'} (config n_routed_experts={E}); "
-                    "the checkpoint is incomplete — download it again or fix n_routed_experts in config.json"
+                    f"missing {missing or '-'}, unexpected {extra or '-'} (config {rule.experts_key}={E}); "
+                    f"the checkpoint is incomplete — download it again or fix {rule.experts_key} in config.json"
                 )
     else:
-        missing = [s.format(**g.bind) for i, s in enumerate(rule.sources) if (i, None) not in g.parts]
+        missing = [
+            s.format(**g.bind)
+            for i, s in enumerate(rule.sources)
+            if (i, None) not in g.parts and i not in rule.optional
+        ]
         if missing:
             raise PlanError(
                 f"{where}: fused parts missing from the checkpoint: {', '.join(missing)}; the checkpoint is incomplete "

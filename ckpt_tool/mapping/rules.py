@@ -39,6 +39,8 @@ class Split(str, Enum):
     DIM0 = "dim0"  # column parallel / vocab parallel / attn_sink heads: contiguous rows chunk r
     DIM1 = "dim1"  # row parallel: input columns chunk r
     EXPERTS = "experts"  # routed experts: tp → per-expert row (w13) or column (w2) chunk; ep → whole experts
+    # an Engram table: rows by hash head, rank r the buckets of its heads (ckpt_tool.checkpoint.engram), uneven
+    ENGRAM = "engram"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class Rule:
     # the config key tp must divide for the split to apply; otherwise every rank holds the whole tensor
     # (vLLM's vision tower falls back to replicated weights when its heads do not divide tp)
     replicate_unless: str | None = None
+    # each source row written this many times (an MXFP8 scale [out/32, in/32] expanded to [out, in/32] before the TP
+    # split, as vLLM's KMxfp8Static scale loader repeat_interleaves it)
+    repeat: int = 1
+    # the config key that counts this stack's routed experts (a V4.1 DSpark stage has its own)
+    experts_key: str = "n_routed_experts"
+    # source indexes a fuse may lack (a ratio-1 V4.1 compressor has no wgate): the parts present are fused in order
+    optional: tuple[int, ...] = ()
     regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 
     @property

@@ -201,7 +201,8 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
                 rows = info.shape[0] if info.shape else 1
                 cols = info.numel // rows if rows else 0
                 reg = regions.setdefault(real, _Regions(rows, cols))
-                piece = _Piece(path, offset, seg.convert, out_eb, seg.width * out_eb)
+                # a repeated row (an expanded MXFP8 scale): the stride spans its copies, the first is read back
+                piece = _Piece(path, offset, seg.convert, out_eb, seg.width * out_eb * seg.repeat)
                 reg.pieces.setdefault((seg.row0, seg.row1, seg.col0, seg.col1), []).append(piece)
                 offset += seg.numel * out_eb
             if offset != got.end:

@@ -154,7 +154,7 @@ class SegmentReader:
     def byte_ranges(self, seg: Segment) -> list[tuple[int, int]] | None:
         """(absolute offset, length) source ranges whose concatenation is ``seg``'s output bytes as they
         are, or None when the segment needs a gather of narrow slices, a dtype conversion or zeros."""
-        if seg.convert not in conversions.BYTEWISE or seg.pad or seg.src == ZERO:
+        if seg.convert not in conversions.BYTEWISE or seg.pad or seg.repeat > 1 or seg.src == ZERO:
             return None
         return self._ranges(seg, self.sources[seg.src])
 
@@ -171,7 +171,7 @@ class SegmentReader:
         """Call ``emit`` with the output bytes of a source segment, in order, in pieces of at most ``CHUNK``."""
         info = self.sources[seg.src]
         check = self.checker(info)
-        if seg.pad:
+        if seg.pad or seg.repeat > 1:
             self.gather_padded(seg, info, check, emit)
             return
         if seg.convert not in conversions.BYTEWISE:
@@ -223,9 +223,9 @@ class SegmentReader:
         check: Callable[[memoryview], None] | None,
         emit: Callable[[memoryview | bytes], None],
     ) -> None:
-        """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements: blocks of
-        whole source rows are read, the slices checked or converted, and placed row by row with numpy in
-        front of the pad."""
+        """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements and written
+        ``seg.repeat`` times: blocks of whole source rows are read, the slices checked or converted, and placed row by
+        row with numpy in front of the pad (an MXFP8 scale row is small: the repeat stays in cache)."""
         import numpy as np
 
         eb, row_bytes = self.geometry(info)
@@ -234,7 +234,7 @@ class SegmentReader:
         zero_row = np.tile(np.frombuffer(conversions.zero_element(seg.convert, out_dtype), dtype=np.uint8), seg.pad)
         c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
         real, padded = (seg.col1 - seg.col0) * out_eb, seg.width * out_eb
-        rows_per_block = max(1, PIECE // max(row_bytes, padded))
+        rows_per_block = max(1, PIECE // max(row_bytes, padded * seg.repeat))
         src = memoryview(self.buf) if rows_per_block * row_bytes <= PIECE else memoryview(bytearray(row_bytes))
         row = seg.row0
         while row < seg.row1:
@@ -249,6 +249,8 @@ class SegmentReader:
             block = np.empty((n, padded), dtype=np.uint8)
             block[:, :real] = sliced.reshape(n, real)
             block[:, real:] = zero_row
+            if seg.repeat > 1:
+                block = np.repeat(block, seg.repeat, axis=0)
             emit(block.data)
             row += n
 

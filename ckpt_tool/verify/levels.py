@@ -242,7 +242,7 @@ def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyRepo
             continue  # a structure failure already names the unreadable or missing file
         for rel in files:
             written.update({n: (t.shape, t.dtype) for n, t in headers[rel].tensors.items()})
-        expected = engine_params(plan.config, opts.profile, comp, opts.tp, opts.moe_parallel)
+        expected = engine_params(plan.config, opts.profile, comp, opts.tp, opts.moe_parallel, rank)
         problems = compare_with_engine(written, expected)
         name = f"engine:{comp}/rank-{rank}"
         where = f"{comp}/model-rank-{rank}-part-*.safetensors"
@@ -608,7 +608,7 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
     pos = got.start
     out_row = 0  # rows of the output tensor (seen as 2-D [rows, width]) before the segment
     for seg in t.segments:
-        first_row, out_row = out_row, out_row + seg.row1 - seg.row0
+        first_row, out_row = out_row, out_row + seg.rows
         zero = np.frombuffer(conversions.zero_element(seg.convert, t.dtype), np.uint8)
         if seg.src == ZERO:  # the engine's zero padding: nothing to read from the source
             rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, width * out_eb))
@@ -647,7 +647,9 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
                 padded[:, : (width - seg.pad) * out_eb] = np.frombuffer(want, np.uint8).reshape(n, -1)
                 padded[:, (width - seg.pad) * out_eb :] = np.tile(zero, seg.pad)
                 want = padded.tobytes()
-            nbytes = n * width * out_eb
+            if seg.repeat > 1:  # each source row written repeat times (an expanded MXFP8 scale)
+                want = np.repeat(np.frombuffer(want, np.uint8).reshape(n, -1), seg.repeat, axis=0).tobytes()
+            nbytes = n * seg.repeat * width * out_eb
             actual = reader.read(pos, nbytes)
             if len(actual) != nbytes:
                 return f"{t.name}: output file ended early"
@@ -655,6 +657,7 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
                 a, b = np.frombuffer(want, np.uint8), np.frombuffer(actual, np.uint8)
                 diff = int(np.flatnonzero(a != b)[0]) // out_eb
                 row, col = divmod(diff, width)
+                row //= seg.repeat
                 if col >= width - seg.pad:
                     return _pad_message(t, seg, first_row + r - seg.row0 + row, col)
                 what = "bytes" if seg.convert in conversions.BYTEWISE else "value"

@@ -290,6 +290,12 @@ def tensor_units(
         raise UsageError(
             f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"
         )
+    if cfg.is_v41:
+        # its MXFP8 linears (32x32 blocks, scales expanded per row) have no kernel here yet, nor its Engram tables
+        raise UsageError(
+            "the numeric level does not cover DeepSeek V4.1 yet (MXFP8 linears, Engram tables); verify it with "
+            "--level values, which compares every byte of OUT with the source"
+        )
     b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
     D, V = cfg.hidden_size, cfg.vocab_size
     b.group = "embed/head"

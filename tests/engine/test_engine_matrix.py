@@ -238,7 +238,7 @@ def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, tar
         if r["op"] != "sharded-load":
             continue
         comp, rank = r["job"]["component"], r["job"]["rank"]
-        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp")
+        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp", rank)
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):

@@ -15,6 +15,11 @@ classic MTP draft, ``nvidia/mtp.py::DeepSeekV4MTP``, speculative method "mtp") a
 ``nvidia/dspark.py::DSparkDeepseekV4ForCausalLM``, registry name ``DSparkDraftModel``, speculative method "dspark",
 chosen when config.json has ``dspark_target_layer_ids``; built under the draft config vLLM's ``load_dspark_model``
 makes, see ``vllm_stubs.component_vllm_config``). A checkpoint has either an ``mtp`` or a ``dspark`` draft.
+A DeepSeek V4.1 checkpoint (config.json ``model_type: deepseek_v41``, nested ``text_config``) has ``model`` =
+``vllm/models/deepseek_v41/nvidia/vl_model.py::DeepseekV41ForCausalLM`` (the vision wrapper, text model under
+``language_model.``) and ``dspark`` = ``vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM``
+(registry name ``DSparkV41DraftModel``); no ``mtp``. Its Engram tables are built with ``cpu_offload`` off (see
+``vllm_stubs.engine_config``).
 
 Operations (each builds a fresh model for (config, tp, rank, ep, component)):
 
@@ -89,9 +94,22 @@ def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str):
     return stubs.engine_config(config_dir, tp, ep, load_format)
 
 
-def _component_class(component: str):
+def _component_class(component: str, v41: bool = False):
     """The class vLLM serves ``component`` with on an NVIDIA GPU (imported from ``nvidia/`` directly: on a CPU
-    platform ``vllm.models.deepseek_v4`` resolves CPU stand-ins)."""
+    platform ``vllm.models.deepseek_v4`` resolves CPU stand-ins). ``v41``: a DeepSeek V4.1 checkpoint
+    (config.json ``model_type: deepseek_v41``): ``model`` is the vision wrapper ``DeepseekV41ForCausalLM``
+    (registry name the same, ``vllm/models/deepseek_v41/nvidia/vl_model.py``), ``dspark`` its DSpark draft
+    (registry name ``DSparkV41DraftModel``, ``vllm/models/deepseek_v41/nvidia/dspark.py``)."""
+    if v41:
+        if component == "model":
+            from vllm.models.deepseek_v41.nvidia.vl_model import DeepseekV41ForCausalLM
+
+            return DeepseekV41ForCausalLM
+        if component == "dspark":
+            from vllm.models.deepseek_v41.nvidia.dspark import DSparkDeepseekV4ForCausalLM
+
+            return DSparkDeepseekV4ForCausalLM
+        raise ValueError(f"a DeepSeek V4.1 checkpoint has the components 'model' and 'dspark', not {component!r}")
     if component == "model":
         from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM
 
@@ -131,7 +149,7 @@ def _build(job: dict, load_format: str):
     _fake_groups(tp, rank)
     t0 = time.perf_counter()
     with _capture() as cap:
-        cls = _component_class(component)
+        cls = _component_class(component, stubs.is_v41(job["config"]))
         cfg = _engine_config(job["config"], tp, ep, load_format)
         model_config = stubs.component_model_config(cfg, component)
         # the target's config for model and mtp; for dspark the draft config load_dspark_model builds it under
@@ -142,7 +160,7 @@ def _build(job: dict, load_format: str):
             # resolves the vision wrapper (vllm/models/deepseek_v4/common/vl_model.py): build what it serves
             cls = registry_cls
         # BaseModelLoader.load_model builds under the model dtype and the target device (here: the CPU).
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"), stubs.build_runner(cfg):
             model = initialize_model(cfg, model_class=cls, model_config=model_config)
     spec = cfg.speculative_config
     report = {
@@ -325,7 +343,13 @@ def op_sharded_load(job: dict) -> dict:
 
 
 class _WriteRecorder:
-    """Records, per source tensor being loaded, which filtered state-dict keys an in-place op wrote to."""
+    """Records, per source tensor being loaded, which filtered state-dict keys an in-place op wrote to.
+
+    The source is the tensor the loader's weight iterator last yielded, or, for a write made after the iterator is
+    exhausted (a wrapper that defers part of the stream and loads clones of it afterwards, as vLLM 0.33's
+    ``stream_language_model_first`` does for the vision tower of DeepseekV4ForConditionalGeneration and
+    DeepseekV41ForCausalLM), the source tensor the written data was computed from: every op's output storage
+    inherits the name of a source-derived input's storage."""
 
     def __init__(self, model):
         import torch
@@ -338,37 +362,64 @@ class _WriteRecorder:
                 start = t.data_ptr()
                 self.ranges.append((start, start + t.numel() * t.element_size(), k))
         self.current = None
+        self.by_storage: dict[int, str] = {}  # storage address of a source tensor (or of data derived from it)
+        self.param_storages = {t.untyped_storage().data_ptr() for t in kept.values() if t.numel()}
         self.provenance: dict[str, set] = {}
         self.source_dtypes: dict[str, str] = {}
         self.source_shapes: dict[str, list] = {}
         recorder = self
 
+        def storage_of(t) -> int | None:
+            try:
+                return t.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - a tensor without storage (sparse, meta wrapper)
+                return None
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 schema = getattr(func, "_schema", None)
-                if schema is not None and recorder.current is not None:
+                written, read = [], []
+                if schema is not None:
                     for i, a in enumerate(schema.arguments):
-                        if a.alias_info is not None and a.alias_info.is_write:
-                            val = args[i] if i < len(args) else kwargs.get(a.name)
-                            if isinstance(val, torch.Tensor) and val.numel():
-                                recorder._note(val)
-                return func(*args, **kwargs)
+                        val = args[i] if i < len(args) else kwargs.get(a.name)
+                        if isinstance(val, torch.Tensor):
+                            is_write = a.alias_info is not None and a.alias_info.is_write
+                            (written if is_write else read).append(val)
+                derived = None
+                if recorder.by_storage:
+                    derived = next(
+                        (recorder.by_storage[p] for a in read if (p := storage_of(a)) in recorder.by_storage), None
+                    )
+                source = recorder.current if recorder.current is not None else derived
+                if source is not None:
+                    for val in written:
+                        if val.numel():
+                            recorder._note(val, source)
+                out = func(*args, **kwargs)
+                if derived is not None and not written and isinstance(out, torch.Tensor):
+                    p = storage_of(out)
+                    if p is not None and p not in recorder.param_storages:
+                        recorder.by_storage[p] = derived  # a fresh allocation: any older entry is stale
+                return out
 
         self.mode = Mode()
 
-    def _note(self, t) -> None:
+    def _note(self, t, source: str) -> None:
         a = t.data_ptr()
         b = a + t.numel() * t.element_size()  # views written by loaders are contiguous slices or narrows
         for s, e, k in self.ranges:
             if a < e and s < b:
-                self.provenance.setdefault(self.current, set()).add(k)
+                self.provenance.setdefault(source, set()).add(k)
 
     def wrap(self, weights):
         for name, tensor in weights:
             self.current = name
             self.source_dtypes[name] = _dtype_name(tensor.dtype)
             self.source_shapes[name] = list(tensor.shape)
+            ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+            if ptr is not None:
+                self.by_storage[ptr] = name
             yield name, tensor
         self.current = None
 
@@ -468,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in OPS:
         s = sub.add_parser(name)
         s.add_argument(
-            "--config", required=True, help="folder with the DeepSeek V4 config.json (the source checkpoint)"
+            "--config", required=True, help="folder with the DeepSeek V4/V4.1 config.json (the source checkpoint)"
         )
         s.add_argument("--tp", type=int, required=True)
         s.add_argument("--rank", type=int, default=0)

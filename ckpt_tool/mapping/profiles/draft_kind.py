@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpt_tool.mapping.rules import Rule, dspark_aliases, dspark_rules
+from ckpt_tool.mapping.rules_v41 import v41_dspark_rules
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class DraftKind:
     method: str  # "method" of --speculative-config
     layer_word: str  # what one mtp.{i} is called in messages
     description: str
+    not_written: str = ""  # why no profile writes this draft yet (empty: profiles that list it do)
 
     def layers(self, config) -> int:
         """How many draft layers (stages) vLLM builds for ``config`` (a V4Config)."""
@@ -45,7 +47,7 @@ class DraftKind:
 
     def speculative_tokens(self, config) -> int:
         """vLLM's default ``num_speculative_tokens`` for this draft (what the serve command passes)."""
-        if self.name == "dspark":
+        if self.method == "dspark":
             # dspark/config.py (0.34) / SpeculativeConfig (0.33): a top-level block_size wins, else dspark_block_size
             return int(config.raw.get("block_size") or config.dspark_block_size or 1)
         return 1
@@ -61,6 +63,8 @@ class DraftKind:
         """The draft's rules in place of the base table's classic MTP rules (None: keep those)."""
         if self.name == "dspark":
             return dspark_rules(config.expert_dtype, config.draft_layers, vision=config.is_vision)
+        if self.name == "dspark-v41":
+            return v41_dspark_rules(config.draft_layers)
         return None
 
     def aliases(self, config) -> dict[str, str]:
@@ -79,6 +83,7 @@ class DraftKind:
             "folder": self.component,
             "num_speculative_tokens": self.speculative_tokens(config),
             "description": self.description,
+            "not_written": self.not_written or None,
         }
 
 
@@ -100,10 +105,28 @@ DSPARK = DraftKind(
     "DSpark stage",
     "DSpark draft: decoder-block stages, main_proj over the target's hidden states, Markov and confidence heads",
 )
-DRAFT_KINDS: dict[str, DraftKind] = {k.name: k for k in (MTP, DSPARK)}
-DRAFT_COMPONENTS = tuple(k.component for k in DRAFT_KINDS.values())
+# V4.1's DSpark draft (vllm/models/deepseek_v41/nvidia/dspark.py, registry DSparkV41DraftModel): vLLM 0.34.0's holds
+# model.context_wkv_proj, 0.33.0's does not (its sharded loader refuses the key the other wants), so one profile
+# covering both releases cannot write it: no profile lists it among its drafts yet, and convert says so.
+DSPARK_V41 = DraftKind(
+    "dspark-v41",
+    "dspark",
+    "DSparkV41DraftModel",
+    "vllm/models/deepseek_v41/nvidia/dspark.py:DSparkDeepseekV4ForCausalLM",
+    "dspark",
+    "DSpark stage",
+    "DeepSeek V4.1's DSpark draft: decoder-block stages with their own experts, Markov and confidence heads",
+    not_written="vLLM 0.34.0's V4.1 DSpark draft holds model.context_wkv_proj and 0.33.0's does not "
+    "(vllm/models/deepseek_v41/nvidia/dspark.py), so one file set cannot serve both releases; ckpt-tool does not "
+    "write this draft yet",
+)
+DRAFT_KINDS: dict[str, DraftKind] = {k.name: k for k in (MTP, DSPARK, DSPARK_V41)}
+DRAFT_COMPONENTS = tuple(dict.fromkeys(k.component for k in DRAFT_KINDS.values()))
 
 
 def draft_kind_of(config) -> DraftKind:
-    """The draft ``config`` (a V4Config) describes: DSpark when config.json names ``dspark_target_layer_ids``."""
+    """The draft ``config`` (a V4Config) describes: DSpark when config.json names ``dspark_target_layer_ids`` (V4.1's
+    own DSpark for a V4.1 config; vLLM 0.33/0.34 refuse a classic MTP draft on V4.1)."""
+    if getattr(config, "is_v41", False):
+        return DSPARK_V41
     return DSPARK if getattr(config, "is_dspark", False) else MTP

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 from ckpt_tool.mapping.rules import Rule, vision_block_rules, vision_tower_rules
+from ckpt_tool.mapping.rules_v41 import v41_rules
 
 
 def _none() -> list[Rule]:
@@ -41,6 +42,8 @@ class ModelClass:
     block_rules: Callable[[], list[Rule]] = _none  # rules in the text model's names (prefixed and renamed)
     extra_rules: Callable[[], list[Rule]] = _none  # rules in the engine's own names (neither)
     description: str = ""
+    # the whole base table, in place of the profile's (a model whose layers differ, as V4.1's): by expert_dtype
+    base_rules: Callable[[str], list[Rule]] | None = None
 
     def describe(self, config) -> dict:
         """What vLLM builds for ``config`` (a V4Config): this class, its draft (the class, and ``draft_kind``: which
@@ -54,7 +57,9 @@ class ModelClass:
             "target_prefix": self.target_prefix,
             "description": self.description,
         }
-        if self.name == "vision":
+        if self.name == "v41":
+            doc["engram"] = _engram_doc(config)
+        if self.name in ("vision", "v41"):
             doc["vision"] = {
                 "layers": config.vision_n_layers,
                 "dim": config.vision_dim,
@@ -64,6 +69,29 @@ class ModelClass:
                 "downsample_ratio": config.vision_downsample_ratio,
             }
         return doc
+
+
+def _engram_doc(config) -> dict | None:
+    """V4.1's Engram tables: layers, rows and bytes (FP8 rows + one E8M0 byte per 32 columns), how vLLM splits
+    them (by hash head) and the tp values it accepts (ckpt_tool.checkpoint.engram)."""
+    from ckpt_tool.checkpoint.engram import engram_layout
+
+    layout = engram_layout(config)
+    if layout is None:
+        return None
+    row_bytes = config.engram_head_dim + config.engram_head_dim // 32
+    return {
+        "layers": list(layout.layer_ids),
+        "rows": list(layout.num_embeddings),
+        "bytes": [rows * row_bytes for rows in layout.num_embeddings],
+        "hash_heads": layout.hash_heads,
+        "accepted_tp": layout.accepted_tps(64),
+        "rows_per_rank": {
+            tp: {layer: [hi - lo for lo, hi in layout.rank_rows(layer, tp)] for layer in layout.layer_ids}
+            for tp in (2, 4, 8)
+            if layout.accepts(tp)
+        },
+    }
 
 
 TEXT = ModelClass(
@@ -82,9 +110,21 @@ VISION = ModelClass(
     extra_rules=vision_tower_rules,
     description="DeepSeek V4 vision (vision tower, aligner, image embeddings; the text model as language_model)",
 )
-MODEL_CLASSES: dict[str, ModelClass] = {c.name: c for c in (TEXT, VISION)}
+V41 = ModelClass(
+    "v41",
+    "DeepseekV41ForCausalLM",
+    "DSparkDeepseekV4ForCausalLM",
+    "",  # the V4.1 table names language_model.* itself
+    base_rules=v41_rules,
+    description="DeepSeek V4.1 (Engram tables, MXFP8 linears, vision tower; the text model as language_model)",
+)
+MODEL_CLASSES: dict[str, ModelClass] = {c.name: c for c in (TEXT, VISION, V41)}
 
 
 def model_class_of(config) -> ModelClass:
-    """The model class vLLM builds for ``config`` (a V4Config): vision when ``vision_n_layers > 0``."""
+    """The model class vLLM builds for ``config`` (a V4Config): V4.1 for ``model_type: deepseek_v41`` (vLLM's registry
+    maps its ``DeepseekV41ForCausalLM`` to vllm/models/deepseek_v41/nvidia/vl_model.py), else vision when
+    ``vision_n_layers > 0``, else text."""
+    if getattr(config, "is_v41", False):
+        return V41
     return VISION if getattr(config, "is_vision", False) else TEXT

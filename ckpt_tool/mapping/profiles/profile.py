@@ -75,6 +75,7 @@ class Profile:
     notes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ("mtp",)  # the draft kinds (draft_kind.DRAFT_KINDS) this engine layout builds
+    models: tuple[str, ...] = ("text", "vision")  # the model classes (model_class.MODEL_CLASSES) it builds
 
     def rules_for(self, config) -> list[Rule]:
         """This layout's rule table for ``config`` (a V4Config): its model class and its draft kind."""
@@ -83,6 +84,8 @@ class Profile:
     def draft_of(self, config) -> DraftKind:
         """The draft kind of ``config``; PlanError when this layout's engine does not build it."""
         kind = draft_kind_of(config)
+        if kind.not_written:
+            raise PlanError(f"{kind.architecture}: {kind.not_written}; convert the target alone with --only model")
         if kind.name not in self.drafts:
             raise PlanError(
                 f"config.json describes a {kind.name} draft ({kind.architecture}), which profile {self.name!r} "
@@ -100,7 +103,13 @@ class Profile:
         are added as they are. Another draft kind's rules (:meth:`DraftKind.rules`) replace the classic MTP rules
         (the vision class's MTP ones too) and go through the renames like them."""
         out = []
-        base = [*self.build(expert_dtype), *model_class.block_rules()]
+        if model_class.name not in self.models:
+            raise PlanError(
+                f"profile {self.name!r} does not build {model_class.architecture} (its engine builds: "
+                f"{', '.join(self.models)}); convert with a profile whose vLLM serves it (ckpt-tool profiles)"
+            )
+        build = model_class.base_rules or self.build
+        base = [*build(expert_dtype), *model_class.block_rules()]
         if draft_rules is not None:
             base = [r for r in base if r.component != "mtp"] + draft_rules
         for rule in base:

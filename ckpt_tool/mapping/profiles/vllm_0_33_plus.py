@@ -76,4 +76,6 @@ PROFILE = Profile(
     # DSparkDeepseekV4ForCausalLM (nvidia/dspark.py) in both releases: same decoder-layer classes and aliasing as the
     # target's, so the renames above hold for its stages too
     drafts=("mtp", "dspark"),
+    # DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the same target keys in 0.33.0 and 0.34.0
+    models=("text", "vision", "v41"),
 )

@@ -14,17 +14,27 @@ What is stubbed, and why:
 * ``vllm.platforms.current_platform``: a CudaPlatform answering as an SM90 (H100) GPU whose device type is
   ``cpu`` (tensors vLLM allocates on "the device" land on CPU).
 * ``torch.cuda.Stream`` / ``torch.cuda.Event`` (constructed by the V4 layers, never used without a forward).
+* ``torch.cuda.get_device_properties`` (answers as an H100: 132 SMs, SM90) and
+  ``torch.accelerator.current_device_index`` (answers 0): DeepSeek V4.1's Engram table (``ParallelEngramEmbedding``)
+  reads the current device's SM count while it is built; a CPU build of torch raises "no accelerator" for both.
+* DeepSeek V4.1's Engram storage (a config choice, not a stub; :func:`engine_config`): ``--engram-config
+  '{"cpu_offload": false}'``. vLLM's default keeps the tables in pinned host memory read through UVA, which needs a
+  GPU; with it off they are ordinary device tensors of the very same names, shapes and dtypes (the sharded_state
+  keys do not depend on it).
 * vLLM's process groups (world, TP, PP, DP, EP, PCP, DCP): fake GroupCoordinators of the sizes vLLM would make
   for one node with ``--tensor-parallel-size T`` (EP group = TP ranks, as vLLM builds it), no communication.
 * The model registry's "inspect the model class in a subprocess" is run in-process (the subprocess would not
   have the stubs).
 * Config: ``kernel_config.enable_jit_warmup = False`` where the release has it (it only registers TileLang/Triton
   JIT warmups, which need the CUDA-only ``tilelang``); this does not change any parameter.
+* Log capture (not a stub): vLLM re-applies its logging ``dictConfig`` when the first engine config of a process is
+  made, which drops the handler :func:`capture` put on the "vllm" logger; it is put back after that call.
 * Model runner choice, for a DSpark draft only (:func:`gpu_model_runner`): vLLM 0.33's ``VllmConfig`` falls back to
   Model Runner V1 when Triton is not importable (``vllm.config.vllm.HAS_TRITON``; a CUDA install always has it,
   torch's CUDA wheels require it), and V1 refuses ``method="dspark"``. While a DSpark engine config (or the draft's
   own config) is made, that one name answers True, as on the GPU; ``vllm.triton_utils`` is left alone, so no Triton
   kernel is imported. Releases without that fallback (0.34) are not touched; model and MTP configs never are.
+  DeepSeek V4.1 classes are also built under it (:func:`build_runner`): their layers ask which runner they serve.
 
 Every failure to import or build is raised as :class:`EngineUnavailable` naming the stage that failed.
 """
@@ -201,6 +211,28 @@ class _CudaObject:
         return _Stub(f"torch.cuda.{type(self).__name__}.{attr}")
 
 
+def _device_properties(device=None):
+    """``torch.cuda.get_device_properties`` of an H100 (SM90): what a CPU machine cannot query."""
+    STUB_CALLS.append("torch.cuda.get_device_properties (answered as an SM90 H100)")
+    return types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3",
+        major=9,
+        minor=0,
+        multi_processor_count=132,
+        total_memory=80 << 30,
+        L2_cache_size=50 << 20,
+        warp_size=32,
+        is_integrated=False,
+        is_multi_gpu_board=False,
+    )
+
+
+def _current_device_index() -> int:
+    """``torch.accelerator.current_device_index``: device 0 (a CPU build raises "no accelerator")."""
+    STUB_CALLS.append("torch.accelerator.current_device_index (answered 0)")
+    return 0
+
+
 _BOOTED = False
 TEMP_CACHE: list[str] = []  # VLLM_CACHE_ROOT folders bootstrap made (the caller removes them when done)
 
@@ -251,6 +283,10 @@ def bootstrap(site: str | Path | None = None) -> None:
     torch.library.register_fake = register_fake
     torch.cuda.Stream = type("Stream", (_CudaObject,), {})
     torch.cuda.Event = type("Event", (_CudaObject,), {})
+    # Queried while building DeepSeek V4.1's Engram tables (ParallelEngramEmbedding reads the SM count of the current
+    # device to size its lookup grid): answered as the SM90 GPU the platform below stands for, device 0.
+    torch.cuda.get_device_properties = _device_properties
+    torch.accelerator.current_device_index = _current_device_index
 
     with stage("import vllm"):
         import vllm
@@ -291,6 +327,11 @@ def bootstrap(site: str | Path | None = None) -> None:
         import vllm.model_executor.models.registry as registry
 
         registry._run_in_subprocess = lambda fn: fn()
+
+    import vllm.logger as vllm_logger
+
+    if hasattr(vllm_logger, "dictConfig"):  # keep capture() collecting across vLLM's own logging setup
+        vllm_logger.dictConfig = _keep_capturing(vllm_logger.dictConfig)
     _BOOTED = True
 
 
@@ -331,11 +372,27 @@ def fake_groups(tp: int, rank: int) -> None:
         setattr(ps, attr, FakeGroup(attr.strip("_").lower(), world, r))
 
 
-def speculative_method(config_dir: str | Path) -> str | None:
-    """The draft ``vllm serve`` is asked for with this checkpoint: ``"dspark"`` when config.json names the DSpark
-    draft's target layers (``dspark_target_layer_ids``), ``"mtp"`` when it has MTP layers, else None."""
+def text_config(config_dir: str | Path) -> dict:
+    """config.json's text-model keys: the top level, and for a nested config (DeepSeek V4.1, ``model_type:
+    deepseek_v41``) its ``text_config`` on top, as vLLM's DeepseekV41Config flattens them
+    (transformers_utils/configs/deepseek_v41.py)."""
     with open(Path(config_dir) / "config.json") as fh:
         config = json.load(fh)
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def is_v41(config_dir: str | Path) -> bool:
+    """config.json is DeepSeek V4.1's (``model_type: deepseek_v41``: DeepseekV41ForCausalLM, DSparkV41DraftModel)."""
+    with open(Path(config_dir) / "config.json") as fh:
+        return json.load(fh).get("model_type") == "deepseek_v41"
+
+
+def speculative_method(config_dir: str | Path) -> str | None:
+    """The draft ``vllm serve`` is asked for with this checkpoint: ``"dspark"`` when config.json names the DSpark
+    draft's target layers (``dspark_target_layer_ids``), ``"mtp"`` when it has MTP layers, else None (a nested V4.1
+    config: its ``text_config`` keys)."""
+    config = text_config(config_dir)
     if config.get("dspark_target_layer_ids"):
         return "dspark"
     return "mtp" if int(config.get("num_nextn_predict_layers") or 0) else None
@@ -357,6 +414,17 @@ def gpu_model_runner():
         yield
     finally:
         vllm_config_module.HAS_TRITON = False
+
+
+def build_runner(cfg):
+    """The model runner a class is built for, as on a GPU: DeepSeek V4.1's layers ask ``use_v2_model_runner`` while
+    they are built (attention's eager-region choice and SWA bounded replay, the Engram hash's slot cache; no
+    parameter depends on it), which vLLM 0.33 answers False without Triton: :func:`gpu_model_runner` for a V4.1
+    config, nothing for any other."""
+    hf_config = getattr(cfg.model_config, "hf_config", None)
+    if getattr(hf_config, "model_type", None) == "deepseek_v41":
+        return gpu_model_runner()
+    return contextlib.nullcontext()
 
 
 def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, draft_dir: str | Path | None = None):
@@ -387,6 +455,11 @@ def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, d
         kernel_config={"enable_jit_warmup": False},
         speculative_config=speculative,
     )
+    if text_config(config_dir).get("engram_layer_ids"):
+        # DeepSeek V4.1's Engram tables: vLLM's default EngramConfig (cpu_offload=True) puts them in pinned host
+        # memory read through UVA, which a machine without a GPU cannot allocate; on the device (cpu_offload=False)
+        # they are the very same parameters (names, per-rank shapes, dtypes: ParallelEngramEmbedding).
+        kwargs["engram_config"] = {"cpu_offload": False}
     fields = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set(kwargs)
     if "kernel_config" not in fields:  # a release without it has no JIT warmup to switch off
         kwargs.pop("kernel_config")
@@ -419,18 +492,37 @@ class _Capture(logging.Handler):
         self.records.append({"level": record.levelname, "logger": record.name, "message": msg})
 
 
+_CAPTURING: list[logging.Handler] = []  # the handlers of the capture() blocks now open
+
+
+def _keep_capturing(dict_config):
+    """vLLM's logging setup (``vllm.logger`` applies a ``logging.config.dictConfig`` when an engine config is first
+    made in the process) replaces the "vllm" logger's handlers: put the open capture() handlers back after it."""
+
+    def configure(config):
+        dict_config(config)
+        logger = logging.getLogger("vllm")
+        for handler in _CAPTURING:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+    return configure
+
+
 @contextlib.contextmanager
 def capture():
     """Collect vLLM's log records and Python warnings: ``box["log"]``, ``box["warnings"]``."""
     handler = _Capture()
     logger = logging.getLogger("vllm")
     logger.addHandler(handler)
+    _CAPTURING.append(handler)
     box: dict = {"log": handler.records, "warnings": []}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield box
     finally:
+        _CAPTURING.remove(handler)
         logger.removeHandler(handler)
         box["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
 
@@ -531,7 +623,7 @@ def build_model(cfg, model_config, device: str, model_class=None):
 
     if _draft_method(cfg) == "dspark" and model_config is cfg.speculative_config.draft_model_config:
         cfg = component_vllm_config(cfg, "dspark")
-    with set_default_torch_dtype(model_config.dtype), torch.device(device):
+    with set_default_torch_dtype(model_config.dtype), torch.device(device), build_runner(cfg):
         if model_class is None:
             return initialize_model(vllm_config=cfg, model_config=model_config)
         return initialize_model(cfg, model_class=model_class, model_config=model_config)
