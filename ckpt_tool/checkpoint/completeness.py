@@ -221,6 +221,26 @@ def _compressor(prefix: str, ratio: Dim, width: Dim, hidden: Dim, norm: Dim) -> 
     ]
 
 
+def _block_start(config: V4Config) -> tuple[tuple[Dim, ...], list[tuple[str, Expected]]]:
+    """What every decoder block (V4 and V4.1) starts with: its dims (hidden, heads, head_dim, q_lora_rank, o_groups,
+    o_lora_rank, hc_mult) and its norms and hyper-connection maps."""
+    d = functools.partial(_dim, config)
+    dims = tuple(
+        d(k)
+        for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
+    )
+    D, hc = dims[0], dims[6]
+    mix = (2 + hc) * hc
+    fixed = [("attn_norm.weight", _spec(BF16, D)), ("ffn_norm.weight", _spec(BF16, D))]
+    for part in ("attn", "ffn"):
+        fixed += [
+            (f"hc_{part}_fn", _spec(F32, mix, hc * D)),
+            (f"hc_{part}_base", _spec(F32, mix)),
+            (f"hc_{part}_scale", _spec(F32, Dim(3))),
+        ]
+    return dims, fixed
+
+
 @functools.lru_cache(maxsize=16)
 def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout, Layout]:
     """One decoder block (a main layer or an MTP block): its tensors after ``{prefix}.``, and one routed
@@ -231,18 +251,7 @@ def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout
     ``wo_a`` [G*Or, H*Dh/G], compressors of ``coff = 2`` (ratio 4, with the indexer) or 1 times head_dim.
     """
     d = functools.partial(_dim, config)
-    D, H, Dh, Qr, G, Or, hc = (
-        d(k)
-        for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
-    )
-    mix = (2 + hc) * hc
-    fixed = [("attn_norm.weight", _spec(BF16, D)), ("ffn_norm.weight", _spec(BF16, D))]
-    for part in ("attn", "ffn"):
-        fixed += [
-            (f"hc_{part}_fn", _spec(F32, mix, hc * D)),
-            (f"hc_{part}_base", _spec(F32, mix)),
-            (f"hc_{part}_scale", _spec(F32, Dim(3))),
-        ]
+    (D, H, Dh, Qr, G, Or, hc), fixed = _block_start(config)
     for lin, out, inp in (
         ("wq_a", Qr, D),
         ("wq_b", H * Dh, Qr),
@@ -369,18 +378,7 @@ def _mx8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple
 def v41_block_layout(config: V4Config, layer: int | None) -> tuple[Layout, Layout]:
     """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert, as :func:`block_layout`."""
     d = functools.partial(_dim, config)
-    D, H, Dh, Qr, G, Or, hc = (
-        d(k)
-        for k in ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult")
-    )
-    mix = (2 + hc) * hc
-    fixed = [("attn_norm.weight", _spec(BF16, D)), ("ffn_norm.weight", _spec(BF16, D))]
-    for part in ("attn", "ffn"):
-        fixed += [
-            (f"hc_{part}_fn", _spec(F32, mix, hc * D)),
-            (f"hc_{part}_base", _spec(F32, mix)),
-            (f"hc_{part}_scale", _spec(F32, Dim(3))),
-        ]
+    (D, H, Dh, Qr, G, Or, hc), fixed = _block_start(config)
     for lin, out, inp in (("wq_a", Qr, D), ("wq_b", H * Dh, Qr), ("wkv", Dh, D), ("wo_a", G * Or, H * Dh // G),
                           ("wo_b", D, G * Or)):  # fmt: skip
         fixed += _mx8_linear(config, f"attn.{lin}", out, inp)
