@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.profiles.draft_kind import DraftKind, draft_kind_of
-from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass, model_class_of
+from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass
 from ckpt_tool.mapping.rules import Rule
 
 
@@ -76,10 +76,6 @@ class Profile:
     aliases: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ("mtp",)  # the draft kinds (draft_kind.DRAFT_KINDS) this engine layout builds
     models: tuple[str, ...] = ("text", "vision")  # the model classes (model_class.MODEL_CLASSES) it builds
-
-    def rules_for(self, config) -> list[Rule]:
-        """This layout's rule table for ``config`` (a V4Config): its model class and its draft kind."""
-        return self.rules(config.expert_dtype, model_class_of(config), self.draft_of(config).rules(config))
 
     def draft_of(self, config) -> DraftKind:
         """The draft kind of ``config``; PlanError when this layout's engine does not build it."""
