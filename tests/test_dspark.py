@@ -188,3 +188,14 @@ def test_unconvert_rebuilds_the_dspark_source_from_out_alone(fixture_dir, tmp_pa
     assert code == 0, err
     for shard in sorted(src.glob("*.safetensors")):
         assert (dest / shard.name).read_bytes() == shard.read_bytes(), shard.name
+
+
+def test_a_hub_only_mtp_conversion_fetches_the_stages_and_the_tensors_the_draft_aliases(fixture_dir) -> None:
+    """--only mtp from the hub fetches only what the plan reads: every mtp.* tensor, and embed/head, which the DSpark
+    draft holds as the target's own shards."""
+    from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.mapping.plan import Options, needed_sources
+
+    ck = open_checkpoint(fixture_dir("dspark-fp4"))
+    need = needed_sources(set(ck.tensors), ck.config, Options(only="mtp", profile="vllm-0.33+"))
+    assert need == {n for n in ck.tensors if n.startswith("mtp.")} | {"embed.weight", "head.weight"}
