@@ -1,6 +1,7 @@
-"""DeepSeek V4.1's target (DeepseekV41ForCausalLM): inspect names it and its Engram tables, convert --only model
-writes every rank's keys as ckpt-tool's engine table says (Engram rows split unevenly by hash head, MXFP8 scales one
-row a weight row) and refuses a tp vLLM refuses, verify's values level holds every byte, unconvert reads it back.
+"""DeepSeek V4.1 (DeepseekV41ForCausalLM and its DSpark draft DSparkV41DraftModel): inspect names it, its Engram
+tables and its draft; convert writes every rank's keys as ckpt-tool's engine table says (Engram rows split unevenly by
+hash head, MXFP8 scales one row a weight row; the draft for the vLLM series --vllm names, with or without 0.34's
+context_wkv_proj) and refuses a tp vLLM refuses; verify's values level holds every byte, unconvert reads it back.
 vLLM's own classes and loaders prove the same output in tests/engine/test_engine_v41.py."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import run_cli, snapshot
 from safetensors import safe_open
 
@@ -19,9 +21,9 @@ from ckpt_tool.fixtures.broken import patch_bytes, tensor_offset
 from ckpt_tool.mapping.engine_table import engine_params
 
 
-def rank_keys(out: Path, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def rank_keys(out: Path, rank: int, component: str = "model") -> dict[str, tuple[str, tuple[int, ...]]]:
     keys = {}
-    for path in sorted((out / "model").glob(f"model-rank-{rank}-part-*.safetensors")):
+    for path in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
         with safe_open(path, "pt") as f:
             for k in f.keys():  # noqa: SIM118
                 sl = f.get_slice(k)
@@ -33,12 +35,13 @@ def convert(capsys, src: Path, out: Path, *args) -> tuple[int, str, str]:
     return run_cli(capsys, "convert", src, out, "--target", "vllm-0.33+", "--only", "model", *args)
 
 
-def test_inspect_names_v41_its_engram_tables_and_why_its_draft_is_not_converted(fixture_dir, capsys) -> None:
+def test_inspect_names_v41_its_engram_tables_and_that_its_draft_differs_by_vllm_series(fixture_dir, capsys) -> None:
     code, out, err = run_cli(capsys, "inspect", fixture_dir("v41"))
     assert code == 0, err
     assert "vLLM builds DeepseekV41ForCausalLM" in out
     assert "Engram tables: layer 1:" in out and "hash heads" in out and "accepts tp 1, 2, 3, 4, 5, 10" in out
-    assert "draft: DSpark (DSparkV41DraftModel), 3 stages; not converted:" in out
+    assert "draft: DSpark (DSparkV41DraftModel), 3 stages; serve with" in out
+    assert "differ by vLLM series (0.34 holds model.context_wkv_proj, 0.33 does not)" in " ".join(out.split())
     code, out, _ = run_cli(capsys, "inspect", fixture_dir("v41"), "--json")
     engram = json.loads(out)["model"]["engram"]
     assert engram["layers"] == [1, 2] and engram["hash_heads"] == 10
@@ -77,11 +80,62 @@ def test_a_tp_vllm_refuses_for_the_engram_split_is_refused_before_writing(fixtur
     assert not out.exists()
 
 
-def test_the_v41_draft_is_refused_with_the_reason_and_the_way_out(fixture_dir, tmp_path, capsys) -> None:
+@pytest.mark.parametrize(("vllm", "series"), [("0.33.0", "0.33"), ("0.34", "0.34"), (None, "0.34"), ("0.35.1", "0.34")])
+def test_the_v41_draft_is_written_for_the_vllm_series_it_names(vllm, series, fixture_dir, tmp_path, capsys) -> None:
+    src, out = fixture_dir("v41"), tmp_path / "out"
+    args = ["--tp", "2", "--target", "vllm-0.33+", *(["--vllm", vllm] if vllm else []), "--json"]
+    code, stdout, err = run_cli(capsys, "convert", src, out, *args)
+    assert code == 0, err
+    manifest = json.loads((out / "ckpt-tool.json").read_text())
+    assert manifest["options"]["vllm_series"] == series
+    assert any(f"written for vLLM {series}" in n for n in json.loads(stdout)["notes"]), stdout
+    cfg = V4Config.load(src / "config.json")
+    for rank in range(2):
+        want = engine_params(cfg, "vllm-0.33+", "dspark", 2, "tp", rank, series)
+        got = rank_keys(out, rank, "dspark")
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for k, p in want.items():
+            assert (got[k][1] == p.shape or p.prefix) and got[k][0] == p.dtype, (k, got[k], p)
+    assert ("model.context_wkv_proj.weight" in got) == (series == "0.34")
+    assert (out / "dspark" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    code, stdout, err = run_cli(capsys, "verify", out, "--source", src, "--level", "values", "--json")
+    assert code == 0, stdout + err
+
+
+def test_the_0_34_draft_stacks_every_stage_wkv_with_its_scale_expanded(fixture_dir, tmp_path, capsys) -> None:
+    src, out = fixture_dir("v41"), tmp_path / "out"
+    assert run_cli(capsys, "convert", src, out, "--only", "mtp", "--vllm", "0.34")[0] == 0
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def source(name):
+        with safe_open(src / index[name], "pt") as f:
+            return f.get_tensor(name)
+
+    with safe_open(next((out / "dspark").glob("model-rank-0-part-*.safetensors")), "pt") as f:
+        weight, scale = (
+            f.get_tensor("model.context_wkv_proj.weight"),
+            f.get_tensor("model.context_wkv_proj.weight_scale"),
+        )
+    stages = range(3)
+    want_w = torch.cat([source(f"mtp.{i}.attn.wkv.weight") for i in stages])
+    want_s = torch.cat([source(f"mtp.{i}.attn.wkv.scale").view(torch.uint8).repeat_interleave(32, 0) for i in stages])
+    assert torch.equal(weight.view(torch.uint8), want_w.view(torch.uint8))
+    assert torch.equal(scale, want_s)
+
+
+def test_a_vllm_series_older_than_the_profile_is_refused_for_the_v41_draft(fixture_dir, tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "convert", fixture_dir("v41"), out)
-    assert code == 1 and "context_wkv_proj" in err and "--only model" in err, err
+    code, _, err = run_cli(capsys, "convert", fixture_dir("v41"), out, "--target", "vllm-0.33+", "--vllm", "0.32")
+    assert code == 1 and "--vllm 0.32" in err and "covers vLLM 0.33, 0.34" in err, err
     assert not out.exists()
+    code, _, err = run_cli(capsys, "convert", fixture_dir("v41"), out, "--vllm", "latest")
+    assert code == 2 and "not a vLLM version" in err, err
+
+
+def test_a_v4_conversion_records_no_vllm_series(fixture_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", fixture_dir("dspark-fp4"), out, "--vllm", "0.33")[0] == 0
+    assert "vllm_series" not in json.loads((out / "ckpt-tool.json").read_text())["options"]
 
 
 @pytest.mark.parametrize(

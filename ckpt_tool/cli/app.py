@@ -269,6 +269,17 @@ def convert(
             "with a warning) or one of 'ckpt-tool profiles'.",
         ),
     ] = TARGET_AUTO,  # type: ignore[valid-type]
+    vllm: Annotated[
+        str | None,
+        typer.Option(
+            "--vllm",
+            metavar="VERSION",
+            help="The vLLM release OUT will be served with (e.g. 0.33.1; default: the installed one): --target auto "
+            "picks its profile, and a draft that release series builds differently from the others the profile "
+            "covers (DeepSeek V4.1's DSpark) is written for it. Without it and without an installed vLLM: the newest "
+            "series the profile covers.",
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     force: Annotated[
         bool, typer.Option("--force", help="Overwrite a finished (or differently-started) OUT of ckpt-tool.")
@@ -329,6 +340,7 @@ def convert(
     from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, print_json, print_json_text
     from ckpt_tool.cli.render import ConvertProgress, plan_json, render_convert_summary, render_plan
     from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.mapping.profiles import series_of
     from ckpt_tool.mapping.target import resolve_target
     from ckpt_tool.output.convert import convert as run_convert
 
@@ -339,8 +351,10 @@ def convert(
         raise typer.BadParameter(
             "--finalize writes the manifest; it cannot be combined with --dry-run", param_hint="--finalize"
         )
+    if vllm is not None and series_of(vllm) is None:
+        raise typer.BadParameter(f"{vllm!r} is not a vLLM version (e.g. 0.34 or 0.34.1)", param_hint="--vllm")
     try:
-        chosen = resolve_target(target.value)
+        chosen = resolve_target(target.value, vllm_version=vllm)
         if chosen.warning:
             from ckpt_tool.cli.render import warning_line
 
@@ -351,6 +365,7 @@ def convert(
             only=only,
             max_shard_size=_parse_size(max_shard_size),
             profile=chosen.profile,
+            vllm_series=vllm or chosen.vllm,
         )
         from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
         from ckpt_tool.mapping.plan import HubNeeds

@@ -165,9 +165,8 @@ def draft_line(kind: dict) -> str:
         f'{{"method": "{kind["method"]}", "model": "OUT/{kind["folder"]}", '
         f'"num_speculative_tokens": {kind["num_speculative_tokens"]}}}'
     )
-    if kind.get("not_written"):
-        return f"draft: {what}; not converted: {kind['not_written']} (convert the target with --only model)"
-    return f"draft: {what}; serve with --speculative-config '{spec}'{rule}"
+    note = f"; {kind['series_note']}" if kind.get("series_note") else ""
+    return f"draft: {what}; serve with --speculative-config '{spec}'{rule}{note}"
 
 
 def _segment_json(s) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import engram_layout
-from ckpt_tool.mapping.profiles import PROFILES, EngineNames, get_profile, model_class_of
+from ckpt_tool.mapping.profiles import PROFILES, EngineNames, draft_kind_of, get_profile, model_class_of
 
 
 @dataclass(frozen=True)
@@ -136,13 +136,22 @@ class _Table:
 
 
 def engine_params(
-    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str = "tp", rank: int = 0
+    cfg: V4Config,
+    profile: str,
+    component: str,
+    tp: int,
+    moe_parallel: str = "tp",
+    rank: int = 0,
+    vllm_series: str | None = None,
 ) -> dict[str, EngineParam]:
     """Every parameter rank ``rank`` of ``component`` (model | mtp | dspark) holds under ``profile`` (the same set
-    on every rank; the same shapes too but for V4.1's Engram tables, split unevenly by hash head)."""
+    on every rank; the same shapes too but for V4.1's Engram tables, split unevenly by hash head); for a draft whose
+    parameters differ between the series the profile covers, those of ``vllm_series`` (None: the newest)."""
     t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
-    if cfg.is_v41 and component == "model":
-        return _v41_target(t, cfg, rank)
+    if cfg.is_v41:
+        if component == "model":
+            return _v41_target(t, cfg, rank)
+        return _v41_dspark(t, cfg, draft_kind_of(cfg).holds_context_wkv(vllm_series))
     D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
     if component == "model":
@@ -214,56 +223,21 @@ def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
     linears (``weight_scale`` uint8, one row a weight row), compressors and indexers only on their source layers,
     every router's bias_vl, the Engram of its layers, no hc_head; the vision tower and aligner as V4's, image_start /
     image_end / image_newline (no image_pad)."""
-    D, V, T = cfg.hidden_size, cfg.vocab_size, t.tp
-    H, hd, ql, hc = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
-    mx = MX_BLOCK
-
-    def linear(name: str, out: int, inp: int, split: str | None = None) -> None:
-        out, inp = (out // T, inp) if split == "col" else (out, inp // T) if split == "row" else (out, inp)
-        t.add(f"{name}.weight", (out, inp), "F8_E4M3")
-        t.add(f"{name}.weight_scale", (out, inp // mx), "U8")
-
+    D, V, T, hc = cfg.hidden_size, cfg.vocab_size, t.tp, cfg.hc_mult
     layout = engram_layout(cfg)
-    n = t.n
     t.add("model.embed_tokens.weight", (V // T, D), "BF16")
     t.add("lm_head.weight", (V // T, D), "BF16")
     t.add("model.norm.weight", (D,), "BF16")
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        t.add(f"{p}.attn_norm.weight", (D,), "BF16")
-        t.add(f"{p}.ffn_norm.weight", (D,), "BF16")
-        for part in ("attn", "ffn"):
-            t.add(f"{p}.hc_{part}_fn", ((2 + hc) * hc, hc * D), "F32")
-            t.add(f"{p}.hc_{part}_base", ((2 + hc) * hc,), "F32")
-            t.add(f"{p}.hc_{part}_scale", (3,), "F32")
-        a = f"{p}.attn"
-        t.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
-        t.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
-        t.add(f"{a}.fused_wqa_wkv.weight_scale", (ql + hd, D // mx), "U8")
-        t.add(f"{a}.q_norm.weight", (ql,), "BF16")
-        t.add(f"{a}.kv_norm.weight", (hd,), "BF16")
-        linear(f"{a}.wq_b", H * hd, ql, "col")
-        linear(f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, "col")
-        linear(f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank, "row")
-        kv, index = layer in cfg.kv_source_layer_ids, layer in cfg.index_source_layer_ids
-        if kv:  # DeepseekV4CompressorKVScoreLinear: wkv, and wgate at ratio 2
-            gate = 2 if cfg.compress_ratio(layer) > 1 else 1
-            t.add(f"{a}.compressor.fused_wkv_wgate.weight", (gate * hd, D), "BF16")
-            t.add(f"{a}.compressor.norm.weight", (hd,), "BF16")
-        if index:
-            ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-            linear(f"{a}.indexer.wq_b", ih * ihd, ql)
-            t.add(f"{a}.indexer.weights_proj.weight", (ih, D), "BF16")
-            if kv:
-                t.add(f"{a}.indexer.wk.weight", (ihd, hd), "BF16")
-                t.add(f"{a}.indexer.k_norm.weight", (ihd,), "BF16")
-        _v41_moe(t, cfg, p, n, cfg.n_routed_experts, linear)
+        _v41_block(t, p, kv=layer in cfg.kv_source_layer_ids, index=layer in cfg.index_source_layer_ids,
+                   ratio=cfg.compress_ratio(layer), experts=cfg.n_routed_experts)  # fmt: skip
         if layout is not None and layer in layout.layer_ids:
             e, ed = f"{p}.engram", cfg.engram_head_dim
             lo, hi = layout.rank_rows(layer, T)[rank]
             t.add(f"{e}.embed_tokens.weight", (hi - lo, ed), "F8_E4M3")
-            t.add(f"{e}.embed_tokens.weight_scale_inv", (hi - lo, ed // mx), "U8")
-            linear(f"{e}.wkv", D * (hc + 1), layout.hash_heads * ed, "col")
+            t.add(f"{e}.embed_tokens.weight_scale_inv", (hi - lo, ed // MX_BLOCK), "U8")
+            _v41_linear(t, f"{e}.wkv", D * (hc + 1), layout.hash_heads * ed, "col")
             t.add(f"{e}.q_weight", (hc, D), "BF16")
             t.add(f"{e}.k_weight", (hc, D), "BF16")
     params = {f"language_model.{k}": replace(p, name=f"language_model.{k}") for k, p in t.params.items()}
@@ -272,7 +246,73 @@ def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
     return params
 
 
-def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int, linear) -> None:
+def _v41_dspark(t: _Table, cfg: V4Config, context_wkv: bool) -> dict[str, EngineParam]:
+    """V4.1's DSpark draft (vllm/models/deepseek_v41/nvidia/dspark.py ``DSparkDeepseekV4ForCausalLM``, 0.33.0 and
+    0.34.0, as their classes hold it built on CPU: tests/engine/test_engine_v41.py): the embedding and the
+    vocab-parallel head, MXFP8 main_proj, the norms, the Markov head (model dtype), the float32 confidence head, no
+    hc_head; ``context_wkv``: 0.34's context_wkv_proj (MXFP8, [head_dim] a stage, not split); every stage a V4.1 block
+    at ModuleList index i with dspark_n_routed_experts experts, never a kv or index source."""
+    D, V, T, n = cfg.hidden_size, cfg.vocab_size, t.tp, cfg.draft_layers
+    r, K = cfg.dspark_markov_rank, len(cfg.dspark_target_layer_ids)
+    t.add("model.embed_tokens.weight", (V // T, D), "BF16")
+    t.add("lm_head.weight", (V // T, D), "BF16")
+    _v41_linear(t, "model.main_proj", D, K * D)
+    t.add("model.main_norm.weight", (D,), "BF16")
+    if context_wkv:
+        _v41_linear(t, "model.context_wkv_proj", n * cfg.head_dim, D)
+    t.add("model.norm.weight", (D,), "BF16")
+    t.add("model.markov_head.markov_w1.weight", (V, r), "BF16")
+    t.add("model.markov_head.markov_w2.weight", (cfg.draft_vocab_size or V, r), "BF16")
+    if cfg.enable_confidence_head:
+        t.add("model.confidence_head.proj.weight", (1, D + r), "F32")
+    for i in range(n):
+        _v41_block(t, f"model.layers.{i}", kv=False, index=False, ratio=0, experts=cfg.dspark_n_routed_experts)
+    return t.params
+
+
+def _v41_linear(t: _Table, name: str, out: int, inp: int, split: str | None = None) -> None:
+    """An MXFP8 linear: FP8 weight, uint8 scale with one row a weight row (32-wide blocks along the input)."""
+    T = t.tp
+    out, inp = (out // T, inp) if split == "col" else (out, inp // T) if split == "row" else (out, inp)
+    t.add(f"{name}.weight", (out, inp), "F8_E4M3")
+    t.add(f"{name}.weight_scale", (out, inp // MX_BLOCK), "U8")
+
+
+def _v41_block(t: _Table, p: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
+    """One V4.1 decoder block at ``p``: its hyper-connections, attention (a compressor on a kv source, an indexer on
+    an index source) and MoE of ``experts`` routed experts."""
+    cfg, T, mx = t.cfg, t.tp, MX_BLOCK
+    D, H, hd, ql, hc = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
+    t.add(f"{p}.attn_norm.weight", (D,), "BF16")
+    t.add(f"{p}.ffn_norm.weight", (D,), "BF16")
+    for part in ("attn", "ffn"):
+        t.add(f"{p}.hc_{part}_fn", ((2 + hc) * hc, hc * D), "F32")
+        t.add(f"{p}.hc_{part}_base", ((2 + hc) * hc,), "F32")
+        t.add(f"{p}.hc_{part}_scale", (3,), "F32")
+    a = f"{p}.attn"
+    t.add(f"{a}.attn_sink", (H // T,), "F32", prefix=True)
+    t.add(f"{a}.fused_wqa_wkv.weight", (ql + hd, D), "F8_E4M3")
+    t.add(f"{a}.fused_wqa_wkv.weight_scale", (ql + hd, D // mx), "U8")
+    t.add(f"{a}.q_norm.weight", (ql,), "BF16")
+    t.add(f"{a}.kv_norm.weight", (hd,), "BF16")
+    _v41_linear(t, f"{a}.wq_b", H * hd, ql, "col")
+    _v41_linear(t, f"{a}.wo_a", cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, "col")
+    _v41_linear(t, f"{a}.wo_b", D, cfg.o_groups * cfg.o_lora_rank, "row")
+    if kv:  # DeepseekV4CompressorKVScoreLinear: wkv, and wgate at ratio 2
+        gate = 2 if ratio > 1 else 1
+        t.add(f"{a}.compressor.fused_wkv_wgate.weight", (gate * hd, D), "BF16")
+        t.add(f"{a}.compressor.norm.weight", (hd,), "BF16")
+    if index:
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        _v41_linear(t, f"{a}.indexer.wq_b", ih * ihd, ql)
+        t.add(f"{a}.indexer.weights_proj.weight", (ih, D), "BF16")
+        if kv:
+            t.add(f"{a}.indexer.wk.weight", (ihd, hd), "BF16")
+            t.add(f"{a}.indexer.k_norm.weight", (ihd,), "BF16")
+    _v41_moe(t, cfg, p, t.n, experts)
+
+
+def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int) -> None:
     """A V4.1 MoE: the router with bias_vl, MXFP8 shared experts, MXFP4 routed experts (``experts`` of them)."""
     D, I, T = cfg.hidden_size, cfg.moe_intermediate_size, t.tp
     g = f"{p}.{n.gate}"
@@ -282,7 +322,7 @@ def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int, lin
     sh, Ish = f"{p}.{n.shared}", I * cfg.n_shared_experts
     t.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
     t.add(f"{sh}.gate_up_proj.weight_scale", (2 * Ish // T, D // MX_BLOCK), "U8")
-    linear(f"{sh}.down_proj", D, Ish, "row")
+    _v41_linear(t, f"{sh}.down_proj", D, Ish, "row")
     El, Il = (experts // T, I) if t.ep else (experts, I // T)
     r = f"{p}.{n.routed}"
     t.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")

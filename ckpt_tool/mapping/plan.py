@@ -23,7 +23,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter
@@ -42,8 +42,10 @@ GiB = 1024**3
 _MTP_RE = re.compile(r"^mtp\.(0|[1-9][0-9]*)\.")
 DSPARK_ALIAS_NOTE = (
     "dspark: model.embed_tokens.weight and lm_head.weight hold the target's embed/head shards (vLLM replaces the "
-    "draft's with the target's after loading, but its sharded loader wants the keys); model.context_wkv_proj holds "
-    "every stage's attn.wkv a second time, as vLLM's DSpark loader duplicates it"
+    "draft's with the target's after loading, but its sharded loader wants the keys)"
+)
+DSPARK_CONTEXT_NOTE = (
+    "dspark: model.context_wkv_proj holds every stage's attn.wkv a second time, as vLLM's DSpark loader duplicates it"
 )
 NO_MTP_NOTE = (
     "the checkpoint has no MTP layers: converted the target model only; speculative decoding needs the MTP draft "
@@ -60,19 +62,23 @@ class Options:
     only: str | None = None  # None | "model" | "mtp" (the draft, whichever kind: its source tensors are mtp.*)
     max_shard_size: int = 5 * GiB
     profile: str = DEFAULT_PROFILE
+    # the vLLM release (or series) OUT is served with (None: the newest the profile covers); it changes the bytes only
+    # where the series a profile covers build the draft differently, and a plan keeps it only there, as the series
+    vllm_series: str | None = None
 
     def __post_init__(self) -> None:
         # a profile's earlier name (an alias) means the profile: manifests and plans record the current name
         object.__setattr__(self, "profile", canonical_name(self.profile))
 
     def as_dict(self) -> dict:
-        return {
+        doc = {
             "tp": self.tp,
             "moe_parallel": self.moe_parallel,
             "only": self.only,
             "max_shard_size": self.max_shard_size,
             "profile": self.profile,
         }
+        return doc if self.vllm_series is None else {**doc, "vllm_series": self.vllm_series}
 
 
 def selects(only: str | None, component: str) -> bool:
@@ -822,7 +828,10 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
     profile = PROFILES[opts.profile]
     draft = profile.draft_of(config) if opts.only != "model" else draft_kind_of(config)
-    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config))
+    series = profile.draft_series(draft, opts.vllm_series) if opts.only != "model" else None
+    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config, series))
+    # the series stays in the plan's options (manifest, resume fingerprint) only where it changes the bytes
+    opts = replace(opts, vllm_series=series if series and draft.layout_varies(profile.covers) else None)
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
@@ -839,7 +848,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         )
 
     sources = dict(tensors)
-    materialized = _materialize(config, tensors, sources, draft) if opts.only != "model" else {}
+    materialized = _materialize(config, tensors, sources, draft, series) if opts.only != "model" else {}
 
     groups, dropped, unknown = _group_sources(rules, sources, config)
     if unknown:
@@ -896,6 +905,10 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         )
     elif materialized:
         notes.append(DSPARK_ALIAS_NOTE)
+        if draft.holds_context_wkv(series):
+            notes.append(DSPARK_CONTEXT_NOTE)
+    if opts.vllm_series:
+        notes.append(series_note(draft, opts.vllm_series, PROFILES[opts.profile].covers))
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
             "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store "
@@ -914,8 +927,19 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
     )
 
 
+def series_note(draft, series: str, covers: tuple[str, ...]) -> str:
+    """The plan's note on a draft written for one vLLM series of the several its profile covers."""
+    holds = draft.holds_context_wkv(series)
+    others = [c for c in covers if draft.holds_context_wkv(c) != holds]
+    return (
+        f"{draft.component}: written for vLLM {series}, whose {draft.architecture} "
+        f"{'holds' if holds else 'has no'} model.context_wkv_proj; for vLLM {', '.join(others)} convert with "
+        f"--vllm {others[0]}"
+    )
+
+
 def _materialize(
-    config: V4Config, tensors: dict[str, TensorInfo], sources: dict[str, TensorInfo], draft
+    config: V4Config, tensors: dict[str, TensorInfo], sources: dict[str, TensorInfo], draft, series: str | None
 ) -> dict[str, str]:
     """Add to ``sources`` the aliases the draft's rules read (alias → real source tensor): the classic MTP's own
     embedding/head where the checkpoint lacks them, every alias of another draft kind."""
@@ -927,7 +951,7 @@ def _materialize(
                 if alias not in tensors and not (alias.endswith("emb.tok_emb.weight") and i > 0):
                     wanted[alias] = real
     else:
-        wanted = draft.aliases(config)
+        wanted = draft.aliases(config, series)
     for alias, real in wanted.items():
         if real not in tensors:
             raise PlanError(f"{alias} is missing and cannot be materialized: {real} is not in the checkpoint either")
@@ -1079,7 +1103,8 @@ def needed_sources(names: list[str] | set[str], config: V4Config, opts: Options)
         return names
     profile = PROFILES[opts.profile]
     draft = profile.draft_of(config)
-    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config))
+    series = profile.draft_series(draft, opts.vllm_series)
+    rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config, series))
     keep: set[str] = set()
     for name in names:
         hit = _match(rules, name)
@@ -1097,7 +1122,7 @@ def needed_sources(names: list[str] | set[str], config: V4Config, opts: Options)
                 if real in names:
                     keep.add(real)
     else:
-        keep.update(real for real in draft.aliases(config).values() if real in names)
+        keep.update(real for real in draft.aliases(config, series).values() if real in names)
     return keep
 
 

@@ -437,10 +437,11 @@ def dspark_rules(expert_dtype: str, stages: int, *, vision: bool) -> list[Rule]:
     return [_compiled(r) for r in rules]
 
 
-def dspark_aliases(stages: int) -> dict[str, str]:
-    """Alias name → the source tensor it reads: the embedding, the head and every stage's wkv a second time."""
+def dspark_aliases(stages: int, *, context_wkv: bool = True) -> dict[str, str]:
+    """Alias name → the source tensor it reads: the embedding, the head and (``context_wkv``: for the draft's
+    context_wkv_proj) every stage's wkv a second time."""
     out = {DSPARK_EMBED: "embed.weight", DSPARK_HEAD: "head.weight"}
-    for i in range(stages):
+    for i in range(stages if context_wkv else 0):
         for part in ("weight", "scale"):
             out[dspark_context_wkv(i, part)] = f"mtp.{i}.attn.wkv.{part}"
     return out

@@ -22,7 +22,18 @@ The rules match the names that are there; which must be there (a compressor on a
 
 from __future__ import annotations
 
-from ckpt_tool.mapping.rules import Fuse, Rename, Rule, Split, StackExperts, _compiled, vision_tower_rules
+from ckpt_tool.mapping.rules import (
+    DSPARK_EMBED,
+    DSPARK_HEAD,
+    Fuse,
+    Rename,
+    Rule,
+    Split,
+    StackExperts,
+    _compiled,
+    dspark_context_wkv,
+    vision_tower_rules,
+)
 
 MX_REPEAT = 32  # an MXFP8 scale row covers 32 weight rows: the engine repeats it that many times
 MX = dict(repeat=MX_REPEAT, convert="raw_uint8")  # an MXFP8 linear's scale: uint8 bytes, one row a weight row
@@ -130,13 +141,19 @@ def v41_rules(expert_dtype: str) -> list[Rule]:
     return [_compiled(r) for r in rules] + vision_tower_rules()
 
 
-def v41_dspark_rules(stages: int) -> list[Rule]:
-    """The V4.1 DSpark draft's stages and head stack (vllm/models/deepseek_v41/nvidia/dspark.py): decoder blocks
-    with dspark_n_routed_experts experts at model.layers.{i}, MXFP8 main_proj, the Markov head stored as
-    markov_head.embed / .head (its loader's aliases for markov_w1 / markov_w2), no hc_head. Without 0.34's
-    context_wkv_proj: see draft_kind.DSPARK_V41 for why no profile writes this draft yet."""
+def v41_dspark_rules(stages: int, *, context_wkv: bool) -> list[Rule]:
+    """The V4.1 DSpark draft (vllm/models/deepseek_v41/nvidia/dspark.py, ``DSparkDeepseekV4ForCausalLM``): the
+    target's embedding and head (as for V4's draft: vLLM replaces both with the target's after loading, but the sharded
+    loader wants their keys), MXFP8 main_proj, the Markov head stored as markov_head.embed / .head (its loader's
+    aliases for markov_w1 / markov_w2), the float32 confidence head, no hc_head; decoder blocks with
+    dspark_n_routed_experts experts at model.layers.{i}. ``context_wkv``: the class holds ``model.context_wkv_proj``
+    (vLLM 0.34.0, dspark.py ``MergedColumnParallelLinear([head_dim] * stages, disable_tp=True)``, every stage's
+    ``attn.wkv`` again, MXFP8 scales expanded per part); 0.33.0's computes the context KV from each stage's
+    ``fused_wqa_wkv`` and has no such parameter (see draft_kind.DSPARK_V41)."""
     m, d = "mtp.{mtp}", dict(component="dspark")
     rules = [
+        Rename(DSPARK_EMBED, "model.embed_tokens.weight", Split.DIM0, note="the target's embed (aliased)", **d),
+        Rename(DSPARK_HEAD, "lm_head.weight", Split.DIM0, note="the target's head (aliased)", **d),
         *_mx_linear(f"{m}.main_proj", "model.main_proj", note="ReplicatedLinear, MXFP8", **d),
         Rename(f"{m}.main_norm.weight", "model.main_norm.weight", **d),
         Rename(f"{m}.norm.weight", "model.norm.weight", **d),
@@ -144,5 +161,13 @@ def v41_dspark_rules(stages: int) -> list[Rule]:
         Rename(f"{m}.markov_head.head.weight", "model.markov_head.markov_w2.weight", convert="to_bf16", **d),
         Rename(f"{m}.confidence_head.proj.weight", "model.confidence_head.proj.weight", convert="to_f32", **d),
     ]
+    if context_wkv and stages:
+        note = "every stage's attn.wkv, stacked in stage order"
+        rules += [
+            Fuse(tuple(dspark_context_wkv(i, "weight") for i in range(stages)), "model.context_wkv_proj.weight",
+                 note=note, **d),
+            Fuse(tuple(dspark_context_wkv(i, "scale") for i in range(stages)), "model.context_wkv_proj.weight_scale",
+                 **MX, **d),
+        ]  # fmt: skip
     rules += v41_block_rules(m, "model.layers.{mtp}", "dspark", experts_key="dspark_n_routed_experts")
     return [_compiled(r) for r in rules]

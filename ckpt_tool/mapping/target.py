@@ -90,8 +90,9 @@ def resolve_target(name: str, *, vllm_version: str | None = None) -> Target:
                 f"for {version}: check the output with `ckpt-tool verify OUT --engine`, which loads it with this vLLM"
             ),
         )
+    which = f"vLLM {version} (--vllm)" if vllm_version is not None else f"the installed vLLM {version}"
     raise UsageError(
-        f"--target auto: the installed vLLM {version} is not covered by any profile ({profile_list()}); "
+        f"--target auto: {which} is not covered by any profile ({profile_list()}); "
         "pass --target PROFILE for the layout your engine loads, or install a vLLM a profile covers"
     )
 

@@ -218,7 +218,7 @@ def convert(
     if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
         on_plan(plan)
     source = source_fingerprint(ckpt)
-    fingerprint = run_fingerprint(source, opts)
+    fingerprint = run_fingerprint(source, full.options)  # the options as the plan settled them (vllm_series)
     partial = not finalize and shard_count > 1
 
     if finalize:

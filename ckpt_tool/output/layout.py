@@ -133,6 +133,7 @@ def options_from_manifest(manifest: dict) -> Options:
         only=o.get("only"),
         max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
         profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),  # an earlier name resolves in Options
+        vllm_series=o.get("vllm_series"),
     )
 
 

@@ -358,3 +358,38 @@ def test_a_vllm_whose_class_cannot_be_built_is_one_line_exit_2(engine_site, conv
     release = release_of(engine_site)
     assert f"vLLM {release}" in proc.stderr and "build vLLM's mtp class on the meta device (mtp/rank-0)" in proc.stderr
     assert "patched DeepSeekV4MTP: needs a GPU to build" in proc.stderr
+
+
+def test_a_v41_out_is_judged_for_the_vllm_series_it_was_written_for(engine_site, serving_python, fixture_dir, tmp_path):
+    """DeepSeek V4.1's DSpark draft differs between 0.33 and 0.34 (context_wkv_proj): OUT converted with --vllm for
+    the judging release passes, target and draft; its draft converted for the other series fails on that vLLM,
+    naming the keys and the --vllm that fixes it."""
+    release = release_of(engine_site)
+    other = "0.33" if release.startswith("0.34.") else "0.34"
+    outs = {}
+    for series in (release, other):
+        outs[series] = tmp_path / f"out-{series}"
+        only = [] if series == release else ["--only", "mtp"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckpt_tool",
+            "convert",
+            str(fixture_dir("v41")),
+            str(outs[series]),
+            "--vllm",
+            series,
+        ]
+        proc = subprocess.run(cmd + only, capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+    proc = verify(outs[release], "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    messages = {c["name"]: c["message"] for c in json.loads(proc.stdout)["results"] if c["name"].startswith("engine-")}
+    assert "(DeepseekV41ForCausalLM)" in messages["engine-vllm:model/rank-0"], messages
+    assert "(DSparkDeepseekV4ForCausalLM)" in messages["engine-vllm:dspark/rank-0"], messages
+
+    proc = verify(outs[other], "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (failure,) = json.loads(proc.stdout)["failures"]
+    assert failure["name"] == "engine-vllm:dspark/rank-0"
+    assert "context_wkv_proj" in failure["message"] and f"convert again with --vllm {release}" in failure["message"]

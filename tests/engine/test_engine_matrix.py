@@ -226,9 +226,11 @@ ST_DTYPE = {
 }
 
 
-def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, target: str) -> list[str]:
-    """ckpt_tool.mapping.engine_table's table (what verify checks OUT against) vs the keys vLLM's own classes hold,
-    every rank."""
+def engine_table_problems(
+    results: list[dict], src: Path, tp: int, ep: bool, target: str, vllm_series: str | None = None
+) -> list[str]:
+    """ckpt_tool.mapping.engine_table's table (what verify checks OUT against, for ``vllm_series``) vs the keys vLLM's
+    own classes hold, every rank."""
     from ckpt_tool.checkpoint.config import V4Config
     from ckpt_tool.mapping.engine_table import engine_params
 
@@ -238,7 +240,7 @@ def engine_table_problems(results: list[dict], src: Path, tp: int, ep: bool, tar
         if r["op"] != "sharded-load":
             continue
         comp, rank = r["job"]["component"], r["job"]["rank"]
-        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp", rank)
+        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp", rank, vllm_series)
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):

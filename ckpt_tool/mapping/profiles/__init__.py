@@ -21,13 +21,14 @@ from ckpt_tool.mapping.profiles.draft_kind import (
     draft_kind_of,
 )
 from ckpt_tool.mapping.profiles.model_class import MODEL_CLASSES, TEXT, VISION, ModelClass, model_class_of
-from ckpt_tool.mapping.profiles.profile import ConvertOverride, EngineNames, Profile, series_of
+from ckpt_tool.mapping.profiles.profile import ConvertOverride, EngineNames, Profile
+from ckpt_tool.mapping.profiles.series import series_of, series_text
 
 __all__ = [
     "ALIASES", "DEFAULT_PROFILE", "DRAFT_COMPONENTS", "DRAFT_KINDS", "DSPARK", "MODEL_CLASSES", "MTP", "DraftKind",
     "draft_kind_of", "PROFILES", "TEXT", "VISION", "ConvertOverride", "EngineNames",
     "ModelClass", "Profile", "model_class_of",
-    "canonical_name", "get_profile", "known_names", "newest_profile", "series_of", "verified_releases",
+    "canonical_name", "get_profile", "known_names", "newest_profile", "series_of", "series_text", "verified_releases",
 ]  # fmt: skip
 
 _MODULES = (vllm_seed, vllm_0_33_plus)

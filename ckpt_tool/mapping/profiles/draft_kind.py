@@ -18,12 +18,18 @@ one its weights are:
 vLLM picks the method from the draft folder's path when none is given, and a folder without ``dspark`` in its path
 is taken for MTP (0.33.0 ``SpeculativeConfig.__post_init__``; 0.34.0 ``dspark/config.py``): the DSpark folder of
 OUT is called ``dspark``, and the serve command names the method anyway.
+
+Where the vLLM series one profile covers build a draft with different parameters, the draft kind says so
+(``context_wkv_since``): DeepSeek V4.1's DSpark draft holds ``model.context_wkv_proj`` from 0.34 on and not in 0.33,
+and vLLM's sharded loader refuses a missing key and an extra one alike, so its files are written for one series
+(``--vllm``; by default the installed vLLM's, else the newest the profile covers) and the manifest records which.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt_tool.mapping.profiles.series import series_of
 from ckpt_tool.mapping.rules import Rule, dspark_aliases, dspark_rules
 from ckpt_tool.mapping.rules_v41 import v41_dspark_rules
 
@@ -39,7 +45,10 @@ class DraftKind:
     method: str  # "method" of --speculative-config
     layer_word: str  # what one mtp.{i} is called in messages
     description: str
-    not_written: str = ""  # why no profile writes this draft yet (empty: profiles that list it do)
+    # the first vLLM series whose class holds model.context_wkv_proj (None: no series does): where the series a
+    # profile covers fall on both sides of it, the draft's files are written for one series (layout_varies)
+    context_wkv_since: str | None = None
+    series_note: str = ""  # what inspect says of that difference (empty: none)
 
     def layers(self, config) -> int:
         """How many draft layers (stages) vLLM builds for ``config`` (a V4Config)."""
@@ -59,18 +68,30 @@ class DraftKind:
             f'"num_speculative_tokens": {self.speculative_tokens(config)}}}'
         )
 
-    def rules(self, config) -> list[Rule] | None:
-        """The draft's rules in place of the base table's classic MTP rules (None: keep those)."""
+    def holds_context_wkv(self, series: str | None) -> bool:
+        """Whether vLLM ``series``' class (``"0.34"``; None: the newest) holds ``model.context_wkv_proj``."""
+        if self.context_wkv_since is None:
+            return False
+        return series is None or series_of(series) >= series_of(self.context_wkv_since)
+
+    def layout_varies(self, covers: tuple[str, ...]) -> bool:
+        """Whether the series in ``covers`` (a profile's) build this draft with different parameters."""
+        return len({self.holds_context_wkv(c) for c in covers}) > 1
+
+    def rules(self, config, series: str | None) -> list[Rule] | None:
+        """The draft's rules for vLLM ``series`` in place of the base table's classic MTP rules (None: keep those)."""
         if self.name == "dspark":
             return dspark_rules(config.expert_dtype, config.draft_layers, vision=config.is_vision)
         if self.name == "dspark-v41":
-            return v41_dspark_rules(config.draft_layers)
+            return v41_dspark_rules(config.draft_layers, context_wkv=self.holds_context_wkv(series))
         return None
 
-    def aliases(self, config) -> dict[str, str]:
-        """Alias → source tensor the draft's rules read under another name (besides the classic MTP's optional
-        embedding and head, which the plan materializes only when absent)."""
-        return dspark_aliases(config.draft_layers) if self.name == "dspark" else {}
+    def aliases(self, config, series: str | None) -> dict[str, str]:
+        """Alias → source tensor the draft's rules for vLLM ``series`` read under another name (besides the classic
+        MTP's optional embedding and head, which the plan materializes only when absent)."""
+        if self.method != "dspark":
+            return {}
+        return dspark_aliases(config.draft_layers, context_wkv=self.holds_context_wkv(series))
 
     def describe(self, config) -> dict:
         """What ``inspect`` says of this draft for ``config``: its class, stages and how to serve it."""
@@ -83,7 +104,7 @@ class DraftKind:
             "folder": self.component,
             "num_speculative_tokens": self.speculative_tokens(config),
             "description": self.description,
-            "not_written": self.not_written or None,
+            "series_note": self.series_note or None,
         }
 
 
@@ -104,10 +125,11 @@ DSPARK = DraftKind(
     "dspark",
     "DSpark stage",
     "DSpark draft: decoder-block stages, main_proj over the target's hidden states, Markov and confidence heads",
+    context_wkv_since="0.33",  # nvidia/dspark.py in 0.33.0 and 0.34.0: DSparkDeepseekV4Model.context_wkv_proj
 )
 # V4.1's DSpark draft (vllm/models/deepseek_v41/nvidia/dspark.py, registry DSparkV41DraftModel): vLLM 0.34.0's holds
-# model.context_wkv_proj, 0.33.0's does not (its sharded loader refuses the key the other wants), so one profile
-# covering both releases cannot write it: no profile lists it among its drafts yet, and convert says so.
+# model.context_wkv_proj (DSparkDeepseekV4Model.__init__), 0.33.0's computes the context KV from each stage's
+# fused_wqa_wkv and has no such parameter; the sharded loader refuses the key one wants and the other lacks.
 DSPARK_V41 = DraftKind(
     "dspark-v41",
     "dspark",
@@ -116,9 +138,9 @@ DSPARK_V41 = DraftKind(
     "dspark",
     "DSpark stage",
     "DeepSeek V4.1's DSpark draft: decoder-block stages with their own experts, Markov and confidence heads",
-    not_written="vLLM 0.34.0's V4.1 DSpark draft holds model.context_wkv_proj and 0.33.0's does not "
-    "(vllm/models/deepseek_v41/nvidia/dspark.py), so one file set cannot serve both releases; ckpt-tool does not "
-    "write this draft yet",
+    context_wkv_since="0.34",
+    series_note="its files differ by vLLM series (0.34 holds model.context_wkv_proj, 0.33 does not): convert writes "
+    "them for the installed vLLM's series, or the one --vllm names",
 )
 DRAFT_KINDS: dict[str, DraftKind] = {k.name: k for k in (MTP, DSPARK, DSPARK_V41)}
 DRAFT_COMPONENTS = tuple(dict.fromkeys(k.component for k in DRAFT_KINDS.values()))

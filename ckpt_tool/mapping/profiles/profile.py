@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.profiles.draft_kind import DraftKind, draft_kind_of
 from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass
+from ckpt_tool.mapping.profiles.series import series_of, series_text
 from ckpt_tool.mapping.rules import Rule
 
 
@@ -80,8 +81,6 @@ class Profile:
     def draft_of(self, config) -> DraftKind:
         """The draft kind of ``config``; PlanError when this layout's engine does not build it."""
         kind = draft_kind_of(config)
-        if kind.not_written:
-            raise PlanError(f"{kind.architecture}: {kind.not_written}; convert the target alone with --only model")
         if kind.name not in self.drafts:
             raise PlanError(
                 f"config.json describes a {kind.name} draft ({kind.architecture}), which profile {self.name!r} "
@@ -89,6 +88,29 @@ class Profile:
                 "serves it (ckpt-tool profiles), or with --only model"
             )
         return kind
+
+    def draft_series(self, kind: DraftKind, requested: str | None) -> str | None:
+        """The vLLM series (``"0.34"``) whose parameters ``kind`` is written with: of the series this profile covers,
+        the newest not newer than ``requested`` (a version or series; None: the newest covered). PlanError when
+        ``requested`` is older than every covered series and the draft's parameters differ between them. None for a
+        profile that covers no series."""
+        covered = sorted((s for s in map(series_of, self.covers) if s is not None), reverse=True)
+        if not covered:
+            return None
+        if requested is None:
+            return series_text(covered[0])
+        want = series_of(requested)
+        if want is None:
+            raise PlanError(f"--vllm {requested!r}: not a vLLM version (e.g. 0.34 or 0.34.1)")
+        fits = [s for s in covered if s <= want]
+        if not fits:
+            if not kind.layout_varies(self.covers):
+                return series_text(covered[-1])
+            raise PlanError(
+                f"--vllm {requested}: profile {self.name!r} covers vLLM {', '.join(self.covers)}, and its "
+                f"{kind.architecture} differs between them; pass one of those series"
+            )
+        return series_text(fits[0])
 
     def rules(
         self, expert_dtype: str, model_class: ModelClass = TEXT, draft_rules: list[Rule] | None = None
@@ -123,20 +145,6 @@ class Profile:
         """The newest vLLM series this profile covers, as (major, minor); None when it covers none."""
         parsed = [series_of(c) for c in self.covers]
         return max((p for p in parsed if p is not None), default=None)
-
-
-def series_of(version: str) -> tuple[int, int] | None:
-    """``"0.34.1+cu130"`` / ``"0.35.0rc1.dev12+gabc"`` / ``"0.34"`` → (0, 34); None when it does not start
-    with two dot-separated numbers."""
-    head = version.strip().split(".")
-    if len(head) < 2 or not head[0].isdigit():
-        return None
-    minor = ""
-    for ch in head[1]:
-        if not ch.isdigit():
-            break
-        minor += ch
-    return (int(head[0]), int(minor)) if minor else None
 
 
 def _segment_run(name: str, run: str) -> int:

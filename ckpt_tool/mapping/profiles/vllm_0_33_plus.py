@@ -74,8 +74,9 @@ PROFILE = Profile(
     ),
     aliases=("vllm-0.33",),
     # DSparkDeepseekV4ForCausalLM (nvidia/dspark.py) in both releases: same decoder-layer classes and aliasing as the
-    # target's, so the renames above hold for its stages too
-    drafts=("mtp", "dspark"),
+    # target's, so the renames above hold for its stages too; V4.1's (deepseek_v41/nvidia/dspark.py) holds
+    # model.context_wkv_proj in 0.34.0 only (draft_kind.DSPARK_V41): its files are written for one series
+    drafts=("mtp", "dspark", "dspark-v41"),
     # DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the same target keys in 0.33.0 and 0.34.0
     models=("text", "vision", "v41"),
 )

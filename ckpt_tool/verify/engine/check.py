@@ -18,10 +18,12 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping.plan import selects
+from ckpt_tool.mapping.profiles import series_of
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST
 from ckpt_tool.verify.engine.judge import HeldTensor, judge_files, judge_load
 from ckpt_tool.verify.verdict import Check, VerifyReport
@@ -98,9 +100,13 @@ def check_with_vllm(
     versions = answer["versions"] or {}
     vllm = f"vLLM {versions.get('vllm_version', '?')}"
     allowed = _documented_prefix(out, manifest, components)
+    hint = _series_hint(opts.get("vllm_series"), versions.get("vllm_version"))
     for res in answer["results"]:
         comp, rank = res["component"], res["rank"]
-        report.add(_rank_check(out, comp, rank, rank_files[(comp, rank)], res, allowed.get(comp, set()), vllm))
+        check = _rank_check(out, comp, rank, rank_files[(comp, rank)], res, allowed.get(comp, set()), vllm)
+        if not check.ok and hint:
+            check = replace(check, message=check.message + hint)
+        report.add(check)
     report.engine = {
         "vllm_version": versions.get("vllm_version"),
         "vllm_location": versions.get("vllm_location"),
@@ -115,6 +121,17 @@ def check_with_vllm(
         "real_loads": sum(1 for r in answer["results"] if r.get("load") is not None),
         "seconds": round(seconds, 2),
     }
+
+
+def _series_hint(written_for: str | None, judged: str | None) -> str:
+    """What a failed judgement adds when OUT was written for another vLLM series than the one judging it (a draft
+    whose parameters differ between the series its profile covers: DeepSeek V4.1's DSpark)."""
+    if not written_for or not judged or series_of(judged) == series_of(written_for):
+        return ""
+    return (
+        f" — OUT was converted for vLLM {written_for} (manifest options.vllm_series), not {judged}: convert again "
+        f"with --vllm {judged} for this vLLM"
+    )
 
 
 def _manifest(out: Path, report: VerifyReport) -> dict | None:
@@ -153,7 +170,9 @@ def _documented_prefix(out: Path, manifest: dict, components: list[str]) -> dict
             cfg = V4Config.load(out / comp / "config.json")
         except CkptToolError:
             continue  # nothing is documented for an unreadable config; the probe names the problem
-        params = engine_params(cfg, profile, comp, int(opts.get("tp", 1)), opts.get("moe_parallel", "tp"))
+        params = engine_params(
+            cfg, profile, comp, int(opts.get("tp", 1)), opts.get("moe_parallel", "tp"), 0, opts.get("vllm_series")
+        )
         allowed[comp] = {k for k, p in params.items() if p.prefix}
     return allowed
 
