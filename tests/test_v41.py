@@ -195,3 +195,13 @@ def test_the_numeric_level_says_it_does_not_cover_v41_yet(fixture_dir, tmp_path,
     assert convert(capsys, src, out, "--tp", "2")[0] == 0
     code, _, err = run_cli(capsys, "verify", out, "--source", src)
     assert code == 2 and "does not cover DeepSeek V4.1 yet" in err and "--level values" in err, err
+
+
+@pytest.mark.parametrize("series", ["0.33", "0.34"])
+def test_unconvert_rebuilds_every_v41_shard_from_either_series_output(series, fixture_dir, tmp_path, capsys) -> None:
+    src, out, dest = fixture_dir("v41"), tmp_path / "out", tmp_path / "dest"
+    assert run_cli(capsys, "convert", src, out, "--tp", "2", "--vllm", series)[0] == 0
+    code, _, err = run_cli(capsys, "unconvert", out, dest)
+    assert code == 0, err
+    for shard in sorted(src.glob("*.safetensors")):
+        assert (dest / shard.name).read_bytes() == shard.read_bytes(), shard.name
