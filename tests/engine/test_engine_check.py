@@ -39,42 +39,6 @@ def release_of(site: Path) -> str:
     return found[0].name.removeprefix("vllm-").removesuffix(".dist-info")
 
 
-_MADE: dict[tuple, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def converted(fixture_dir, tmp_path_factory, vllm_release):
-    """``converted(variant, tp, ep, target)`` -> a finished OUT (made once per session, never modified); the target
-    defaults to the profile verified against the release under test."""
-    root = tmp_path_factory.getbasetemp() / "engine-check-outs"
-    root.mkdir(exist_ok=True)
-    made = _MADE
-
-    def get(variant: str, tp: int, ep: bool = False, target: str | None = None) -> Path:
-        target = target or vllm_release.profile
-        key = (variant, tp, ep, target)
-        if key not in made:
-            out = root / f"{variant}-tp{tp}{'-ep' if ep else ''}-{target}"
-            cmd = [
-                sys.executable,
-                "-m",
-                "ckpt_tool",
-                "convert",
-                str(fixture_dir(variant)),
-                str(out),
-                "--tp",
-                str(tp),
-                "--target",
-                target,
-            ] + (["--moe-parallel", "ep"] if ep else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            assert proc.returncode == 0, proc.stderr
-            made[key] = out
-        return made[key]
-
-    return get
-
-
 def _script(path: Path, body: str) -> Path:
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(0o755)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-from test_engine_matrix import _bits_equal, _convert, _jobs, _report, compare, engine_table_problems, target_of
+from test_engine_matrix import _bits_equal, _jobs, _report, compare, engine_table_problems, manifest_of, target_of
 
 pytestmark = pytest.mark.engine
 
@@ -125,12 +125,14 @@ def test_harness_on_vllms_own_dspark_save(variant, vllm_release, fixture_dir, ru
 @pytest.mark.parametrize(
     ("variant", "tp", "ep"), DSPARK_CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}" for v, t, e in DSPARK_CASES]
 )
-def test_dspark_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
+def test_dspark_sharded_load_matches_stock_load(
+    variant, tp, ep, vllm_release, fixture_dir, converted, run_worker, tmp_path
+):
     t0 = time.perf_counter()
     target = target_of(vllm_release)
     src = fixture_dir(variant)
-    out = tmp_path / "out"
-    manifest = _convert(src, out, tp, ep, target)
+    out = converted(variant, tp, ep, target)
+    manifest = manifest_of(out)
     components = ("model", "dspark")
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(components)
     results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps", components=components))

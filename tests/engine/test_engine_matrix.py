@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,12 +35,7 @@ CAST_WARNING = "Attempted to load weight"  # ShardedStateLoader: file dtype != p
 EXPERT_SCALE_SRC = re.compile(r"(^|\.)experts\.\d+\.w[123]\.scale$")
 
 
-def _convert(src: Path, out: Path, tp: int, ep: bool, target: str) -> dict:
-    cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), "--tp", str(tp), "--target", target]
-    if ep:
-        cmd += ["--moe-parallel", "ep"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+def manifest_of(out: Path) -> dict:
     return json.loads((out / "ckpt-tool.json").read_text())
 
 
@@ -269,13 +262,13 @@ def _report(title: str, allowed: list[str], warnings_left: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("variant", "tp", "ep"), CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}" for v, t, e in CASES])
-def test_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
+def test_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, converted, run_worker, tmp_path):
     t0 = time.perf_counter()
     target = target_of(vllm_release)
     src = fixture_dir(variant)
     config = json.loads((src / "config.json").read_text())
-    out = tmp_path / "out"
-    manifest = _convert(src, out, tp, ep, target)
+    out = converted(variant, tp, ep, target)
+    manifest = manifest_of(out)
     t_convert = time.perf_counter() - t0
     results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps"))
     t_engine = time.perf_counter() - t0 - t_convert
@@ -307,14 +300,16 @@ VISION_CASES = [
 @pytest.mark.parametrize(
     ("variant", "tp", "ep"), VISION_CASES, ids=[f"{v}-tp{t}{'-ep' if e else ''}" for v, t, e in VISION_CASES]
 )
-def test_vision_sharded_load_matches_stock_load(variant, tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
+def test_vision_sharded_load_matches_stock_load(
+    variant, tp, ep, vllm_release, fixture_dir, converted, run_worker, tmp_path
+):
     t0 = time.perf_counter()
     target = target_of(vllm_release)
     src = fixture_dir(variant)
     config = json.loads((src / "config.json").read_text())
     components = COMPONENTS if config["num_nextn_predict_layers"] else ("model",)
-    out = tmp_path / "out"
-    manifest = _convert(src, out, tp, ep, target)
+    out = converted(variant, tp, ep, target)
+    manifest = manifest_of(out)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(components)
     results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps", components=components))
     classes = {r["job"]["component"]: r.get("class") for r in results}

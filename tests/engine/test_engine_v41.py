@@ -375,21 +375,14 @@ V41_CASES = [(1, False), (2, False), (4, False), (2, True)]
 
 
 @pytest.mark.parametrize(("tp", "ep"), V41_CASES, ids=[f"tp{t}{'-ep' if e else ''}" for t, e in V41_CASES])
-def test_v41_sharded_load_matches_stock_load(tp, ep, vllm_release, fixture_dir, run_worker, tmp_path):
-    import subprocess
-    import sys
-
-    from test_engine_matrix import _jobs, _report, compare, engine_table_problems, target_of
+def test_v41_sharded_load_matches_stock_load(tp, ep, vllm_release, fixture_dir, converted, run_worker, tmp_path):
+    from test_engine_matrix import _jobs, _report, compare, engine_table_problems, manifest_of, target_of
 
     t0 = time.perf_counter()
     target = target_of(vllm_release)
     src = fixture_dir("v41")
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ckpt_tool", "convert", str(src), str(out), "--tp", str(tp), "--target", target,
-           "--vllm", vllm_release.version, *(["--moe-parallel", "ep"] if ep else [])]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    manifest = json.loads((out / "ckpt-tool.json").read_text())
+    out = converted("v41", tp, ep, target, "--vllm", vllm_release.version)
+    manifest = manifest_of(out)
     series = manifest["options"]["vllm_series"]
     assert vllm_release.version.startswith(series + "."), (series, vllm_release.version)
     results = run_worker(_jobs(src, out, tp, ep, tmp_path / "dumps", components=COMPONENTS))

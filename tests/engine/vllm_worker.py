@@ -9,6 +9,10 @@ first on ``sys.path``. Everything vLLM prints goes to stderr; stdout carries one
     python tests/engine/vllm_worker.py stock-load   --config SRC --tp 2 --rank 0 [--ep] --component mtp
                                                     [--source SRC] [--dump F]
     python tests/engine/vllm_worker.py batch JOBS.json|-      # {"jobs": [{"op": ..., "config": ..., ...}, ...]}
+    python tests/engine/vllm_worker.py serve                  # one batch a stdin line, one answer a stdout line
+
+``serve`` keeps one vLLM import for many batches (the engine tests' session worker, tests/engine/conftest.py):
+every job builds its own model either way, so a batch answers the same in a fresh process or a served one.
 
 Components: ``model`` (the target, ``nvidia/model.py``, or the vision wrapper the registry resolves), ``mtp`` (the
 classic MTP draft, ``nvidia/mtp.py::DeepSeekV4MTP``, speculative method "mtp") and ``dspark`` (the DSpark draft,
@@ -534,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--dump", help="write the loaded filtered state dict to this safetensors file")
     b = sub.add_parser("batch")
     b.add_argument("jobs", help="JSON file ({'jobs': [...]}) or - for stdin")
+    sub.add_parser("serve", help="answer batches, one JSON line each, until stdin closes")
     args = p.parse_args(argv)
 
     # Keep stdout for the one JSON answer: everything else (vLLM's logs, prints) goes to stderr.
@@ -542,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
 
     bootstrap(Path(args.site))
+    if args.op == "serve":
+        rc = serve()
+        sys.stderr.flush()
+        os._exit(rc)  # vLLM's exit handlers take seconds and have nothing left to do
     if args.op == "batch":
         text = sys.stdin.read() if args.jobs == "-" else Path(args.jobs).read_text()
         jobs = json.loads(text)["jobs"]
@@ -557,6 +566,21 @@ def main(argv: list[str] | None = None) -> int:
     _REAL_STDOUT.flush()
     failed = [r for r in out.get("results", [out]) if r.get("error")]
     return 1 if failed else 0
+
+
+def serve() -> int:
+    """Answer ``{"jobs": [...]}`` lines from stdin with one ``{"results": [...], "meta": ...}`` line each."""
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            out = {"results": [run_job(j) for j in json.loads(line)["jobs"]], "meta": _meta()}
+            _REAL_STDOUT.write(json.dumps(out) + "\n")
+            _REAL_STDOUT.flush()
+    finally:
+        for cache in stubs.TEMP_CACHE:
+            shutil.rmtree(cache, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
