@@ -3,6 +3,7 @@
     python bench/engram_bench.py                         # 2 tables of ~3 GiB; 3 rounds; RSS again at 2x; ~6 min
     python bench/engram_bench.py --gib 1 --rounds 1      # quick look (~1.5 min)
     python bench/engram_bench.py --tp 1,2,4 --json engram.json --workdir /big/disk
+    python bench/engram_bench.py --width full --tp 1,8   # a full-width V4.1 layer with its Engram table (~10 min)
 
 The checkpoint is the ``v41`` fixture of ``ckpt_tool/fixtures/make.py`` (DeepseekV41ForCausalLM: 4 main layers,
 hidden 256, DSpark stages, vision tower; Engram tables on layers 1 and 2, 2-grams and 3-grams x 5 heads = 10 hash
@@ -14,6 +15,14 @@ uses ckpt-tool's Miller-Rabin, so ``engram_num_embeddings`` is the sum of the bu
 and the Engram ``wkv`` takes n_hash_cols * 256 inputs); the tables are streamed to disk in 32 MiB chunks of a
 cheap deterministic pattern (a seeded random block per tensor read at a shifting offset; E4M3 without the NaN
 codes 0x7F/0xFF, E8M0 scales in 0x70..0x8F, never the NaN 0xFF that convert rejects), never whole in memory.
+
+``--width full`` makes the one layer around the table full width instead: hidden 5120 (V4.1-Flash's reported
+``hidden_size``) with V4-Flash's other widths (bench/make_skeleton.py: 64 heads of 512, q_lora 1024, 8 o_groups of
+1024, 256 MXFP4 routed experts of 2048, an indexer of 64 x 128), MXFP8 linears with 32x32 scales, the layer a kv
+and index source with a ratio-2 compressor, V4.1-Flash's Engram shape (24 hash heads: max n-gram 4 x 8 heads, so
+tp 8 is accepted; ``wkv`` [25600, 6144]) on it, one DSpark stage with 4 experts, the fixture's small vocab and
+vision tower. Every tensor, not only the tables, is then streamed from the byte patterns (valid FP8 and E8M0 codes;
+convert copies bytes, no value is computed), and the shard holding the layer is ~4.3 GiB + the table.
 
 In one process, ``--rounds`` rounds (the order rotated each round), each command a subprocess under
 ``/usr/bin/time`` from a cold page cache (``sync``, then ``posix_fadvise(DONTNEED)`` on every file of the
@@ -71,6 +80,29 @@ ROW_BYTES = HEAD_DIM + HEAD_DIM // 32  # F8_E4M3 row + its F8_E8M0 per-32 scales
 FLASH_ROWS = 384_006_168  # V4.1-Flash: rows of each Engram table
 FLASH_TABLES = 2
 TABLE_KINDS = ("engram", "engram_scale")
+# --width full: make.py's V4.1 constants for one full-width layer (see the module docstring)
+FULL_WIDTH = {
+    "V41_HIDDEN": 5120,
+    "V41_LAYERS": 1,
+    "V41_HEADS": 64,
+    "V41_Q_LORA": 1024,
+    "V41_O_GROUPS": 8,
+    "V41_O_LORA": 1024,
+    "V41_INDEX_HEADS": 64,
+    "V41_INDEX_HEAD_DIM": 128,
+    "V41_EXPERTS": 256,
+    "V41_TOPK": 6,
+    "V41_MOE_INTER": 2048,
+    "V41_COMPRESS_RATIOS": [2],
+    "V41_KV_SOURCES": [0],
+    "V41_INDEX_SOURCES": [0],
+    "V41_ENGRAM_LAYERS": [0],
+    "V41_ENGRAM_MAX_NGRAM": 4,
+    "V41_ENGRAM_HEADS": 8,
+    "V41_STAGES": 1,
+    "V41_DSPARK_EXPERTS": 4,
+    "V41_DSPARK_TARGET_LAYERS": [0],
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +126,24 @@ def configure(vocab: int):
     return saved
 
 
+def use_full_width() -> None:
+    """Switch make.py's V4.1 dimensions to one full-width layer for the rest of this process."""
+    make = _make()
+    for k, v in FULL_WIDTH.items():
+        setattr(make, k, v)
+
+
+def full_width_shard_plan(make, variant) -> list[list]:
+    """embed + the full-width layer (its Engram table inside), then the stage, norm and head, then the tower."""
+    first = [make.Spec("embed.weight", "BF16", (make.VOCAB, make.V41_HIDDEN), "embed")]
+    first += make.v41_block_specs("layers.0", 0, variant)
+    second = make.v41_stage_specs(0, variant) + [
+        make.Spec("norm.weight", "BF16", (make.V41_HIDDEN,), "norm"),
+        make.Spec("head.weight", "BF16", (make.VOCAB, make.V41_HIDDEN), "dense", make.V41_HIDDEN),
+    ]
+    return [first, second, make.v41_vision_specs()]
+
+
 def restore(saved: dict) -> None:
     make = _make()
     for k, v in saved.items():
@@ -110,21 +160,29 @@ def vocab_for(gib_per_table: float) -> int:
     return max(64, int(gib_per_table * GiB / ROW_BYTES / hash_heads()))
 
 
-def _pattern(name: str, dtype: str, seed: int) -> np.ndarray:
-    """CHUNK + SHIFT valid bytes of ``dtype`` for tensor ``name``: E4M3 with no NaN code (0x7F/0xFF), E8M0 scales
-    in 0x70..0x8F (2^-15 .. 2^16, never NaN)."""
-    rng = np.random.default_rng(seed ^ zlib.crc32(name.encode()))
-    if dtype == "F8_E8M0":
-        return rng.integers(0x70, 0x90, CHUNK + SHIFT, dtype=np.uint8)
-    b = rng.integers(0, 256, CHUNK + SHIFT, dtype=np.uint8)
-    b[(b & 0x7F) == 0x7F] ^= 1
-    return b
+_PATTERNS: dict[tuple[str, int], np.ndarray] = {}
+
+
+def _pattern(dtype: str, seed: int) -> np.ndarray:
+    """CHUNK + SHIFT valid bytes of ``dtype`` (one block a dtype, each tensor read from it at its own offsets): E4M3
+    with no NaN code (0x7F/0xFF), E8M0 scales in 0x70..0x8F (2^-15 .. 2^16, never NaN), other dtypes any byte."""
+    if (dtype, seed) not in _PATTERNS:
+        rng = np.random.default_rng(seed ^ zlib.crc32(dtype.encode()))
+        if dtype == "F8_E8M0":
+            b = rng.integers(0x70, 0x90, CHUNK + SHIFT, dtype=np.uint8)
+        else:
+            b = rng.integers(0, 256, CHUNK + SHIFT, dtype=np.uint8)
+            if dtype == "F8_E4M3":
+                b[(b & 0x7F) == 0x7F] ^= 1
+        _PATTERNS[(dtype, seed)] = b
+    return _PATTERNS[(dtype, seed)]
 
 
 def stream_table(fh, name: str, dtype: str, nbytes: int, seed: int) -> None:
     """Write ``nbytes`` of the pattern for ``name`` in CHUNK pieces (never the tensor in memory)."""
-    block = memoryview(_pattern(name, dtype, seed))
-    i = done = 0
+    block = memoryview(_pattern(dtype, seed))
+    i = zlib.crc32(name.encode()) % 4096  # where this tensor starts in the pattern's walk
+    done = 0
     while done < nbytes:
         n = min(CHUNK, nbytes - done)
         at = (i * 4099) % SHIFT
@@ -136,8 +194,9 @@ def stream_table(fh, name: str, dtype: str, nbytes: int, seed: int) -> None:
 _SMALL: dict = {}  # (Spec, seed) -> bytes of every tensor but the tables
 
 
-def write_checkpoint(dst: Path, vocab: int, seed: int, log) -> dict:
-    """The v41 fixture with 256-wide Engram rows and ``vocab`` buckets a head, into ``dst``. Returns its figures."""
+def write_checkpoint(dst: Path, vocab: int, seed: int, log, *, full_width: bool = False) -> dict:
+    """The v41 fixture with 256-wide Engram rows and ``vocab`` buckets a head, into ``dst`` (``full_width``: the
+    one-layer full-width checkpoint, every tensor streamed). Returns its figures."""
     import torch
 
     make = _make()
@@ -145,9 +204,10 @@ def write_checkpoint(dst: Path, vocab: int, seed: int, log) -> dict:
     try:
         variant = make.VARIANTS["v41"]
         config = make.v41_config(variant)
-        groups = make.v41_shard_plan(variant)
+        groups = full_width_shard_plan(make, variant) if full_width else make.v41_shard_plan(variant)
     finally:
         restore(saved)
+    streamed = {s.name for g in groups for s in g if full_width or s.kind in TABLE_KINDS}
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, text in make.serving_files().items():
@@ -164,7 +224,7 @@ def write_checkpoint(dst: Path, vocab: int, seed: int, log) -> dict:
     total = table_bytes = 0
     for k, specs in enumerate(groups, start=1):
         file = f"model-{k:05d}-of-{n:05d}.safetensors"
-        small = [s for s in specs if s.kind not in TABLE_KINDS and (s, seed) not in _SMALL]
+        small = [s for s in specs if s.name not in streamed and (s, seed) not in _SMALL]
         if small:  # everything but the tables is the same at every table size: made once
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # as make_checkpoint does: small tensors, one thread is faster
@@ -186,9 +246,9 @@ def write_checkpoint(dst: Path, vocab: int, seed: int, log) -> dict:
             fh.write(struct.pack("<Q", len(raw)) + raw)
             for s in specs:
                 nb = expected_nbytes(s.dtype, s.shape)
-                if s.kind in TABLE_KINDS:
+                if s.name in streamed:
                     stream_table(fh, s.name, s.dtype, nb, seed)
-                    table_bytes += nb
+                    table_bytes += nb if s.kind in TABLE_KINDS else 0
                 else:
                     data = _SMALL[(s, seed)]
                     assert len(data) == nb, s.name
@@ -342,16 +402,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drop-caches", choices=("fadvise", "global"), default="fadvise", help="how to cold-start")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"), help="a fresh folder is made (and removed) in it")
     ap.add_argument("--seed", type=int, default=20261202)
+    ap.add_argument(
+        "--width",
+        choices=("fixture", "full"),
+        default="fixture",
+        help="the model around the tables: the v41 fixture's (default) or one full-width V4.1 layer",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     tps = [int(t) for t in args.tp.split(",") if t.strip()]
     log = lambda m: print(m, flush=True)  # noqa: E731
+    full = args.width == "full"
+    if full:
+        use_full_width()
 
     probe = engram.EngramLayout(layer_ids=(0,), num_embeddings=(0,), head_sizes=((1,) * hash_heads(),))
     refused = [t for t in tps if not probe.accepts(t)]
     if refused:
         ap.error(f"--tp {refused}: {hash_heads()} hash heads; vLLM accepts {probe.accepted_tps(16)}")
-    need = 4.2 * args.gib * max(1.0, 0 if args.no_flat else args.flat_factor) * GiB  # source + one OUT
+    tables = 1 if full else 2
+    layer = 4.5 if full else 0.0  # GiB of the full-width layer, source and OUT each
+    need = (2.1 * tables * args.gib * max(1.0, 0 if args.no_flat else args.flat_factor) + 2 * layer) * GiB
     args.workdir.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(args.workdir)
     if st.f_bavail * st.f_frsize < need:
@@ -377,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def build(vocab: int, label: str) -> dict:
             t = time.perf_counter()
-            info = write_checkpoint(src, vocab, args.seed, log)
+            info = write_checkpoint(src, vocab, args.seed, log, full_width=full)
             info["seconds"] = time.perf_counter() - t
             log(
                 f"{label}: engram_vocab_size {vocab}, tables {info['engram_num_embeddings']} rows x {HEAD_DIM} "
@@ -465,7 +536,8 @@ def report(res: dict, tps: list[int], log) -> None:
     m = res["machine"]
     log(
         f"\n{res['date']}, {m['cpus']} CPUs, {m['mem_gib']} GiB RAM, load {m['load_at_start']:.1f} at start; "
-        f"checkpoint {ck['file_bytes'] / GiB:.2f} GiB: 2 Engram tables of {ck['engram_num_embeddings']} rows x "
+        f"checkpoint ({res['options']['width']} width) {ck['file_bytes'] / GiB:.2f} GiB: "
+        f"{len(ck['engram_num_embeddings'])} Engram table(s) of {ck['engram_num_embeddings']} rows x "
         f"{ck['engram_head_dim']} F8_E4M3 + {ck['engram_head_dim'] // 32} F8_E8M0 ({ck['table_bytes'] / GiB:.2f} "
         f"GiB), engram_vocab_size {ck['engram_vocab_size']}, {ck['hash_heads']} hash heads; "
         f"{len(by_round)} rounds, each command from a cold page cache\n"
