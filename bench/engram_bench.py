@@ -30,8 +30,8 @@ source; ``--drop-caches global`` writes 3 to /proc/sys/vm/drop_caches instead, w
 
 - ``dd bs=64M conv=fsync`` of every source shard into the output folder (buffered writes, one fsync per file);
 - ``dd bs=64M oflag=direct conv=fsync`` the same, writing past the page cache as ckpt-tool's writer does;
-- ``ckpt-tool convert SRC OUT --tp T --only model --force`` for each ``--tp`` (default 1 and 4; vLLM refuses 8
-  for 10 hash heads).
+- ``ckpt-tool convert SRC OUT --tp T --only model --force`` for each ``--tp`` (default 1 and 4; a tp the hash
+  heads do not split as vLLM requires is refused before the run).
 
 Reported: bytes read and written, seconds, GiB/s, s/GiB against each dd of the same round, peak RSS, CPU
 seconds, bytes read from the disk (``%I``: shows the cache was cold). After every convert the output headers are

@@ -39,16 +39,16 @@ def test_inspect_names_v41_its_engram_tables_and_that_its_draft_differs_by_vllm_
     code, out, err = run_cli(capsys, "inspect", fixture_dir("v41"))
     assert code == 0, err
     assert "vLLM builds DeepseekV41ForCausalLM" in out
-    assert "Engram tables: layer 1:" in out and "hash heads" in out and "accepts tp 1, 2, 3, 4, 5, 10" in out
+    assert "Engram tables: layer 1:" in out and "hash heads" in out and "accepts tp 1, 2, 3, 4, 6, 8, 16" in out
     assert "draft: DSpark (DSparkV41DraftModel), 3 stages; serve with" in out
     assert "differ by vLLM series (0.34 holds model.context_wkv_proj, 0.33 does not)" in " ".join(out.split())
     code, out, _ = run_cli(capsys, "inspect", fixture_dir("v41"), "--json")
     engram = json.loads(out)["model"]["engram"]
-    assert engram["layers"] == [1, 2] and engram["hash_heads"] == 10
+    assert engram["layers"] == [1, 2] and engram["hash_heads"] == 16
     assert len(set(engram["rows_per_rank"]["4"]["1"])) > 1  # uneven rows a rank
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, False), (4, False), (2, True), (8, True)])
 def test_every_rank_holds_the_engine_table(tp, ep, fixture_dir, tmp_path, capsys) -> None:
     src, out = fixture_dir("v41"), tmp_path / "out"
     code, _, err = convert(capsys, src, out, "--tp", tp, *(["--moe-parallel", "ep"] if ep else []))
@@ -75,8 +75,8 @@ def test_every_rank_holds_the_engine_table(tp, ep, fixture_dir, tmp_path, capsys
 
 def test_a_tp_vllm_refuses_for_the_engram_split_is_refused_before_writing(fixture_dir, tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    code, _, err = convert(capsys, fixture_dir("v41"), out, "--tp", "8")
-    assert code == 1 and "10 hash heads over tp=8" in err and "ParallelEngramEmbedding" in err, err
+    code, _, err = convert(capsys, fixture_dir("v41"), out, "--tp", "5")
+    assert code == 1 and "16 hash heads over tp=5" in err and "ParallelEngramEmbedding" in err, err
     assert not out.exists()
 
 

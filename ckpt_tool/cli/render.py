@@ -139,7 +139,8 @@ def render_inspect(r: InspectReport) -> None:
 
 
 def engram_line(e: dict) -> str:
-    """``Engram: layers 1, 2 (5,556 and 6,164 rows, 0.2 MiB); split by 10 hash heads; vLLM accepts tp 1, 2, ...``."""
+    """``Engram tables: layer 1: 9,186 rows (...), ...; split over tp by 16 hash heads (...); vLLM's Engram split
+    accepts tp 1, 2, ...``."""
     sizes = ", ".join(f"layer {layer}: {rows:,} rows ({human_bytes(b)})" for layer, rows, b in
                       zip(e["layers"], e["rows"], e["bytes"]))  # fmt: skip
     per = "; ".join(
