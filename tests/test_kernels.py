@@ -165,6 +165,62 @@ def test_fp8_kernel_decodes_every_e4m3_code(interp: str) -> None:
     assert torch.equal(y[0], quant.e4m3_decode_bits(codes))
 
 
+MXFP8_SHAPES = [(1, 32, 32), (5, 96, 64), (16, 64, 256), (4, 80, 96)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "interp"])
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+@pytest.mark.parametrize("block", [quant.MXFP8_BLOCK, quant.MXFP8_ROW_BLOCK], ids=["32x32", "1x32"])
+@pytest.mark.parametrize(("m", "n", "k"), MXFP8_SHAPES)
+def test_mxfp8_gemm_matches_reference(
+    request: pytest.FixtureRequest, backend: str, act: str, block: tuple[int, int], m: int, n: int, k: int
+) -> None:
+    """V4.1's MXFP8 through the FP8 GEMM with 32-wide blocks: the checkpoint's 32x32 scales and vLLM's per-row
+    ones (1x32), every e4m3 code, fp8 activations in 32-input groups."""
+    requested = request.getfixturevalue("interp") if backend == "interp" else "torch"
+    gen = torch.Generator().manual_seed(m * 131 + n * 7 + k + block[0])
+    w = _random_fp8_weight(gen, n, k)
+    shape = (-(-n // block[0]), -(-k // block[1]))
+    s = torch.randint(118, 136, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+    x = torch.randn(m, k, generator=gen)
+    y = fp8_block_gemm(x, w, s, act=act, block=block, backend=requested)
+    x_used = quant.fp8_act_dequant(*quant.fp8_act_quant(x, 32), 32) if act == "fp8" else _x_used(x, act)
+    what = f"mxfp8 {backend} {act} {block} {m}x{n}x{k}"
+    assert_gemm_close(y, x_used, quant.fp8_block_dequant(w, s, block), what)
+
+
+def test_mxfp8_kernel_reads_one_scale_per_row_and_32_inputs(interp: str) -> None:
+    # All weights 1.0, scale [n, g] = 2**(n % 7 - g): one-hot x at input 32*g + 5 gives y[g, n] = that scale exactly,
+    # which a kernel reading a 32-row block's scale, or a 128-wide group, gets wrong.
+    n_idx, g_idx = torch.arange(64)[:, None], torch.arange(4)[None, :]
+    s = (127 + n_idx % 7 - g_idx).to(torch.uint8)
+    w = torch.full((64, 128), 0x38, dtype=torch.uint8)
+    x = torch.zeros(4, 128)
+    for g in range(4):
+        x[g, 32 * g + 5] = 1.0
+    y = fp8_block_gemm(x, w, s, block=quant.MXFP8_ROW_BLOCK, backend=interp)
+    assert torch.equal(y, torch.exp2((n_idx % 7 - g_idx).float()).T), y
+
+
+def test_mxfp8_kernel_error_against_the_reference_is_float32_rounding(interp: str) -> None:
+    """The stated tolerance, measured: a V4.1-shaped MXFP8 linear (one rank's wq_b, 512 x 64, vLLM's 1x32 scales)
+    through the kernel vs the torch reference; both see the same bf16 activation, so they differ by summation order
+    alone, far below the per-tensor check's max_rel 1e-3."""
+    gen = torch.Generator().manual_seed(7)
+    w = _random_fp8_weight(gen, 512, 64)
+    s = torch.randint(118, 136, (512, 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    x = torch.randn(4, 64, generator=gen)
+    ref = fp8_block_gemm(x, w, s, block=quant.MXFP8_ROW_BLOCK, backend="torch")
+    got = fp8_block_gemm(x, w, s, block=quant.MXFP8_ROW_BLOCK, backend=interp)
+    max_rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert max_rel <= 1e-6, max_rel
+
+
+def test_the_fp8_gemm_refuses_a_block_its_kernel_cannot_step_through() -> None:
+    with pytest.raises(ValueError, match="block"):
+        fp8_block_gemm(torch.ones(1, 48), torch.zeros(16, 48, dtype=torch.uint8), torch.ones(1, 1), block=(16, 48))
+
+
 MXFP4_SHAPES = [(1, 128, 128), (5, 256, 256), (16, 128, 256), (5, 80, 96)]
 
 

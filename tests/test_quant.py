@@ -194,6 +194,23 @@ def test_fp8_block_dequant_128_boundaries() -> None:
     assert w[0, 0].item() == 1.0
 
 
+def test_mxfp8_checkpoint_blocks_and_vllm_row_expanded_scales_dequantize_alike() -> None:
+    """A V4.1 MXFP8 weight read with its checkpoint's 32x32 scales and with vLLM's layout (every scale row repeated
+    once per weight row, 1x32 blocks) is the same weight; a 32-row block boundary shows in the 32x32 reading."""
+    gen = torch.Generator().manual_seed(41)
+    bits = torch.randint(0, 126, (96, 64), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(120, 134, (3, 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    blocks = quant.fp8_block_dequant(bits, scale, quant.MXFP8_BLOCK)
+    rows = quant.fp8_block_dequant(bits, scale.repeat_interleave(32, dim=0), quant.MXFP8_ROW_BLOCK)
+    _assert_equal_blocks(rows, blocks, quant.MXFP8_BLOCK, "1x32 row scales vs 32x32 blocks")
+    ones = torch.full((64, 64), 0x38, dtype=torch.uint8)  # all 1.0: each element is its block's scale
+    s = torch.tensor([[127, 128], [129, 130]], dtype=torch.uint8)  # 1, 2, 4, 8
+    w = quant.fp8_block_dequant(ones, s, quant.MXFP8_BLOCK)
+    assert (w[31, 31].item(), w[31, 32].item(), w[32, 31].item(), w[32, 32].item()) == (1.0, 2.0, 4.0, 8.0)
+    with pytest.raises(CheckpointError, match=r"1x32 blocks \(expected \[64, 2\]\)"):
+        quant.fp8_block_dequant(ones, s, quant.MXFP8_ROW_BLOCK)  # a scale not yet expanded
+
+
 def test_fp8_block_dequant_shape_and_dtype_errors() -> None:
     bits = torch.zeros(256, 300, dtype=torch.uint8)
     with pytest.raises(CheckpointError, match=r"expected \[2, 3\]"):
@@ -363,8 +380,8 @@ def test_decode_scratch_reuse_gives_the_same_tiles() -> None:
 @pytest.mark.parametrize("m", [1, 4, 20])  # 20: past the row count where the product is taken transposed
 @pytest.mark.parametrize(("n", "k"), [(300, 256), (130, 200), (7, 64)])
 def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int) -> None:
-    """fp8_block_matmul / mxfp4_matmul / bf16_matmul, many tiles each (a 4096-element tile), equal x @ W.T with W
-    dequantized whole, up to float32 summation order."""
+    """fp8_block_matmul (128x128, 32x32 and 1x32 blocks) / mxfp4_matmul / bf16_matmul, many tiles each (a
+    4096-element tile), equal x @ W.T with W dequantized whole, up to float32 summation order."""
     monkeypatch.setattr(quant, "MATMUL_TILE_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(n * k + m)
     x = torch.randn(m, k, generator=gen)
@@ -383,6 +400,13 @@ def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.Monkey
     torch.testing.assert_close(
         quant.mxfp4_matmul(x, packed, mscale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
     )
+    for block in (quant.MXFP8_BLOCK, quant.MXFP8_ROW_BLOCK):
+        bn = block[0]
+        mx = torch.randint(118, 136, (-(-n // bn), -(-k // 32)), generator=gen, dtype=torch.int32).to(torch.uint8)
+        want = x @ quant.fp8_block_dequant(bits, mx, block).T
+        torch.testing.assert_close(
+            quant.fp8_block_matmul(x, bits, mx, block), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+        )
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     want = x @ w.float().T
     torch.testing.assert_close(quant.bf16_matmul(x, w), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -7,6 +7,10 @@ against, so it favours exactness over speed:
   ``[ceil(N/128), ceil(K/128)]``, stored as float32 (Base checkpoints) or E8M0
   (``float8_e8m0fnu``, or the same bytes as ``uint8`` after conversion). The scale is a
   multiplier: ``W[i, j] = W8[i, j] * S[i // 128, j // 128]``.
+* MXFP8 linears (DeepSeek V4.1): the same ``float8_e4m3fn`` weight with one E8M0 scale per 32x32 block
+  (:data:`MXFP8_BLOCK`, the checkpoint's ``[N/32, K/32]``), or, once vLLM has repeated every scale row 32
+  times, one per row and 32 inputs (:data:`MXFP8_ROW_BLOCK`, ``[N, K/32]``): the FP8 block functions below
+  take the block shape.
 * MXFP4 experts: packed bytes ``[N, K/2]`` (``int8`` in the source files, ``uint8`` after
   conversion), element ``2k`` in the low nibble and ``2k+1`` in the high nibble, each an e2m1
   code; one E8M0 scale per 32 consecutive inputs of a row, ``[N, K/32]``.
@@ -27,6 +31,13 @@ from ckpt_tool.errors import CheckpointError
 
 FP8_BLOCK: tuple[int, int] = (blocks.FP8_BLOCK, blocks.FP8_BLOCK)
 """Block shape (rows, cols) of one FP8 weight scale."""
+
+MXFP8_BLOCK: tuple[int, int] = (blocks.MX_BLOCK, blocks.MX_BLOCK)
+"""Block shape of one MXFP8 weight scale as DeepSeek V4.1's checkpoint stores it (``weight_block_size [32, 32]``)."""
+
+MXFP8_ROW_BLOCK: tuple[int, int] = (1, blocks.MX_BLOCK)
+"""Block shape of one MXFP8 weight scale as vLLM holds it: every checkpoint scale row repeated once per weight
+row (``KMxfp8Static``'s scale loader), so one scale per row and 32 inputs."""
 
 MXFP4_GROUP = blocks.MX_BLOCK
 """Inputs of one row sharing one MXFP4 scale."""
@@ -416,21 +427,26 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_block_matmul(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, what: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    *,
+    what: str | None = None,
 ) -> torch.Tensor:
-    """``x @ fp8_block_dequant(weight, scale).T`` for float32 ``x [M, K]`` (as the caller rounded it), the
+    """``x @ fp8_block_dequant(weight, scale, block).T`` for float32 ``x [M, K]`` (as the caller rounded it), the
     weight dequantized a tile of rows at a time; the same checks and errors as :func:`fp8_block_dequant`."""
     bits = as_e4m3_bits(weight, what)
-    check_fp8_block_shapes(bits, scale, FP8_BLOCK, what)
+    check_fp8_block_shapes(bits, scale, block, what)
     s = fp8_scale_to_float32(scale, f"{what} scale" if what else None)
-    bn = FP8_BLOCK[0]
+    bn = block[0]
     n, k = bits.shape
     return dequant_matmul(
         x,
         n,
         k,
         bn,
-        lambda r0, r1, scratch: fp8_block_scaled(bits[r0:r1], s[r0 // bn : cdiv(r1, bn)], FP8_BLOCK, scratch),
+        lambda r0, r1, scratch: fp8_block_scaled(bits[r0:r1], s[r0 // bn : cdiv(r1, bn)], block, scratch),
     )
 
 
@@ -626,6 +642,8 @@ __all__ = [
     "FP8_BLOCK",
     "MATMUL_TILE_ELEMENTS",
     "MXFP4_GROUP",
+    "MXFP8_BLOCK",
+    "MXFP8_ROW_BLOCK",
     "DecodeScratch",
     "as_e4m3_bits",
     "bf16_matmul",

@@ -63,7 +63,8 @@ def fp8_block_gemm_kernel(
 
     BLOCK_K equals the K size of a weight scale block (and of an activation scale group), so each
     K step multiplies its partial product by exactly one weight scale per output column and, for
-    fp8 activations, one activation scale per row.
+    fp8 activations, one activation scale per row. SCALE_BLOCK_N is the block's rows: 128 (DeepSeek V4),
+    32 (a V4.1 checkpoint's MXFP8) or 1 (MXFP8 as vLLM holds it, one scale row a weight row).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

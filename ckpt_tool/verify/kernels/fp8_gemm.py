@@ -16,9 +16,9 @@ from ckpt_tool.verify.kernels._backend import (
 
 ACT_MODES: tuple[str, ...] = ("bf16", "fp8")
 
-# The kernel's K step must equal the scale block's K size; the N size is looked up per column.
-_BLOCK_K = quant.FP8_BLOCK[1]
-_SCALE_BLOCK_N = quant.FP8_BLOCK[0]
+# The kernel's K step equals the scale block's K size (and the fp8 activation group); the block's N size is
+# looked up per output column. tl.dot wants a power of two of at least 16 along K.
+_KERNEL_BLOCK_K = (32, 64, 128)
 
 
 def check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
@@ -31,16 +31,17 @@ def check_x(x: torch.Tensor, k: int, device: torch.device) -> None:
         raise ValueError(f"x is on {x.device} but the weight is on {device}")
 
 
-def prepare_activation(x: torch.Tensor, act: str) -> torch.Tensor:
-    """The activation exactly as both backends see it, as float32 (bf16-rounded, or fp8 round trip).
+def prepare_activation(x: torch.Tensor, act: str, group: int = quant.ACT_GROUP) -> torch.Tensor:
+    """The activation exactly as both backends see it, as float32 (bf16-rounded, or fp8 round trip in groups of
+    ``group`` inputs: 128 for the 128x128 blocks, 32 for MXFP8's, the weight block's K size).
 
     ``x`` is ``[..., K]``: the fp8 groups run along the last dim per token, so leading dims (``h_proj``'s
     ``[T, hc, D]``) are flattened for the quantizer and restored after.
     """
     if act == "fp8":
         lead = x.shape[:-1]
-        xq, xs = quant.fp8_act_quant(x.reshape(-1, x.shape[-1]))
-        return quant.fp8_act_dequant(xq, xs).reshape(*lead, x.shape[-1])
+        xq, xs = quant.fp8_act_quant(x.reshape(-1, x.shape[-1]), group)
+        return quant.fp8_act_dequant(xq, xs, group).reshape(*lead, x.shape[-1])
     return x.to(torch.bfloat16).to(torch.float32)
 
 
@@ -50,24 +51,30 @@ def fp8_block_gemm(
     w_scale: torch.Tensor,
     *,
     act: str = "bf16",
+    block: tuple[int, int] = quant.FP8_BLOCK,
     backend: str = "auto",
     what: str | None = None,
 ) -> torch.Tensor:
-    """Compute ``x @ W.T`` in float32 where ``W`` is FP8 block-quantized with 128x128 scale blocks.
+    """Compute ``x @ W.T`` in float32 where ``W`` is FP8 block-quantized with ``block`` (rows, cols) scale blocks:
+    128x128 (DeepSeek V4, :data:`~ckpt_tool.verify.quant.FP8_BLOCK`), 32x32 (a V4.1 checkpoint's MXFP8,
+    :data:`~ckpt_tool.verify.quant.MXFP8_BLOCK`) or 1x32 (MXFP8 as vLLM holds it, one scale row a weight row,
+    :data:`~ckpt_tool.verify.quant.MXFP8_ROW_BLOCK`).
 
     ``x`` is ``[M, K]`` float32/bf16/fp16; ``w`` is ``float8_e4m3fn`` (or its uint8 bits)
-    ``[N, K]``; ``w_scale`` is ``[ceil(N/128), ceil(K/128)]`` float32, ``float8_e8m0fnu`` or uint8
+    ``[N, K]``; ``w_scale`` is ``[ceil(N/bn), ceil(K/bk)]`` float32, ``float8_e8m0fnu`` or uint8
     raw E8M0 bytes. ``act="bf16"`` rounds ``x`` to bf16; ``act="fp8"`` quantizes it per token and per
-    128 inputs to e4m3 with power-of-two scales (:func:`ckpt_tool.verify.quant.fp8_act_quant`, as vLLM
+    ``bk`` inputs to e4m3 with power-of-two scales (:func:`ckpt_tool.verify.quant.fp8_act_quant`, as vLLM
     does at runtime). ``backend`` is resolved by :func:`resolve_backend`; both backends see the
     same rounded activation, so they differ only by float32 summation order.
     Returns float32 ``[M, N]``. Raises CheckpointError for bad weight/scale data, ValueError for a
-    bad ``x`` or ``act``, UsageError for an unavailable backend.
+    bad ``x``, ``act`` or ``block``, UsageError for an unavailable backend.
     """
     if act not in ACT_MODES:
         raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+    if block[1] not in _KERNEL_BLOCK_K or block[0] < 1:
+        raise ValueError(f"block {list(block)}: the kernels take 1+ rows by {_KERNEL_BLOCK_K} inputs")
     bits = quant.as_e4m3_bits(w, what)
-    quant.check_fp8_block_shapes(bits, w_scale, quant.FP8_BLOCK, what)
+    quant.check_fp8_block_shapes(bits, w_scale, block, what)
     n, k = bits.shape
     check_x(x, k, bits.device)
     if w_scale.device != bits.device:
@@ -75,7 +82,7 @@ def fp8_block_gemm(
     resolved = resolve_backend(backend, bits.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
-        return quant.fp8_block_matmul(prepare_activation(x, act), bits, w_scale, what=what)
+        return quant.fp8_block_matmul(prepare_activation(x, act, block[1]), bits, w_scale, block, what=what)
     scale_what = f"{what} scale" if what else None
     if w_scale.dtype == torch.float32:
         scale_arg, scale_e8m0 = w_scale, False
@@ -84,7 +91,7 @@ def fp8_block_gemm(
         scale_arg, scale_e8m0 = quant.check_e8m0(w_scale, scale_what), True
 
     if act == "fp8":
-        xq, xs = quant.fp8_act_quant(x)
+        xq, xs = quant.fp8_act_quant(x, block[1])
         x_arg, xs_arg = xq.view(torch.uint8), xs
     else:
         x_arg = x.to(torch.bfloat16)
@@ -117,7 +124,7 @@ def fp8_block_gemm(
             DOT_BF16=dot_in_bf16(resolved),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            BLOCK_K=_BLOCK_K,
-            SCALE_BLOCK_N=_SCALE_BLOCK_N,
+            BLOCK_K=block[1],
+            SCALE_BLOCK_N=block[0],
         )
     return y
