@@ -836,6 +836,13 @@ class NumericLevel:
             self._answers.put(None)
 
     def _no_forward_reason(self) -> str:
+        if self.cfg.is_v41:
+            # the reference forward is DeepSeek-V4's MTP layer; V4.1's draft is DSpark, its blocks V4.1's
+            return (
+                "DeepSeek V4.1: the reference forward runs DeepSeek V4's classic MTP layers only, and V4.1's draft is "
+                "DSpark; every V4.1 tensor (the MXFP8 linears through the kernels, the Engram tables by bucket, the "
+                "draft's stages and heads) is checked per tensor, counted in the coverage"
+            )
         if any(f.component == "dspark" for f in self.plan.files):
             # DeepSeek-V4's reference inference code has no DSpark forward to hold the stages against
             return (
