@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from ckpt_tool.output.convert import convert
 from ckpt_tool.verify import numeric, quant, reference
 from ckpt_tool.verify.kernels import fp8_block_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
-from ckpt_tool.verify.linear_check import LinearUnit, tensor_units, unit_tensors
+from ckpt_tool.verify.linear_check import LinearRunner, LinearUnit, Part, tensor_units, unit_tensors
 from ckpt_tool.verify.rows import RowReader
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (4, "ep")]
@@ -246,3 +247,46 @@ def test_a_forked_worker_that_dies_leaves_its_units_to_the_parent(fixture_dir, t
     many = check(2)
     assert many.ok and many.coverage == one.coverage and many.coverage["percent"] == 100.0
     assert [(c.name, c.ok) for c in many.checks] == [(c.name, c.ok) for c in one.checks]
+
+
+class _InMemorySides:
+    """The two sides of a LinearRunner from tensors in memory: source tensors by name, each rank's by name."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, source: dict[str, torch.Tensor], ranks: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.source, self.ranks = source, ranks
+
+    def source_rows(self, name, r0, r1, into=None):
+        return self.source[name][r0:r1]
+
+    def engine_info(self, rank, name):
+        return None, SimpleNamespace(shape=tuple(self.ranks[rank][name].shape))
+
+    def engine_rows(self, rank, name, r0, r1, into=None):
+        return self.ranks[rank][name][r0:r1]
+
+
+@pytest.mark.parametrize("expand", ["as vLLM does", "wrongly"])
+def test_an_mxfp8_split_inside_a_32_row_scale_block_is_checked_from_the_block_start(expand) -> None:
+    """96 MXFP8 rows over 2 ranks: rank 1 starts at row 48, inside checkpoint scale block 1, and its rows run on into
+    block 2; its reference rows are computed from block 1's first row. A scale expanded per row as vLLM does agrees;
+    rank 1 holding the next block's scale for its first 16 rows fails, naming the rank."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(0, 126, (96, 64), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(120, 134, (3, 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    rows = scale.repeat_interleave(32, dim=0)
+    if expand == "wrongly":  # rank 1's start rounded up to the next block
+        rows = torch.cat([rows[:48], scale[2:3].expand(16, 2), rows[64:]])
+    ranks = {
+        r: {"w.weight": bits[48 * r : 48 * (r + 1)], "w.weight_scale": rows[48 * r : 48 * (r + 1)]} for r in (0, 1)
+    }
+    unit = LinearUnit("g", "w.weight", "w.weight_scale", "mxfp8", (Part("src", 96),), 64, "col", (0, 1))
+    runner = LinearRunner(
+        _InMemorySides({"src.weight": bits, "src.scale": scale}, ranks), kernels="torch", act="bf16", seed=0
+    )
+    problem = runner.run(unit)
+    if expand == "as vLLM does":
+        assert problem is None and runner.take_computed() == {("w.weight", "src"): 0b11}
+    else:
+        assert problem is not None and "'w.weight' (scale 'w.weight_scale') (rank 1)" in problem, problem

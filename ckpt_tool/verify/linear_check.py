@@ -35,24 +35,25 @@ import logging
 import math
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.engram import EngramLayout, engram_layout
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
-from ckpt_tool.mapping.profiles import model_class_of
+from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
 from ckpt_tool.verify import quant
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
-from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, source_info
+from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class LinearUnit:
     group: str
     weight: str
     scale: str | None
-    kind: str  # fp8 | mxfp4 | bf16
+    kind: str  # fp8 | mxfp8 | mxfp4 | bf16 (mxfp8: V4.1, 32x32 scale blocks in the source, 1x32 in OUT)
     parts: tuple[Part, ...]
     inp: int
     layout: str
@@ -112,7 +113,8 @@ class LinearUnit:
 
 @dataclass(frozen=True)
 class ExactUnit:
-    """A non-linear tensor compared by value: whole on every rank, or split by rows (``col``)."""
+    """A non-linear tensor compared by value: whole on every rank, split evenly by rows (``col``), or each rank its own
+    row range (``rows``)."""
 
     group: str
     name: str
@@ -120,6 +122,9 @@ class ExactUnit:
     layout: str
     ranks: tuple[int, ...]
     sections: int = 1  # col: the source is this many equal sections, each split over the ranks (a q|k|v bias)
+    # layout "rows": per entry of ranks, the [start, end) source rows the rank holds (an Engram table's hash heads),
+    # compared byte for byte a tile of rows at a time
+    rows: tuple[tuple[int, int], ...] = ()
 
 
 Unit = LinearUnit | ExactUnit
@@ -153,11 +158,25 @@ class _Builder:
             )
         )
 
+    def mxfp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str) -> None:
+        """A V4.1 MXFP8 linear: the source's ``.weight`` + ``.scale`` (32x32 blocks) against the engine's ``.weight``
+        + ``.weight_scale`` (one scale row a weight row)."""
+        ps = tuple(Part(s, r) for s, r in parts)
+        self.units.append(
+            LinearUnit(self.group, f"{base}.weight", f"{base}.weight_scale", "mxfp8", ps, inp, layout, self.all_ranks)
+        )
+
     def bf16(self, name: str, parts: list[tuple[str, int]] | list[Part], inp: int, layout: str = "full") -> None:
         ps = tuple(p if isinstance(p, Part) else Part(*p) for p in parts)
         self.units.append(LinearUnit(self.group, name, None, "bf16", ps, inp, layout, self.all_ranks))
 
-    def vision(self) -> None:
+    def rows(self, name: str, source: str, ranges: list[tuple[int, int]]) -> None:
+        """A tensor each rank holds its own row range of (``ranges``, one per rank), compared byte for byte: a unit
+        per rank, so that the ranks of a ~100 GB table are read by several workers at once."""
+        for r, rows in zip(self.all_ranks, ranges, strict=True):
+            self.units.append(ExactUnit(self.group, name, source, "rows", (r,), rows=(rows,)))
+
+    def vision(self, image_pad: bool = True) -> None:
         """The vision tower, aligner and image_* (vllm/models/deepseek_v4/common/vision.py): BF16 linears compared
         by value, split as the engine splits them (q|k|v and gate|up per section), or whole on every rank when
         vision_n_heads does not divide tp."""
@@ -187,11 +206,13 @@ class _Builder:
         self.exact("aligner.w1.bias", "aligner.w1.bias", col)
         self.bf16("aligner.w2.weight", [("aligner.w2.weight", H)], H, row)
         self.exact("aligner.w2.bias", "aligner.w2.bias")
-        for name in ("image_start", "image_end", "image_newline", "image_pad"):
+        for name in ("image_start", "image_end", "image_newline", "image_pad")[: 4 if image_pad else 3]:
             self.exact(name, name)
 
-    def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
-        c, n = self.cfg, self.n
+    def attention(self, p: str, sp: str, linear: Callable[..., None]) -> tuple[str, str]:
+        """A block's norms, hyper-connections and the attention every V4 and V4.1 block has, its quantized linears
+        added by ``linear`` (:meth:`fp8` or :meth:`mxfp8`); returns the engine's and the source's attention prefix."""
+        c = self.cfg
         D, H, Dh, Qr = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
         G, Or = c.o_groups, c.o_lora_rank
         self.exact(f"{p}.attn_norm.weight", f"{sp}.attn_norm.weight")
@@ -201,12 +222,18 @@ class _Builder:
                 self.exact(f"{p}.hc_{part}_{t}", f"{sp}.hc_{part}_{t}")
         a, sa = f"{p}.attn", f"{sp}.attn"
         self.exact(f"{a}.attn_sink", f"{sa}.attn_sink", "col")
-        self.fp8(f"{a}.fused_wqa_wkv", [(f"{sa}.wq_a", Qr), (f"{sa}.wkv", Dh)], D, "full")
+        linear(f"{a}.fused_wqa_wkv", [(f"{sa}.wq_a", Qr), (f"{sa}.wkv", Dh)], D, "full")
         self.exact(f"{a}.q_norm.weight", f"{sa}.q_norm.weight")
         self.exact(f"{a}.kv_norm.weight", f"{sa}.kv_norm.weight")
-        self.fp8(f"{a}.wq_b", [(f"{sa}.wq_b", H * Dh)], Qr, "col")
-        self.fp8(f"{a}.wo_a", [(f"{sa}.wo_a", G * Or)], H * Dh // G, "col")
-        self.fp8(f"{a}.wo_b", [(f"{sa}.wo_b", D)], G * Or, "row")
+        linear(f"{a}.wq_b", [(f"{sa}.wq_b", H * Dh)], Qr, "col")
+        linear(f"{a}.wo_a", [(f"{sa}.wo_a", G * Or)], H * Dh // G, "col")
+        linear(f"{a}.wo_b", [(f"{sa}.wo_b", D)], G * Or, "row")
+        return a, sa
+
+    def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
+        c, n = self.cfg, self.n
+        D, Dh, Qr = c.hidden_size, c.head_dim, c.q_lora_rank
+        a, sa = self.attention(p, sp, self.fp8)
         if ratio:
             coff = 2 if ratio == 4 else 1
             cm, sc = f"{p}.{n.compressor}", f"{sa}.compressor"
@@ -242,8 +269,13 @@ class _Builder:
                 per_rank = cdiv(Ish // FP8_BLOCK, self.tp) * FP8_BLOCK
             self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
             self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
-        r = f"{p}.{n.routed}"
-        kind = "mxfp4" if c.expert_dtype == "fp4" else "fp8"
+        self.routed(p, sp, E, "mxfp4" if c.expert_dtype == "fp4" else "fp8")
+
+    def routed(self, p: str, sp: str, E: int, kind: str) -> None:
+        """The ``E`` routed experts of block ``p`` (source ``sp``), one unit per expert and stacked tensor: split
+        over the ranks (tp), or each expert whole on its owner (ep)."""
+        D, I, n = self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.n
+        r, sf = f"{p}.{n.routed}", f"{sp}.ffn"
         sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
         per = E // self.tp
         for j in range(E):
@@ -281,22 +313,74 @@ class _Builder:
                 )
             )
 
+    def v41_block(self, p: str, sp: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
+        """One DeepSeek V4.1 decoder block (vllm/models/deepseek_v41/nvidia/model.py, attention.py): MXFP8 attention
+        and shared experts, a bf16 compressor (wkv, and wgate at ratio 2) only on a kv source, an indexer (MXFP8 wq_b,
+        bf16 weights_proj; wk and k_norm on a kv source too) only on an index source, every router's bias_vl, MXFP4
+        routed experts."""
+        c = self.cfg
+        D, Dh, Qr = c.hidden_size, c.head_dim, c.q_lora_rank
+        a, sa = self.attention(p, sp, self.mxfp8)
+        if kv:
+            cm, sc = f"{a}.compressor", f"{sa}.compressor"
+            parts = [(f"{sc}.wkv.weight", Dh)] + ([(f"{sc}.wgate.weight", Dh)] if ratio > 1 else [])
+            self.bf16(f"{cm}.fused_wkv_wgate.weight", parts, D)
+            self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
+        if index:
+            ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
+            self.mxfp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
+            self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
+            if kv:
+                self.bf16(f"{ix}.wk.weight", [(f"{si}.wk.weight", ihd)], Dh)
+                self.exact(f"{ix}.k_norm.weight", f"{si}.k_norm.weight")
+        g, sf = f"{p}.{self.n.gate}", f"{sp}.ffn"
+        self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", experts)], D)
+        self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
+        self.exact(f"{g}.bias_vl", f"{sf}.gate.bias_vl")
+        sh, ss, Ish = f"{p}.{self.n.shared}", f"{sf}.shared_experts", c.moe_intermediate_size * c.n_shared_experts
+        self.mxfp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col")
+        self.mxfp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
+        self.routed(p, sp, experts, "mxfp4")
+
+    def engram(self, p: str, sp: str, layer: int, layout: EngramLayout) -> None:
+        """The Engram of layer ``layer`` (vllm/models/deepseek_v41/common/engram.py): its FP8 table and per-row E8M0
+        scale, each rank the rows of its hash heads (uneven), byte for byte; the MXFP8 ``wkv`` column-parallel; the
+        bf16 ``q_weight`` / ``k_weight`` whole."""
+        c = self.cfg
+        e, se = f"{p}.engram", f"{sp}.engram"
+        ranges = layout.rank_rows(layer, self.tp)
+        self.rows(f"{e}.embed_tokens.weight", f"{se}.embed.weight", ranges)
+        self.rows(f"{e}.embed_tokens.weight_scale_inv", f"{se}.embed.scale", ranges)
+        inp = layout.hash_heads * c.engram_head_dim
+        self.mxfp8(f"{e}.wkv", [(f"{se}.wkv", c.hidden_size * (c.hc_mult + 1))], inp, "col")
+        self.exact(f"{e}.q_weight", f"{se}.q_weight")
+        self.exact(f"{e}.k_weight", f"{se}.k_weight")
+
 
 def tensor_units(
-    cfg: V4Config, profile: str, component: str, tp: int, moe_parallel: str, source_names: set[str]
+    cfg: V4Config,
+    profile: str,
+    component: str,
+    tp: int,
+    moe_parallel: str,
+    source_names: set[str],
+    vllm_series: str | None = None,
 ) -> list[Unit]:
-    """Every engine tensor of one rank set of ``component`` as check units (see the module docstring)."""
+    """Every engine tensor of one rank set of ``component`` as check units (see the module docstring);
+    ``vllm_series``: the series a draft whose parameters differ by series was written for (the manifest's
+    ``options.vllm_series``; None: the newest)."""
     if profile not in ENGINES:
         raise UsageError(
             f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"
         )
-    if cfg.is_v41:
-        # its MXFP8 linears (32x32 blocks, scales expanded per row) have no kernel here yet, nor its Engram tables
-        raise UsageError(
-            "the numeric level does not cover DeepSeek V4.1 yet (MXFP8 linears, Engram tables); verify it with "
-            "--level values, which compares every byte of OUT with the source"
-        )
     b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
+    if cfg.is_v41:
+        if component == "model":
+            _v41_target_units(b, cfg)
+        else:
+            b.group = "embed/head"
+            _dspark_units(b, cfg, source_names, draft_kind_of(cfg).holds_context_wkv(vllm_series))
+        return b.units
     D, V = cfg.hidden_size, cfg.vocab_size
     b.group = "embed/head"
     if component == "model":
@@ -340,37 +424,80 @@ def tensor_units(
     return b.units
 
 
-def _dspark_units(b: _Builder, cfg: V4Config, source_names: set[str]) -> None:
-    """The DSpark draft (vllm/models/deepseek_v4/nvidia/dspark.py) against DeepSeek's mtp.* names: the target's
-    embedding and head (the draft holds the target's), main_proj and every stage's wkv again as context_wkv_proj
-    through the fp8 kernel, the Markov head as bf16 linears, the norms, hc_head and confidence head by value, every
-    stage's decoder block as a target layer's."""
+def _dspark_units(b: _Builder, cfg: V4Config, source_names: set[str], context_wkv: bool = True) -> None:
+    """The DSpark draft against DeepSeek's mtp.* names: V4's (vllm/models/deepseek_v4/nvidia/dspark.py) or V4.1's
+    (vllm/models/deepseek_v41/nvidia/dspark.py). The target's embedding and head (the draft holds the target's),
+    main_proj and (``context_wkv``: V4's in every series, V4.1's from vLLM 0.34) every stage's wkv again as
+    context_wkv_proj through the fp8 (V4) or MXFP8 (V4.1) kernel, the Markov head as bf16 linears (``markov_w1`` /
+    ``markov_w2`` in a V4 checkpoint, ``markov_head.embed`` / ``.head`` in V4.1's), the norms, hc_head (V4 only) and
+    the confidence head by value, every stage's decoder block as a target layer's (V4.1: with
+    ``dspark_n_routed_experts`` experts, never a kv or index source)."""
     D, V, n, r = cfg.hidden_size, cfg.vocab_size, cfg.draft_layers, cfg.dspark_markov_rank
-
-    def stage_of(suffix: str, default: int) -> str:
-        """The stage holding a head-stack tensor (vLLM takes it from any stage): DeepSeek ships it on ``default``."""
-        held = [i for i in range(n) if f"mtp.{i}.{suffix}" in source_names]
-        return f"mtp.{held[0] if held else default}"
-
-    first, last = stage_of("main_proj.weight", 0), stage_of("markov_head.markov_w1.weight", n - 1)
+    stage_of = _stage_finder(n, source_names)
+    linear = b.mxfp8 if cfg.is_v41 else b.fp8
     b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
     b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
     b.group = "dspark heads"
-    b.fp8("model.main_proj", [(f"{first}.main_proj", D)], D * len(cfg.dspark_target_layer_ids), "full")
+    first = stage_of("main_proj.weight", 0)
+    linear("model.main_proj", [(f"{first}.main_proj", D)], D * len(cfg.dspark_target_layer_ids), "full")
     b.exact("model.main_norm.weight", f"{stage_of('main_norm.weight', 0)}.main_norm.weight")
-    b.fp8("model.context_wkv_proj", [(f"mtp.{i}.attn.wkv", cfg.head_dim) for i in range(n)], D, "full")
+    if context_wkv:
+        linear("model.context_wkv_proj", [(f"mtp.{i}.attn.wkv", cfg.head_dim) for i in range(n)], D, "full")
     b.exact("model.norm.weight", f"{stage_of('norm.weight', n - 1)}.norm.weight")
-    for t in ("fn", "base", "scale"):
-        b.exact(f"model.hc_head_{t}", f"{stage_of(f'hc_head_{t}', n - 1)}.hc_head_{t}")
-    b.bf16("model.markov_head.markov_w1.weight", [(f"{last}.markov_head.markov_w1.weight", V)], r)
-    w2 = f"{stage_of('markov_head.markov_w2.weight', n - 1)}.markov_head.markov_w2.weight"
+    if not cfg.is_v41:  # V4.1 has no hc_head
+        for t in ("fn", "base", "scale"):
+            b.exact(f"model.hc_head_{t}", f"{stage_of(f'hc_head_{t}', n - 1)}.hc_head_{t}")
+    markov = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
+    w1, w2 = (f"{stage_of(f'markov_head.{m}.weight', n - 1)}.markov_head.{m}.weight" for m in markov)
+    b.bf16("model.markov_head.markov_w1.weight", [(w1, V)], r)
     b.bf16("model.markov_head.markov_w2.weight", [(w2, cfg.draft_vocab_size or V)], r)
     if cfg.enable_confidence_head:
         conf = stage_of("confidence_head.proj.weight", n - 1)
         b.exact("model.confidence_head.proj.weight", f"{conf}.confidence_head.proj.weight")
     for i in range(n):
         b.group = f"dspark stage mtp.{i}"
-        b.block(f"model.layers.{i}", f"mtp.{i}", ratio=0, hash_layer=False)
+        p, sp = f"model.layers.{i}", f"mtp.{i}"
+        if cfg.is_v41:
+            b.v41_block(p, sp, kv=False, index=False, ratio=0, experts=cfg.dspark_n_routed_experts)
+        else:
+            b.block(p, sp, ratio=0, hash_layer=False)
+
+
+def _v41_target_units(b: _Builder, cfg: V4Config) -> None:
+    """DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the text model under ``language_model.``
+    (no hc_head), every layer's block and Engram, the vision tower as V4's without image_pad."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    layout = engram_layout(cfg)
+    b.group = "embed/head"
+    b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
+    b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
+    b.exact("model.norm.weight", "norm.weight")
+    for layer in range(cfg.num_hidden_layers):
+        b.group = f"layers.{layer}"
+        p, sp = f"model.layers.{layer}", f"layers.{layer}"
+        b.v41_block(
+            p,
+            sp,
+            kv=layer in cfg.kv_source_layer_ids,
+            index=layer in cfg.index_source_layer_ids,
+            ratio=cfg.compress_ratio(layer),
+            experts=cfg.n_routed_experts,
+        )
+        if layout is not None and layer in layout.layer_ids:
+            b.engram(p, sp, layer, layout)
+    b.units = [_prefixed(u, "language_model.") for u in b.units]  # vl_model.py's outer mapper
+    b.vision(image_pad=False)
+
+
+def _stage_finder(n: int, source_names: set[str]):
+    """``stage_of(suffix, default)``: the DSpark stage holding a head-stack tensor (vLLM takes it from any stage),
+    ``mtp.{default}`` (where DeepSeek ships it) when none does."""
+
+    def stage_of(suffix: str, default: int) -> str:
+        held = [i for i in range(n) if f"mtp.{i}.{suffix}" in source_names]
+        return f"mtp.{held[0] if held else default}"
+
+    return stage_of
 
 
 def _prefixed(u: Unit, prefix: str) -> Unit:
@@ -556,19 +683,31 @@ class _Sides:
         return self.reader.rows(path, info, r0, r1, into).to(self.device)
 
 
-def _scale_rows(kind: str, r0: int, r1: int) -> tuple[int, int]:
-    return (r0 // FP8_BLOCK, cdiv(r1, FP8_BLOCK)) if kind == "fp8" else (r0, r1)
+def _block_rows(kind: str, side: str) -> int:
+    """Weight rows one scale row covers on ``side`` (source | engine): 128 for block FP8; for MXFP8 32 in the
+    checkpoint, 1 in the engine (vLLM repeats each scale row once per weight row); 1 for MXFP4's per-row groups."""
+    if kind == "fp8":
+        return FP8_BLOCK
+    if kind == "mxfp8":
+        return quant.MXFP8_BLOCK[0] if side == "source" else quant.MXFP8_ROW_BLOCK[0]
+    return 1
+
+
+def _scale_rows(kind: str, r0: int, r1: int, side: str) -> tuple[int, int]:
+    """The scale rows holding the scales of weight rows ``[r0, r1)`` (``r0`` a multiple of the block rows)."""
+    bn = _block_rows(kind, side)
+    return r0 // bn, cdiv(r1, bn)
 
 
 def _row_bytes(kind: str, inp: int) -> int:
     """Bytes of one weight row of ``inp`` inputs (packed fp4: two a byte)."""
-    return {"fp8": inp, "mxfp4": inp // 2, "bf16": 2 * inp}[kind]
+    return {"fp8": inp, "mxfp8": inp, "mxfp4": inp // 2, "bf16": 2 * inp}[kind]
 
 
 def _unit_bytes(u: Unit) -> int:
     """Roughly what a unit reads, to schedule the largest first (exact units: small, counted as one byte)."""
-    if isinstance(u, ExactUnit):
-        return 1
+    if isinstance(u, ExactUnit):  # an Engram table's rows: at least one 32-wide block of FP8 a row
+        return sum(hi - lo for lo, hi in u.rows) * MX_BLOCK if u.layout == "rows" else 1
     return sum(p.rows for p in u.parts) * _row_bytes(u.kind, u.inp) * 2
 
 
@@ -621,6 +760,9 @@ class LinearRunner:
                 return x @ w.float().T
             if kind == "mxfp4":
                 return quant.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
+            if kind == "mxfp8":  # the checkpoint's 32x32 blocks; fp8 activations in the block's 32-input groups
+                block = quant.MXFP8_BLOCK
+                return quant.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
             return quant.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
     def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
@@ -631,14 +773,23 @@ class LinearRunner:
                 return x @ w.float().T
             if kind == "mxfp4":
                 return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
-            return fp8_block_gemm(x, w, s, act=self.act, backend=self.kernels, what=what)
+            block = quant.MXFP8_ROW_BLOCK if kind == "mxfp8" else quant.FP8_BLOCK  # vLLM's one scale row a weight row
+            return fp8_block_gemm(x, w, s, act=self.act, block=block, backend=self.kernels, what=what)
+
+    def _source_reference(self, u: LinearUnit, part: Part, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of the source part's output on ``x``, the source dequantized in torch. A tile that starts
+        inside a scale block (a rank's share of an MXFP8 part may end anywhere) is computed from the block's first
+        row and the rows before ``a`` dropped."""
+        lead = a % _block_rows(u.kind, "source")
+        w, s = self._source_tile(u, part, a - lead, b)
+        return self._reference(u.kind, x, w, s, f"source {part.source}")[:, lead:]
 
     def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [a, b) of the source part (valid until this thread's next source tile)."""
         bufs = self._buffers()
         if u.kind == "bf16":
             return self.sides.source_rows(part.source, part.row0 + a, part.row0 + b, bufs["source"]), None
-        s0, s1 = _scale_rows(u.kind, a, b)
+        s0, s1 = _scale_rows(u.kind, a, b, "source")
         return (
             self.sides.source_rows(f"{part.source}.weight", a, b, bufs["source"]),
             self.sides.source_rows(f"{part.source}.scale", s0, s1, bufs["source scale"]),
@@ -654,7 +805,7 @@ class LinearRunner:
         w = self.sides.engine_rows(rank, u.weight, base + a, base + b, bufs["engine"])
         if u.scale is None:
             return w, None
-        s0, s1 = _scale_rows(u.kind, a, b)
+        s0, s1 = _scale_rows(u.kind, a, b, "engine")
         sbase = 0
         if u.expert is not None:
             sbase = slot * self.sides.engine_info(rank, u.scale)[1].shape[1]
@@ -663,7 +814,7 @@ class LinearRunner:
     def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
         """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
         # the source tile [step, in] is the largest piece either side holds
-        step = read_tile_rows(part_rows, _row_bytes(u.kind, u.inp), FP8_BLOCK if u.kind == "fp8" else 1)
+        step = read_tile_rows(part_rows, _row_bytes(u.kind, u.inp), _block_rows(u.kind, "source"))
         if u.layout == "col":
             n_r = u.share(part_rows)
             for i, r in enumerate(u.ranks):
@@ -677,7 +828,7 @@ class LinearRunner:
         """(a, b, rank): rows [a, b) of the rank's share of one column-parallel part that are the engine's
         zero padding (past the end of the source part)."""
         n_r = u.share(part_rows)
-        step = read_tile_rows(n_r, _row_bytes(u.kind, u.inp), FP8_BLOCK if u.kind == "fp8" else 1)
+        step = read_tile_rows(n_r, _row_bytes(u.kind, u.inp), _block_rows(u.kind, "engine"))
         for i, r in enumerate(u.ranks):
             real = max(0, min(n_r, part_rows - i * n_r))
             for a in range(real, n_r, step):
@@ -701,8 +852,8 @@ class LinearRunner:
                 w[1] = max(w[1], ref.abs().max().item() if ref.numel() else 0.0)
 
             for a, b, owner in self._tiles(u, part.rows):
-                w_src, s_src = self._source_tile(u, part, a, b)
                 if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
+                    w_src, _ = self._source_tile(u, part, a, b)
                     i = u.ranks.index(owner) if owner is not None else 0
                     if u.layout == "row":  # each rank holds its columns of every row
                         kr = u.share(u.inp)
@@ -731,8 +882,7 @@ class LinearRunner:
                             )
                         ran.add(r)
                     continue
-                ref = self._reference(u.kind, x_src, w_src, s_src, f"source {part.source}")
-                del w_src, s_src
+                ref = self._source_reference(u, part, x_src, a, b)
                 if u.layout == "row":
                     got = None
                     kr = u.share(u.inp)
@@ -781,6 +931,8 @@ class LinearRunner:
         return None
 
     def run_exact(self, u: ExactUnit) -> str | None:
+        if u.layout == "rows":
+            return self._run_rows(u)
         info = self.sides.source_info(u.source)
         src = self.sides.reader.whole(self.ckpt_path(info), info)
         T = len(u.ranks)
@@ -797,6 +949,28 @@ class LinearRunner:
             self._done(u, u.source, [r])
             if not same:
                 return f"tensor {u.name!r} (rank {r}): values differ from source {u.source}"
+        return None
+
+    def _run_rows(self, u: ExactUnit) -> str | None:
+        """Each rank's row range of the source against the rank's whole tensor, byte for byte (FP8 and E8M0 both
+        read as raw bytes), a tile of rows at a time: an Engram table is ~100 GB."""
+        info = self.sides.source_info(u.source)
+        bufs = self._buffers()
+        for r, (lo, hi) in zip(u.ranks, u.rows):
+            path, einfo = self.sides.engine_info(r, u.name)
+            if einfo.shape[0] != hi - lo:
+                return (
+                    f"tensor {u.name!r} (rank {r}): {einfo.shape[0]} rows, but the rank's hash heads are source rows "
+                    f"{lo}:{hi} of {u.source} ({hi - lo} rows)"
+                )
+            step = read_tile_rows(hi - lo, info.nbytes // max(row_count(info), 1), 1)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                want = self.sides.source_rows(u.source, a, b, bufs["source"])
+                got = self.sides.engine_rows(r, u.name, a - lo, b - lo, bufs["engine"])
+                if not _same_bytes(got.view(torch.uint8), want.view(torch.uint8)):
+                    return f"tensor {u.name!r} (rank {r}): bytes differ from source {u.source} rows {a}:{b}"
+            self._done(u, u.source, [r])
         return None
 
     def ckpt_path(self, info: TensorInfo) -> Path:
@@ -842,7 +1016,7 @@ class TensorCheck:
         opts, cfg = plan.options, plan.config
         self.components = sorted({f.component for f in plan.files})
         plans = {
-            comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors))
+            comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors), opts.vllm_series)
             for comp in self.components
         }
         self.coverage = Coverage(plan, headers, plans)
