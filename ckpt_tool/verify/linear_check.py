@@ -12,6 +12,12 @@ linear dequantized in torch (:mod:`ckpt_tool.verify.quant`). Tensors no quantize
 exactly by value, tile by tile: bf16 linears (embedding, heads, router, compressor, indexer
 projections) and non-linear tensors (norms, ``hc_*``, sinks, biases, ``tid2eid``, ``ape``).
 
+DeepSeek V4.1 (``DeepseekV41ForCausalLM`` and its DSpark draft): its MXFP8 linears run as kind ``mxfp8``, the
+source with its checkpoint's 32x32 E8M0 blocks in torch and each rank through the kernel with the scale as vLLM
+holds it, one row a weight row (1x32 blocks), so a scale row expanded to the wrong weight rows fails; its routed
+experts as V4's MXFP4; each Engram table and its per-row scale byte for byte, each rank against the source rows of
+its hash heads (``EngramLayout.rank_rows``: uneven), a tile of rows at a time.
+
 Independence: the engine side is named from :mod:`ckpt_tool.mapping.engine_table` (the engine's parameter table,
 tested against vLLM itself) and the source side from DeepSeek's names written out below; the rule
 table is never consulted, so a rule that maps the wrong bytes (swapped fused parts, a wrong expert,
