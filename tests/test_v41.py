@@ -202,14 +202,14 @@ def test_values_level_passes_and_catches_a_flipped_engram_byte_and_unconvert_rea
     assert code == 1 and "engram.embed_tokens.weight" in failed and "wq_b.weight_scale" in failed, failed
 
 
-def numeric_level(src: Path, out: Path, kernels: str = "torch") -> VerifyReport:
+def numeric_level(src: Path, out: Path, kernels: str = "torch", act: str = "bf16") -> VerifyReport:
     """The numeric level alone on ``out`` (structure and values are the CLI's; their own tests cover them)."""
     ckpt = open_checkpoint(src)
     opts = Options(**json.loads((out / "ckpt-tool.json").read_text())["options"])
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
     headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
     report = VerifyReport(str(out), str(src), "numeric")
-    check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device="cpu", tokens=8, seed=1)
+    check_numeric(out, plan, ckpt, headers, report, kernels=kernels, device="cpu", tokens=8, seed=1, act=act)
     return report
 
 
@@ -237,15 +237,19 @@ def test_verify_runs_the_numeric_level_on_v41_with_full_coverage(fixture_dir, tm
 
 
 @pytest.mark.parametrize(
-    ("tp", "moe", "series"), [(1, "tp", "0.33"), (2, "tp", "0.34"), (4, "tp", "0.33"), (4, "ep", "0.34")]
+    ("tp", "moe", "series", "act"),
+    [(1, "tp", "0.33", "bf16"), (2, "tp", "0.34", "bf16"), (4, "tp", "0.33", "fp8"), (4, "ep", "0.34", "bf16")],
 )
-def test_the_numeric_level_covers_every_v41_target_and_draft_tensor(tp, moe, series, fixture_dir, tmp_path, capsys):
+def test_the_numeric_level_covers_every_v41_target_and_draft_tensor(
+    tp, moe, series, act, fixture_dir, tmp_path, capsys
+):
     """Target and DSpark draft (with 0.34's context_wkv_proj, or without for 0.33) at tp 1, 2, 4 and ep: every MXFP8
-    linear through the kernels, MXFP4 experts, the Engram tables each rank's hash-head rows, the rest by value."""
+    linear through the kernels, MXFP4 experts, the Engram tables each rank's hash-head rows, the rest by value; one
+    layout with fp8 activations (quantized in the MXFP8 block's 32-input groups)."""
     src, out = fixture_dir("v41"), tmp_path / "out"
     code, _, err = run_cli(capsys, "convert", src, out, "--tp", tp, "--moe-parallel", moe, "--vllm", series)
     assert code == 0, err
-    report = numeric_level(src, out)
+    report = numeric_level(src, out, act=act)
     assert report.ok, [(c.name, c.message) for c in report.failures]
     assert report.coverage["percent"] == 100.0, report.coverage
     comps = report.coverage["components"]
