@@ -238,12 +238,12 @@ def test_verify_runs_the_numeric_level_on_v41_with_full_coverage(fixture_dir, tm
 
 @pytest.mark.parametrize(
     ("tp", "moe", "series", "act"),
-    [(1, "tp", "0.33", "bf16"), (2, "tp", "0.34", "bf16"), (4, "tp", "0.33", "fp8"), (4, "ep", "0.34", "bf16")],
+    [(1, "tp", "0.33", "bf16"), (2, "tp", "0.34", "bf16"), (4, "tp", "0.33", "fp8"), (8, "ep", "0.34", "bf16")],
 )
 def test_the_numeric_level_covers_every_v41_target_and_draft_tensor(
     tp, moe, series, act, fixture_dir, tmp_path, capsys
 ):
-    """Target and DSpark draft (with 0.34's context_wkv_proj, or without for 0.33) at tp 1, 2, 4 and ep: every MXFP8
+    """Target and DSpark draft (with 0.34's context_wkv_proj, or without for 0.33) at tp 1, 2, 4 and 8 ep: every MXFP8
     linear through the kernels, MXFP4 experts, the Engram tables each rank's hash-head rows, the rest by value; one
     layout with fp8 activations (quantized in the MXFP8 block's 32-input groups)."""
     src, out = fixture_dir("v41"), tmp_path / "out"
@@ -290,7 +290,7 @@ def test_the_numeric_units_name_every_v41_engine_parameter_exactly_once(series, 
     ckpt = open_checkpoint(fixture_dir("v41"))
     cfg = ckpt.require_config()
     for comp in ("model", "dspark"):
-        for tp, moe in [(1, "tp"), (2, "tp"), (4, "tp"), (2, "ep"), (4, "ep")]:
+        for tp, moe in [(1, "tp"), (2, "tp"), (4, "tp"), (2, "ep"), (8, "ep")]:
             units = tensor_units(cfg, "vllm-0.33+", comp, tp, moe, set(ckpt.tensors), series)
             for rank in range(tp):
                 want = set(engine_params(cfg, "vllm-0.33+", comp, tp, moe, rank, series))
@@ -318,24 +318,26 @@ def test_the_numeric_level_fails_naming_a_flipped_mxfp8_weight_or_scale_byte_and
     layer = "language_model.model.layers.0"
     part = out / "model" / "model-rank-1-part-0.safetensors"
 
-    def flip(name: str, offset: int, bit: int) -> None:
-        at = tensor_offset(part, name) + offset
+    def flip(name: str, row: int, col: int, bit: int) -> None:
+        with safe_open(part, "pt") as f:
+            cols = f.get_slice(name).get_shape()[1]
+        at = tensor_offset(part, name) + row * cols + col  # one-byte elements: FP8, E8M0 as uint8
         patch_bytes(part, at, bytes([part.read_bytes()[at] ^ bit]))
 
-    flip(f"{layer}.attn.wq_b.weight", 3 * 64 + 5, 0x40)
+    flip(f"{layer}.attn.wq_b.weight", 3, 5, 0x40)
     got = numeric_problems(numeric_level(src, out))
     assert f"{layer}.attn.wq_b.weight" in got and "rank 1" in got, got
-    flip(f"{layer}.attn.wq_b.weight", 3 * 64 + 5, 0x40)  # back
-    flip(f"{layer}.attn.wo_b.weight_scale", 17 * 2 + 1, 0x01)  # row 17: a copy of scale row 0
+    flip(f"{layer}.attn.wq_b.weight", 3, 5, 0x40)  # back
+    flip(f"{layer}.attn.wo_b.weight_scale", 17, 1, 0x01)  # row 17: one of the 32 copies of scale row 0
     got = numeric_problems(numeric_level(src, out))
     assert f"{layer}.attn.wo_b.weight" in got and "wo_b.weight_scale" in got and "ranks summed" in got, got
-    flip(f"{layer}.attn.wo_b.weight_scale", 17 * 2 + 1, 0x01)
+    flip(f"{layer}.attn.wo_b.weight_scale", 17, 1, 0x01)
     engram = "language_model.model.layers.2.engram.embed_tokens"  # rank 1's hash-head rows, then their scales
     for name in (f"{engram}.weight", f"{engram}.weight_scale_inv"):
-        flip(name, 5, 0x01)
+        flip(name, 2, 0, 0x01)
         got = numeric_problems(numeric_level(src, out))
         assert f"{name}' (rank 1): bytes differ from source layers.2.engram.embed." in got, got
-        flip(name, 5, 0x01)
+        flip(name, 2, 0, 0x01)
 
     # the shared experts under the engine's name for them (the FusedMoE alias), weight and scale rows both swapped
     with safe_open(part, "pt") as f:
