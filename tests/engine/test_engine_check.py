@@ -206,10 +206,11 @@ def test_good_out_passes_beside_a_level_and_names_the_release(
     assert f"engine: vLLM {release}" in text and "| mtp/rank-1 | 41 | yes | ✅ |" in text
 
 
-@pytest.mark.parametrize("variant,tp", [("vl-fp4", 2), ("vl-fp4-h2", 4)])
+# the tower split at tp 2 (its replicated layout at tp 4 is the matrix's: the judge builds the same class either way)
+@pytest.mark.parametrize("variant,tp", [("vl-fp4", 2)])
 def test_a_vision_out_is_judged_by_vllms_vision_class(serving_python, converted, variant, tp) -> None:
     """The probe builds what vLLM's registry resolves: for a config with vision_n_layers > 0 that is
-    DeepseekV4ForConditionalGeneration (the tower split at tp 2, replicated when its heads do not divide tp 4)."""
+    DeepseekV4ForConditionalGeneration."""
     proc = verify(converted(variant, tp), "--engine", "--engine-python", serving_python, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -220,13 +221,9 @@ def test_a_vision_out_is_judged_by_vllms_vision_class(serving_python, converted,
         assert "(DeepSeekV4MTP): 42 parameters match" in messages[f"engine-vllm:mtp/rank-{r}"]
 
 
-def test_a_dspark_out_is_judged_by_vllms_dspark_class(serving_python, converted, tmp_path) -> None:
+def test_a_dspark_out_is_judged_by_vllms_dspark_class(serving_python, converted) -> None:
     """OUT/dspark is built as vLLM builds the draft for ``"method": "dspark"`` (DSparkDeepseekV4ForCausalLM) and loaded
-    by its sharded loader on every rank; a tensor renamed in it fails that rank, naming the tensor."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
+    by its sharded loader on every rank (a draft that does not load fails its rank: the V4.1 test below)."""
     proc = verify(converted("dspark-fp4", 2), "--engine", "--engine-python", serving_python, "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -234,16 +231,6 @@ def test_a_dspark_out_is_judged_by_vllms_dspark_class(serving_python, converted,
     messages = {c["name"]: c["message"] for c in doc["results"] if c["name"].startswith("engine-vllm:")}
     for r in range(2):
         assert "(DSparkDeepseekV4ForCausalLM): 101 parameters match" in messages[f"engine-vllm:dspark/rank-{r}"]
-
-    out = tmp_path / "out"
-    shutil.copytree(converted("dspark-fp4", 2), out)
-    path = out / "dspark" / "model-rank-0-part-0.safetensors"
-    tensors = load_file(path)
-    tensors["model.markov_head.markov_w9.weight"] = tensors.pop("model.markov_head.markov_w2.weight")
-    save_file(tensors, str(path))
-    proc = verify(out, "--engine", "--engine-python", serving_python, "--json")
-    assert proc.returncode == 1, proc.stderr
-    assert [f["name"] for f in json.loads(proc.stdout)["failures"]] == ["engine-vllm:dspark/rank-0"]
 
 
 def test_out_for_another_profile_fails_naming_keys_on_every_rank(engine_site, serving_python, converted) -> None:
