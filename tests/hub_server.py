@@ -190,7 +190,7 @@ class HubServer:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.hub, server.role = self, host  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, name=f"hub-server-{host}", daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), name=f"hub-server-{host}", daemon=True).start()
         return server
 
     @staticmethod

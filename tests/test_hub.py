@@ -387,3 +387,89 @@ def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_do
     assert res.returncode == 1 and MISMATCH in res.stderr
     assert shard_bytes(hub) == {}
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The test ground itself: tests/hub_server.py answers the real client as the hub does (in-process, the
+# endpoint passed explicitly: HF_ENDPOINT is read at import), ranges and injected faults included
+
+
+SHARD = "model-00002-of-00004.safetensors"
+
+
+def test_hub_server_serves_byte_ranges_through_hffilesystem(hub, fixture_dir) -> None:
+    from huggingface_hub import HfFileSystem
+
+    data = (fixture_dir("fp4") / SHARD).read_bytes()
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{REPO_ID}/{SHARD}", "rb", cache_type="none") as f:
+        f.seek(1000)
+        assert f.read(4096) == data[1000:5096]
+        f.seek(len(data) - 10)
+        assert f.read(100) == data[-10:]
+    ranged = hub.requests("GET", file=SHARD)
+    # each read: the resolve URL redirects (302) to the CDN, which answers 206 with the range (cut at the end)
+    tail = f"bytes={len(data) - 10}-{len(data) + 89}"
+    assert [(r.host, r.status, r.range, r.sent) for r in ranged] == [
+        ("hub", 302, "bytes=1000-5095", 0),
+        ("cdn", 206, "bytes=1000-5095", 4096),
+        ("hub", 302, tail, 0),
+        ("cdn", 206, tail, 10),
+    ]
+
+
+def test_hub_server_moves_a_branch_and_keeps_old_commits(hub, fixture_dir, tmp_path) -> None:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(endpoint=hub.url, token=False)
+    old = api.model_info(REPO_ID).sha
+    new = hub.push(REPO_ID, _edited_copy(fixture_dir, tmp_path))
+    assert new != old and api.model_info(REPO_ID, revision="main").sha == new
+    kw = {"endpoint": hub.url, "token": False, "cache_dir": tmp_path / "cache"}
+    at_old = Path(hf_hub_download(REPO_ID, "config.json", revision=old, **kw)).read_bytes()
+    at_main = Path(hf_hub_download(REPO_ID, "config.json", revision="main", **kw)).read_bytes()
+    assert at_old == (fixture_dir("fp4") / "config.json").read_bytes()
+    assert json.loads(at_main)["hidden_size"] == 320
+
+
+def test_hub_server_faults_meet_huggingface_hubs_retries(hub, fixture_dir, tmp_path) -> None:
+    from hub_server import Fault
+    from huggingface_hub import HfFileSystem, hf_hub_download
+
+    src = fixture_dir("fp4")
+    kw = {"endpoint": hub.url, "token": False, "cache_dir": tmp_path / "cache"}
+    # 503 on the HEAD, then 429 with Retry-After on the body: retried (http_backoff), the file arrives whole
+    hub.inject(Fault(method="HEAD", file=SHARD, status=503))
+    hub.inject(Fault(file=SHARD, host="cdn", status=429, retry_after=0))
+    assert Path(hf_hub_download(REPO_ID, SHARD, **kw)).read_bytes() == (src / SHARD).read_bytes()
+    assert [r.status for r in hub.requests(file=SHARD)] == [503, 302, 429, 200]
+
+    # a connection dropped mid-body: http_get starts again (it resumes from the last 10 MB chunk it wrote)
+    other = "model-00003-of-00004.safetensors"
+    hub.inject(Fault(file=other, host="cdn", drop_after=1000))
+    assert Path(hf_hub_download(REPO_ID, other, **kw)).read_bytes() == (src / other).read_bytes()
+    assert [r.sent for r in hub.requests("GET", file=other)] == [1000, (src / other).stat().st_size]
+
+    # a short body: hf_hub_download checks the size against the HEAD's; a range read does not check it
+    last = "model-00004-of-00004.safetensors"
+    hub.inject(Fault(file=last, host="cdn", short_by=7))
+    with pytest.raises(OSError, match="Consistency check failed"):
+        hf_hub_download(REPO_ID, last, **kw)
+    hub.inject(Fault(file=last, host="cdn", short_by=7))
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{REPO_ID}/{last}", "rb", cache_type="none") as f:
+        assert len(f.read(100)) == 93  # a streaming reader must check the length itself
+
+
+def test_hub_server_errors_are_huggingface_hubs_errors(hub) -> None:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = HfApi(endpoint=hub.url, token=False)
+    with pytest.raises(RepositoryNotFoundError):
+        api.model_info("other-org/Nope")
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info(REPO_ID, revision="no-such-branch")
+    with pytest.raises(RemoteEntryNotFoundError):
+        api.hf_hub_download(REPO_ID, "no-such-file.json", cache_dir=None)
+    assert [r.status for r in hub.requests()] == [401, 404, 404]
