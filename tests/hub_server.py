@@ -43,7 +43,6 @@ import json
 import re
 import socket
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -98,8 +97,8 @@ class Request:
 
 @dataclass
 class Fault:
-    """Answer the next ``times`` requests matching ``method`` and ``file`` (fnmatch-free: equal, or None for any)
-    with a fault instead of the normal response:
+    """Answer the next ``times`` requests whose ``method``, ``file`` and ``host`` ("hub" or "cdn") equal these
+    (None: any) with a fault instead of the normal response:
 
     - ``status`` (429, 503, ...) with an empty body, plus ``Retry-After: retry_after`` if given;
     - ``drop_after=N``: the normal headers, N body bytes, then the connection is closed;
@@ -223,17 +222,9 @@ class HubServer:
             self._idle.notify_all()
 
 
-@contextmanager
-def hub_server():
-    """A started :class:`HubServer`, closed on exit."""
-    server = HubServer()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 class _HubError(Exception):
+    """An answer with the hub's error headers (X-Error-Code, X-Error-Message, X-Repo-Commit if known)."""
+
     def __init__(self, status: int, code: str, message: str, commit: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.commit = status, code, commit
