@@ -352,6 +352,21 @@ def test_online_unknown_repo_or_revision_is_one_line_naming_it(hub, tmp_path, co
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_online_unreachable_hub_is_one_line_naming_the_network_fix(tmp_path, command) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    args = ("convert", REPO_ID, tmp_path / "out") if command == "convert" else ("inspect", REPO_ID)
+    res = cli(tmp_path, tmp_path / "hf", *args, endpoint=closed)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and REPO_ID in lines[0], res.stderr
+    assert "check the network (and HF_ENDPOINT" in lines[0] and "HF_HUB_OFFLINE=1" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # A hub repo whose config.json disagrees with its headers: the verdict a local folder gets
 
