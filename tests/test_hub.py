@@ -1,16 +1,15 @@
-"""Hub sources (``org/name[@rev]``, ``hf://org/name[@rev]``) without any network.
+"""Hub sources (``org/name[@rev]``, ``hf://org/name[@rev]``), with the real huggingface_hub client.
 
-A real huggingface_hub cache layout is built from a fixture
+Offline: a real huggingface_hub cache layout is built from a fixture
 (``$HF_HOME/hub/models--org--name/{blobs/<sha>, refs/main, snapshots/<commit>/<file> -> ../../blobs/<sha>}``)
-and the CLI runs in subprocesses with ``HF_HUB_OFFLINE=1`` and ``HF_HOME`` pointing there
-(huggingface_hub reads both at import). The online path (plan from the hub's headers, then
-``snapshot_download(allow_patterns=...)`` of only the needed shards) is tested in-process with
-huggingface_hub's functions replaced by fakes that serve the same cache.
+and the CLI runs with ``HF_HUB_OFFLINE=1``. Online: a fixture is served by ``tests/hub_server.py``, a local
+imitation of the hub's HTTP endpoints, and the CLI runs with ``HF_ENDPOINT`` pointing there; what was fetched is
+asserted from the server's request log. Either way the CLI runs in a subprocess with ``HF_HOME`` in ``tmp_path``
+(huggingface_hub reads these variables at import), and nothing of huggingface_hub is replaced.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
@@ -20,9 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hub_server import HubServer, Request
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.hub import SERVING_PATTERNS, allow_patterns, needed_files, parse_hub_ref
+from ckpt_tool.checkpoint.hub import allow_patterns, needed_files, parse_hub_ref
 from ckpt_tool.checkpoint.source import INDEX_NAME
 from ckpt_tool.mapping.plan import HubNeeds, Options
 from ckpt_tool.output.convert import convert
@@ -68,18 +68,20 @@ def expected_mtp_files(src: Path) -> list[str]:
     return sorted(files)
 
 
-def env_for(hf_home: Path, **extra: str) -> dict[str, str]:
+def env_for(hf_home: Path, endpoint: str | None = None) -> dict[str, str]:
+    """Offline (HF_HUB_OFFLINE=1), or online against ``endpoint`` (HF_ENDPOINT): never the real hub."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "CKPT_TOOL_DEBUG"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    env.update(HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1")
+    env.update({"HF_ENDPOINT": endpoint} if endpoint else {"HF_HUB_OFFLINE": "1"})
     return env
 
 
-def cli(cwd: Path, hf_home: Path, *args: str) -> subprocess.CompletedProcess:
+def cli(cwd: Path, hf_home: Path, *args: str, endpoint: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ckpt_tool", *map(str, args)],
         cwd=cwd,
-        env=env_for(hf_home),
+        env=env_for(hf_home, endpoint),
         capture_output=True,
         text=True,
         timeout=300,
@@ -237,102 +239,132 @@ def test_local_folder_with_a_missing_shard_is_still_an_error(fixture_copy, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------
-# Online path, with huggingface_hub's network functions replaced by fakes
-
-
-class _FakeHub:
-    """Serves fixture ``src`` as REPO_ID: model_info, get_safetensors_metadata, snapshot_download."""
-
-    def __init__(self, src: Path, hf_home: Path) -> None:
-        self.src, self.hf_home = src, hf_home
-        self.downloads: list[list[str]] = []
-
-    def model_info(self, repo_id, revision=None, **kw):
-        assert repo_id == REPO_ID
-        return type("Info", (), {"sha": COMMIT})()
-
-    def get_safetensors_metadata(self, repo_id, revision=None, **kw):
-        from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
-
-        from ckpt_tool.checkpoint.headers import read_shard_header
-
-        files = {}
-        for f in sorted(set(shard_of(self.src).values())):
-            h = read_shard_header(self.src / f, f)
-            files[f] = SafetensorsFileMetadata(
-                metadata=h.metadata,
-                tensors={
-                    n: TensorInfo(
-                        dtype=t.dtype, shape=list(t.shape), data_offsets=(t.start - h.data_start, t.end - h.data_start)
-                    )
-                    for n, t in h.tensors.items()
-                },
-            )
-        return type("Meta", (), {"files_metadata": files})()
-
-    def snapshot_download(self, repo_id, revision=None, allow_patterns=None, **kw):
-        assert revision == COMMIT and not kw.get("local_files_only")
-        self.downloads.append(list(allow_patterns))
-        # as huggingface_hub filters repo files: fnmatch against every pattern
-        files = [
-            p.name for p in sorted(self.src.iterdir()) if any(fnmatch.fnmatch(p.name, pat) for pat in allow_patterns)
-        ]
-        return str(make_hf_cache(self.hf_home, self.src, files=files))
+# Online: the real huggingface_hub client, in the CLI's subprocess, against tests/hub_server.py
 
 
 @pytest.fixture
-def fake_hub(monkeypatch, tmp_path, fixture_dir):
-    import huggingface_hub
-    from huggingface_hub import constants
-
-    fake = _FakeHub(fixture_dir("fp4"), tmp_path / "hf")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
-    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: fake)
-    return fake
+def hub(fixture_dir):
+    """The fp4 fixture served as REPO_ID (branch main) by a local hub imitation."""
+    with HubServer() as server:
+        server.push(REPO_ID, fixture_dir("fp4"))
+        yield server
 
 
-def test_online_downloads_only_the_shards_the_plan_needs(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli.entry import main
+def online(cwd: Path, hub: HubServer, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with HF_ENDPOINT at ``hub`` and an empty HF cache under ``cwd``."""
+    return cli(cwd, cwd / "hf", *args, endpoint=hub.url)
 
-    src = fake_hub.src
-    code = main(["convert", REPO_ID, str(tmp_path / "out"), "--only", "mtp", "--tp", "2"])
-    assert code == 0, capsys.readouterr().err
-    assert fake_hub.downloads[0] == ["config.json", INDEX_NAME, *SERVING_PATTERNS]  # config + index + tokenizer first
-    assert fake_hub.downloads[-1] == ["config.json", INDEX_NAME, *SERVING_PATTERNS, *expected_mtp_files(src)]
+
+def header_read(r: Request) -> bool:
+    """get_safetensors_metadata's reads of a shard: its first 100,000 bytes, then the rest of a longer header."""
+    return r.range is not None and (r.range == "bytes=0-100000" or r.range.startswith("bytes=8-"))
+
+
+def shard_bytes(hub: HubServer) -> dict[str, int]:
+    """Bytes of each .safetensors file sent beyond the header reads: what was downloaded."""
+    sent: dict[str, int] = {}
+    for r in hub.requests("GET"):
+        if r.file and r.file.endswith(".safetensors") and not header_read(r) and r.sent:
+            sent[r.file] = sent.get(r.file, 0) + r.sent
+    return sent
+
+
+def sizes(src: Path, files: list[str]) -> dict[str, int]:
+    return {f: (src / f).stat().st_size for f in files}
+
+
+def test_online_inspect_reads_headers_only(hub, fixture_dir, tmp_path) -> None:
+    res = online(tmp_path, hub, "inspect", REPO_ID, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["source"] == REPO_ID
+    assert shard_bytes(hub) == {}
+    shards = sorted(set(shard_of(fixture_dir("fp4")).values()))
+    # each shard: one 100 kB read answered by the CDN with its header and the first tensor bytes
+    assert sorted(r.file for r in hub.requests("GET", host="cdn") if header_read(r)) == shards
+
+
+def test_online_downloads_only_the_shards_the_plan_needs(hub, fixture_dir, tmp_path) -> None:
+    src = fixture_dir("fp4")
+    res = online(tmp_path, hub, "convert", REPO_ID, tmp_path / "out", "--only", "mtp", "--tp", "2")
+    assert res.returncode == 0, res.stderr
+    needed = expected_mtp_files(src)
+    assert len(needed) < len(set(shard_of(src).values()))
+    assert shard_bytes(hub) == sizes(src, needed)  # each needed shard whole, once; no other shard
+    # plan before bytes: every header read and the config came before the first shard byte
+    log = hub.requests()
+    first = next(i for i, r in enumerate(log) if r.file in needed and not header_read(r) and r.method == "GET")
+    assert all(i < first for i, r in enumerate(log) if header_read(r) or r.file in ("config.json", INDEX_NAME))
+    # the revision was resolved once, and every read is pinned to its commit
+    commit = hub.repos[REPO_ID].refs["main"]
+    resolves = [r for r in log if r.host == "hub" and "/resolve/" in r.path]
+    assert resolves and all(f"/resolve/{commit}/" in r.path for r in resolves)
     local = tmp_path / "local"
     convert(src, local, Options(tp=2, only="mtp"))
     assert tensor_files(tmp_path / "out") == tensor_files(local)
 
 
-def test_online_plan_errors_come_before_any_shard_download(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli.entry import main
+def test_online_convert_is_byte_identical_to_a_local_conversion(hub, fixture_dir, tmp_path) -> None:
+    from ckpt_tool.fixtures.make import serving_files
 
-    code = main(["convert", REPO_ID, str(tmp_path / "out"), "--tp", "3"])
-    assert code == 1 and "tp=3" in capsys.readouterr().err
-    assert all(not any(p.endswith(".safetensors") for p in d) for d in fake_hub.downloads)
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    res = online(tmp_path, hub, "convert", f"hf://{REPO_ID}@main", out, "--tp", "2")
+    assert res.returncode == 0, res.stderr
+    assert shard_bytes(hub) == sizes(src, sorted(set(shard_of(src).values())))
+    local = tmp_path / "local"
+    convert(src, local, Options(tp=2))
+    assert tensor_files(out) == tensor_files(local)
+    # the serving files (tokenizer, generation config, chat template) fetched into OUT/model
+    for name in serving_files():
+        assert (out / "model" / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_online_plan_errors_come_before_any_shard_download(hub, tmp_path) -> None:
+    res = online(tmp_path, hub, "convert", REPO_ID, tmp_path / "out", "--tp", "3")
+    assert res.returncode == 1 and "tp=3" in res.stderr
+    assert hub.requests(file="config.json")  # it did get as far as the plan
+    assert shard_bytes(hub) == {}
     assert not (tmp_path / "out").exists()
 
 
-def test_online_dry_run_downloads_no_shard(fake_hub, capsys) -> None:
-    from ckpt_tool.cli.entry import main
-
-    code = main(["convert", REPO_ID, "unused", "--tp", "2", "--dry-run", "--json"])
-    assert code == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["files"]
-    assert all(not any(p.endswith(".safetensors") for p in d) for d in fake_hub.downloads)
-    shutil.rmtree("unused", ignore_errors=True)
+def test_online_dry_run_downloads_no_shard(hub, tmp_path) -> None:
+    res = online(tmp_path, hub, "convert", REPO_ID, tmp_path / "out", "--tp", "2", "--dry-run", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["files"]
+    assert shard_bytes(hub) == {}
+    assert not (tmp_path / "out").exists()
 
 
-def test_online_convert_fetches_the_serving_files_into_out_model(fake_hub, tmp_path, capsys) -> None:
-    from ckpt_tool.cli.entry import main
-    from ckpt_tool.fixtures.make import serving_files
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [("other-org/Nope", "other-org/Nope"), (f"{REPO_ID}@no-such-branch", f"{REPO_ID}@no-such-branch")],
+    ids=["repo", "revision"],
+)
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_online_unknown_repo_or_revision_is_one_line_naming_it(hub, tmp_path, command, source, named) -> None:
+    args = ("convert", source, tmp_path / "out") if command == "convert" else ("inspect", source)
+    res = online(tmp_path, hub, *args)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], res.stderr
+    assert "check the repo id and revision" in lines[0]
+    assert shard_bytes(hub) == {}
+    assert not (tmp_path / "out").exists()
 
-    code = main(["convert", REPO_ID, str(tmp_path / "out")])
-    assert code == 0, capsys.readouterr().err
-    for name in serving_files():
-        assert (tmp_path / "out" / "model" / name).read_bytes() == (fake_hub.src / name).read_bytes()
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_online_unreachable_hub_is_one_line_naming_the_network_fix(tmp_path, command) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    args = ("convert", REPO_ID, tmp_path / "out") if command == "convert" else ("inspect", REPO_ID)
+    res = cli(tmp_path, tmp_path / "hf", *args, endpoint=closed)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and REPO_ID in lines[0], res.stderr
+    assert "check the network (and HF_ENDPOINT" in lines[0] and "HF_HUB_OFFLINE=1" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,18 +395,96 @@ def test_offline_inspect_and_convert_refuse_a_config_the_headers_disagree_with(f
 
 
 def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_download(
-    monkeypatch, fixture_dir, tmp_path, capsys
+    hub, fixture_dir, tmp_path
 ) -> None:
-    import huggingface_hub
-    from huggingface_hub import constants
-
-    from ckpt_tool.cli.entry import main
-
-    fake = _FakeHub(_edited_copy(fixture_dir, tmp_path), tmp_path / "hf")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
-    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: fake)
-    code = main(["convert", REPO_ID, str(tmp_path / "out")])
-    assert code == 1 and MISMATCH in capsys.readouterr().err
-    assert all(not any(p.endswith(".safetensors") for p in d) for d in fake.downloads)
+    hub.push("deepseek-ai/Tiny-V4-edited", _edited_copy(fixture_dir, tmp_path))
+    res = online(tmp_path, hub, "convert", "deepseek-ai/Tiny-V4-edited", tmp_path / "out")
+    assert res.returncode == 1 and MISMATCH in res.stderr
+    assert shard_bytes(hub) == {}
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The test ground itself: tests/hub_server.py answers the real client as the hub does (in-process, the
+# endpoint passed explicitly: HF_ENDPOINT is read at import), ranges and injected faults included
+
+
+SHARD = "model-00002-of-00004.safetensors"
+
+
+def test_hub_server_serves_byte_ranges_through_hffilesystem(hub, fixture_dir) -> None:
+    from huggingface_hub import HfFileSystem
+
+    data = (fixture_dir("fp4") / SHARD).read_bytes()
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{REPO_ID}/{SHARD}", "rb", cache_type="none") as f:
+        f.seek(1000)
+        assert f.read(4096) == data[1000:5096]
+        f.seek(len(data) - 10)
+        assert f.read(100) == data[-10:]
+    ranged = hub.requests("GET", file=SHARD)
+    # each read: the resolve URL redirects (302) to the CDN, which answers 206 with the range (cut at the end)
+    tail = f"bytes={len(data) - 10}-{len(data) + 89}"
+    assert [(r.host, r.status, r.range, r.sent) for r in ranged] == [
+        ("hub", 302, "bytes=1000-5095", 0),
+        ("cdn", 206, "bytes=1000-5095", 4096),
+        ("hub", 302, tail, 0),
+        ("cdn", 206, tail, 10),
+    ]
+
+
+def test_hub_server_moves_a_branch_and_keeps_old_commits(hub, fixture_dir, tmp_path) -> None:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(endpoint=hub.url, token=False)
+    old = api.model_info(REPO_ID).sha
+    new = hub.push(REPO_ID, _edited_copy(fixture_dir, tmp_path))
+    assert new != old and api.model_info(REPO_ID, revision="main").sha == new
+    kw = {"endpoint": hub.url, "token": False, "cache_dir": tmp_path / "cache"}
+    at_old = Path(hf_hub_download(REPO_ID, "config.json", revision=old, **kw)).read_bytes()
+    at_main = Path(hf_hub_download(REPO_ID, "config.json", revision="main", **kw)).read_bytes()
+    assert at_old == (fixture_dir("fp4") / "config.json").read_bytes()
+    assert json.loads(at_main)["hidden_size"] == 320
+
+
+def test_hub_server_faults_meet_huggingface_hubs_retries(hub, fixture_dir, tmp_path) -> None:
+    from hub_server import Fault
+    from huggingface_hub import HfFileSystem, hf_hub_download
+
+    src = fixture_dir("fp4")
+    kw = {"endpoint": hub.url, "token": False, "cache_dir": tmp_path / "cache"}
+    # 503 on the HEAD, then 429 with Retry-After on the body: retried (http_backoff), the file arrives whole
+    hub.inject(Fault(method="HEAD", file=SHARD, status=503))
+    hub.inject(Fault(file=SHARD, host="cdn", status=429, retry_after=0))
+    assert Path(hf_hub_download(REPO_ID, SHARD, **kw)).read_bytes() == (src / SHARD).read_bytes()
+    assert [r.status for r in hub.requests(file=SHARD)] == [503, 302, 429, 200]
+
+    # a connection dropped mid-body: http_get starts again (it resumes from the last 10 MB chunk it wrote)
+    other = "model-00003-of-00004.safetensors"
+    hub.inject(Fault(file=other, host="cdn", drop_after=1000))
+    assert Path(hf_hub_download(REPO_ID, other, **kw)).read_bytes() == (src / other).read_bytes()
+    assert [r.sent for r in hub.requests("GET", file=other)] == [1000, (src / other).stat().st_size]
+
+    # a short body: hf_hub_download checks the size against the HEAD's; a range read does not check it
+    last = "model-00004-of-00004.safetensors"
+    hub.inject(Fault(file=last, host="cdn", short_by=7))
+    with pytest.raises(OSError, match="Consistency check failed"):
+        hf_hub_download(REPO_ID, last, **kw)
+    hub.inject(Fault(file=last, host="cdn", short_by=7))
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{REPO_ID}/{last}", "rb", cache_type="none") as f:
+        assert len(f.read(100)) == 93  # a streaming reader must check the length itself
+
+
+def test_hub_server_errors_are_huggingface_hubs_errors(hub) -> None:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = HfApi(endpoint=hub.url, token=False)
+    with pytest.raises(RepositoryNotFoundError):
+        api.model_info("other-org/Nope")
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info(REPO_ID, revision="no-such-branch")
+    with pytest.raises(RemoteEntryNotFoundError):
+        api.hf_hub_download(REPO_ID, "no-such-file.json", cache_dir=None)
+    assert [r.status for r in hub.requests()] == [401, 404, 404]

@@ -88,7 +88,8 @@ def network_error(ref: HubRef, what: str, exc: Exception) -> CheckpointError:
     """A hub failure as one line with its fix: network, auth, a wrong name, or offline use."""
     name = type(exc).__name__
     text = str(exc).splitlines()[0] if str(exc) else ""
-    if name in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError") or "401" in text or "404" in text:
+    not_readable = ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError", "NotASafetensorsRepoError")
+    if name in not_readable or "401" in text or "404" in text:
         fix = "check the repo id and revision, and that your token (--token, HF_TOKEN or `hf auth login`) may read it"
     else:
         fix = (
@@ -184,6 +185,16 @@ def _offline_error(ref: HubRef, folder: Path, missing: list[str], what: str) -> 
     )
 
 
+def resolve_commit(ref: HubRef) -> str:
+    """The commit ``ref``'s revision names now: every later read is pinned to it, so a branch that moves
+    meanwhile cannot mix two commits. A wrong repo id or revision fails here, named as such."""
+    hf, _ = _hf()
+    try:
+        return hf.HfApi(token=ref.token).model_info(ref.repo_id, revision=ref.revision).sha
+    except Exception as exc:
+        raise network_error(ref, "cannot resolve the repo on the hub", exc) from None
+
+
 def metadata_tensors(ref: HubRef, revision: str | None) -> dict[str, TensorInfo]:
     """Every tensor's header from the hub (HTTP range reads, no download). Offsets are buffer-relative."""
     hf, _ = _hf()
@@ -256,11 +267,7 @@ def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = Tru
             raise _offline_error(ref, folder, missing, "this conversion needs")
         return _open(folder, weight_map, files, names, config, needs)
 
-    api = hf.HfApi(token=ref.token)
-    try:
-        commit = api.model_info(ref.repo_id, revision=ref.revision).sha
-    except Exception as exc:
-        raise network_error(ref, "cannot resolve the repo on the hub", exc) from None
+    commit = resolve_commit(ref)
     try:
         folder = Path(
             hf.snapshot_download(
@@ -329,11 +336,13 @@ def hub_headers(ref: HubRef) -> tuple[dict[str, TensorInfo], V4Config | None, st
     if constants.HF_HUB_OFFLINE:
         ckpt = snapshot_for_inspect(ref)
         return ckpt.tensors, ckpt.config, ckpt.config_error
-    tensors = metadata_tensors(ref, ref.revision)
+    # resolved first: get_safetensors_metadata reports a missing repo or revision as "not a safetensors repo"
+    commit = resolve_commit(ref)
+    tensors = metadata_tensors(ref, commit)
     config: V4Config | None = None
     config_error: str | None = None
     try:
-        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=ref.revision, **ref.kw)
+        path = hf.hf_hub_download(ref.repo_id, "config.json", revision=commit, **ref.kw)
         config = V4Config.from_dict(json.loads(Path(path).read_text()), where=f"{ref}/config.json")
     except CheckpointError as exc:
         config_error = str(exc)
