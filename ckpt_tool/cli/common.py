@@ -1,14 +1,17 @@
 """What both ways into the command line share: the global flags, one-line errors, interrupts, and inspect.
 
 :mod:`ckpt_tool.cli.entry` (the console script, with its typer-free path for inspect) and the typer app
-(:mod:`ckpt_tool.cli.app`) both import this; neither imports the other at module level.
+(:mod:`ckpt_tool.cli.app`) both import this; neither imports the other at module level. It imports
+:mod:`ckpt_tool.cli.render` (rich) only inside functions, so ``inspect --json`` never loads rich; render never
+imports this module (what both need, :func:`drop_stdout`, lives in :mod:`ckpt_tool.cli.streams`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
+
+from ckpt_tool.cli.streams import drop_stdout
 
 STATE = {"debug": False, "quiet": False}
 GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
@@ -62,15 +65,6 @@ def interrupted(command: str, exc: BaseException) -> int:
 
     error_line("interrupted; rerun the same command to resume" if command == "convert" else "interrupted")
     return 130
-
-
-def drop_stdout() -> None:
-    """The reader went away (``| head``): send what is left of stdout to /dev/null so exit is silent."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout without a descriptor (captured): nothing to redirect
-        pass
 
 
 def run_inspect(
