@@ -26,6 +26,7 @@ from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from ckpt_tool.checkpoint.paths import not_a_regular_file
 from ckpt_tool.errors import CheckpointError, HeaderError
 
 MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
@@ -531,6 +532,9 @@ def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> Tenso
 def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
     """Read and validate the header of the safetensors file at ``path`` (no tensor bytes are read)."""
     file = file or path.name
+    kind = not_a_regular_file(path)
+    if kind not in (None, "missing"):  # never open it: a named pipe would block until someone wrote to it
+        raise CheckpointError(f"{file}: {path} is {kind}, not a safetensors file (not opened); put the file there")
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
