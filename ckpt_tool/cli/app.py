@@ -588,6 +588,7 @@ def verify(
                     seed=seed,
                     progress=prog,
                     workers=workers,
+                    same_files=ref is None,  # a hub source is pinned by its commit, not by the files' identity
                 )
             if judged is not None:  # beside the level: the engine's checks follow the level's
                 have = {c.name for c in report.checks}

@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
-from ckpt_tool.errors import OutputError, UsageError
+from ckpt_tool.errors import CheckpointError, OutputError, UsageError
 from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
 from ckpt_tool.output.layout import (
     COMPONENTS,
@@ -54,6 +55,7 @@ from ckpt_tool.output.writer import (
     SourceFiles,
     default_workers,
     file_size,
+    files_fed,
     output_error,
     sha256_file,
     write_output_file,
@@ -220,9 +222,13 @@ def convert(
     source = source_fingerprint(ckpt)
     fingerprint = run_fingerprint(source, full.options)  # the options as the plan settled them (vllm_series)
     partial = not finalize and shard_count > 1
+    # each source file as the plan saw it; a hub snapshot's files are pinned by their commit instead, so the
+    # manifest records the identity of a local source only (verify compares it)
+    identities = _identities(ckpt)
+    record_identity = not isinstance(src, Checkpoint)
 
     if finalize:
-        result = _finalize(ckpt, out, covered, source, fingerprint, ranks)
+        result = _finalize(ckpt, out, covered, source, fingerprint, ranks, identities, record_identity)
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -279,6 +285,7 @@ def convert(
             done = known.get(f.relpath)
             if (
                 done
+                and _made_from(done, files_fed(f, plan.sources), identities) is None
                 and dest.is_file()
                 and dest.stat().st_size == done["size"] == file_size(f)
                 and sha256_file(dest) == done["sha256"]
@@ -292,7 +299,7 @@ def convert(
                 continue
             todo.append(f)
 
-        files = SourceFiles(ckpt.root)
+        files = SourceFiles(ckpt.root, identities)
         jlock = threading.Lock()
 
         failed = threading.Event()  # one file failed: files not yet started are not started
@@ -305,8 +312,9 @@ def convert(
             except BaseException:
                 failed.set()
                 raise
+            fed = {file: identities[file].as_dict() for file in files_fed(f, plan.sources)}
             with jlock:
-                journal["files"][f.relpath] = {"size": size, "sha256": digest}
+                journal["files"][f.relpath] = {"size": size, "sha256": digest, "sources": fed}
                 _write_json_atomic(journal_path, journal)
                 result.written.append(f.relpath)
                 result.bytes_written += size
@@ -332,7 +340,7 @@ def convert(
         if partial:
             result.seconds = time.perf_counter() - t0
             return result
-        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks)
+        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks, identities, record_identity)
         journal_path.unlink(missing_ok=True)
         _drop_journals(out, fingerprint)
         result.finalized = True
@@ -340,8 +348,37 @@ def convert(
     return result
 
 
+def _identities(ckpt: Checkpoint) -> dict[str, FileIdentity]:
+    """Each source file as it was when its header was read (what the plan is made from)."""
+    found = {}
+    for file, header in ckpt.shards.items():
+        identity = header.identity or identity_of(ckpt.root / file)  # a header not read from this file: now
+        if identity is None:
+            raise CheckpointError(
+                f"{ckpt.root / file}: removed since its header was read; rerun once the source is whole again"
+            )
+        found[file] = identity
+    return found
+
+
+def _made_from(entry: dict, fed: list[str], identities: dict[str, FileIdentity]) -> str | None:
+    """Why the journal ``entry`` of a finished file was not made from the source files ``fed`` as they are
+    now (None: it was). Another run made it, maybe on another machine: size and mtime are compared."""
+    recorded = entry.get("sources")
+    if not isinstance(recorded, dict):
+        return "its journal entry does not say which source files it was made from"
+    for file in fed:
+        was = FileIdentity.from_dict(recorded.get(file)) if isinstance(recorded.get(file), dict) else None
+        if was is None:
+            return f"its journal entry does not record {file}"
+        said = was.changes_since(identities[file])
+        if said:
+            return f"{file} changed since it was made ({'; '.join(said)})"
+    return None
+
+
 def _recorded_files(out: Path, fingerprint: str) -> dict[str, dict]:
-    """{relpath: {size, sha256}} from every journal in OUT that belongs to this conversion."""
+    """{relpath: {size, sha256, sources}} from every journal in OUT that belongs to this conversion."""
     files: dict[str, dict] = {}
     for path in journals(out):
         doc = read_journal(path)
@@ -372,15 +409,31 @@ def serving_files(root: Path) -> list[str]:
 
 
 def _write_final(
-    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None
+    ckpt: Checkpoint,
+    out: Path,
+    plan: Plan,
+    source: dict,
+    fingerprint: str,
+    outputs: dict,
+    ranks: Sequence[int] | None,
+    identities: dict[str, FileIdentity],
+    record_identity: bool,
 ) -> None:
-    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete")."""
+    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete").
+
+    The manifest is written only while every source file OUT was made from is still the file the plan saw.
+    """
     copied: dict[str, dict] = {}
     for comp in COMPONENTS:
         if any(f.component == comp for f in plan.files):
             (out / comp).mkdir(exist_ok=True)
             _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
             shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
+            if sha256_file(out / comp / "config.json") != source["config_sha256"]:
+                raise CheckpointError(
+                    f"{ckpt.root / 'config.json'}: changed while converting; OUT is not complete — rerun the same "
+                    "command once the source is stable (pass --force if it now describes another model)"
+                )
             if comp == "model":
                 for name in serving_files(ckpt.root):
                     shutil.copyfile(ckpt.root / name, out / comp / name)
@@ -390,17 +443,30 @@ def _write_final(
                     }
     layout = source_layout(ckpt)
     _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
+    fed = sorted({file for f in plan.files for file in files_fed(f, plan.sources)})
+    if record_identity:
+        source = {**source, "identity": {file: identities[file].as_dict() for file in fed}}
+    outputs = {relpath: {"size": o["size"], "sha256": o["sha256"]} for relpath, o in outputs.items()}
     doc = manifest_doc(plan, source, fingerprint, outputs)
     doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
     doc["serving_files"] = copied
     if ranks is not None:
         doc["ranks"] = sorted(set(ranks))
     doc["complete"] = doc.pop("complete")  # keep "complete" the last key
+    with SourceFiles(ckpt.root, identities) as files:
+        files.check_unchanged(fed)  # the last word before "complete"
     _write_json_atomic(out / MANIFEST, doc)
 
 
 def _finalize(
-    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None
+    ckpt: Checkpoint,
+    out: Path,
+    plan: Plan,
+    source: dict,
+    fingerprint: str,
+    ranks: Sequence[int] | None,
+    identities: dict[str, FileIdentity],
+    record_identity: bool,
 ) -> ConvertResult:
     """Check every planned file against the shard journals and write the final index/config/manifest."""
     result = ConvertResult(plan, out)
@@ -433,6 +499,8 @@ def _finalize(
                 problems.append(
                     f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard"
                 )
+            elif (why := _made_from(rec, files_fed(f, plan.sources), identities)) is not None:
+                problems.append(f"{f.relpath}: made from another state of the source: {why}; rerun its shard")
             elif sha256_file(dest) != rec["sha256"]:
                 problems.append(
                     f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun "
@@ -443,7 +511,8 @@ def _finalize(
         if problems:
             more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
             raise OutputError(f"{out}: cannot finalize: {problems[0]}{more}")
-        _write_final(ckpt, out, plan, source, fingerprint, {f.relpath: recorded[f.relpath] for f in plan.files}, ranks)
+        outputs = {f.relpath: recorded[f.relpath] for f in plan.files}
+        _write_final(ckpt, out, plan, source, fingerprint, outputs, ranks, identities, record_identity)
         _drop_journals(out, fingerprint)
         result.finalized = True
     return result
