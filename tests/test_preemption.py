@@ -9,7 +9,6 @@ uninterrupted conversion. A second signal exits at once, without waiting for the
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
@@ -51,14 +50,6 @@ WRAPPER = textwrap.dedent(
     sys.exit(main(argv))
     """
 )
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def start_slow_convert(
@@ -106,7 +97,7 @@ def test_a_stop_signal_says_how_to_resume_and_the_rerun_finishes_identically(
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")], "a temporary was left behind"
 
     assert run_cli(capsys, "convert", src, out, *OPTS)[0] == 0
-    assert tree_hashes(out) == tree_hashes(reference)
+    assert snapshot(out) == snapshot(reference)
 
 
 def test_a_second_signal_exits_at_once(fixture_dir, reference: Path, tmp_path: Path, capsys) -> None:
@@ -126,4 +117,4 @@ def test_a_second_signal_exits_at_once(fixture_dir, reference: Path, tmp_path: P
     assert not (out / "ckpt-tool.json").exists()
 
     assert run_cli(capsys, "convert", src, out, *OPTS)[0] == 0  # the temporaries it left are cleared, resumed
-    assert tree_hashes(out) == tree_hashes(reference)
+    assert snapshot(out) == snapshot(reference)

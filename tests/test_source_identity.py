@@ -10,13 +10,12 @@ conversion.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.checkpoint.headers import DTYPE_BITS
 from ckpt_tool.checkpoint.source import open_checkpoint
@@ -30,12 +29,11 @@ VARIANT = "fp4"
 CHANGED_FILE_AT = 30  # the byte flips while this file of the plan (in plan order) is being written
 
 
-def tree_hashes(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+def assert_a_clean_conversion_of(src: Path, out: Path, capsys) -> None:
+    """OUT holds exactly what an uninterrupted conversion of ``src`` as it is now writes."""
+    clean = out.with_name(f"{out.name}-clean")
+    assert run_cli(capsys, "convert", src, clean, *OPTS)[0] == 0
+    assert snapshot(out) == snapshot(clean)
 
 
 def the_plan(src: Path) -> Plan:
@@ -65,24 +63,28 @@ def flip(path: Path, offset: int) -> None:
         fh.write(bytes([b[0] ^ 0x01]))
 
 
-def flip_while_writing(monkeypatch, plan: Plan, src: Path, at: int) -> tuple[str, int]:
-    """Flip a byte of the shard file ``at`` reads, once that file's first bytes are in its temporary file."""
+def once_written(monkeypatch, after: int, action) -> None:
+    """Run ``action`` once, when more than ``after`` bytes of output are in their (temporary) files: the CLI's
+    progress display is told of each buffer after it is written and before its file is finished."""
     from ckpt_tool.cli.render import ConvertProgress
 
-    target = plan.files[at]
-    shard, offset = byte_read_by(target, plan)
-    before = sum(file_size(f) for f in plan.files[:at])
-    seen = {"bytes": 0, "flipped": False}
+    seen = {"bytes": 0, "done": False}
     real = ConvertProgress.advance
 
     def advance(self, n: int) -> None:
         seen["bytes"] += n
-        if not seen["flipped"] and seen["bytes"] > before:
-            seen["flipped"] = True
-            flip(src / shard, offset)
+        if not seen["done"] and seen["bytes"] > after:
+            seen["done"] = True
+            action()
         real(self, n)
 
     monkeypatch.setattr(ConvertProgress, "advance", advance)
+
+
+def flip_while_writing(monkeypatch, plan: Plan, src: Path, at: int) -> tuple[str, int]:
+    """Flip a byte of the shard file ``at`` reads, once that file's first bytes are in its temporary file."""
+    shard, offset = byte_read_by(plan.files[at], plan)
+    once_written(monkeypatch, sum(file_size(f) for f in plan.files[:at]), lambda: flip(src / shard, offset))
     return shard, offset
 
 
@@ -115,9 +117,7 @@ def test_a_byte_flipped_mid_run_fails_and_the_rerun_reconverts_only_what_that_sh
     assert doc["files_skipped"] == len(earlier_not_fed), doc
     assert doc["files_written"] == len(plan.files) - len(earlier_not_fed), doc
 
-    clean = tmp_path / "clean"
-    assert run_cli(capsys, "convert", src, clean, *OPTS)[0] == 0
-    assert tree_hashes(out) == tree_hashes(clean)
+    assert_a_clean_conversion_of(src, out, capsys)
 
 
 def test_a_source_changed_before_the_manifest_leaves_out_incomplete(
@@ -148,32 +148,24 @@ def test_a_source_changed_before_the_manifest_leaves_out_incomplete(
     assert code == 0, err
     fed = [f for f in plan.files if shard in files_fed(f, plan.sources)]
     assert json.loads(stdout)["files_written"] == len(fed)
-    clean = tmp_path / "clean"
-    assert run_cli(capsys, "convert", src, clean, *OPTS)[0] == 0
-    assert tree_hashes(out) == tree_hashes(clean)
+    assert_a_clean_conversion_of(src, out, capsys)
 
 
 def test_a_shard_replaced_by_a_new_file_of_the_same_bytes_and_time_is_still_a_change(
     fixture_copy, tmp_path, capsys, monkeypatch
 ) -> None:
     """Within one run the inode counts too: a download renamed over the path is another file."""
-    from ckpt_tool.cli.render import ConvertProgress
-
     src = fixture_copy(VARIANT)
     plan = the_plan(src)
     shard = files_fed(plan.files[0], plan.sources)[0]
-    real = ConvertProgress.advance
 
-    def advance(self, n: int) -> None:
-        if not (src / f"{shard}.new").exists() and not getattr(advance, "done", False):
-            advance.done = True
-            st = os.stat(src / shard)
-            (src / f"{shard}.new").write_bytes((src / shard).read_bytes())
-            os.utime(src / f"{shard}.new", ns=(st.st_atime_ns, st.st_mtime_ns))
-            os.replace(src / f"{shard}.new", src / shard)
-        real(self, n)
+    def replace_by_a_copy() -> None:
+        st = os.stat(src / shard)
+        (src / f"{shard}.new").write_bytes((src / shard).read_bytes())
+        os.utime(src / f"{shard}.new", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(src / f"{shard}.new", src / shard)
 
-    monkeypatch.setattr(ConvertProgress, "advance", advance)
+    once_written(monkeypatch, 0, replace_by_a_copy)
     out = tmp_path / "out"
     code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS)
     assert code == 1 and shard in err and "replaced by another file" in err, err
@@ -200,3 +192,26 @@ def test_verify_names_a_source_that_changed_since_the_conversion(change: str, fi
     assert [c["name"] for c in failed] == ["source-identity"], failed
     assert shard in failed[0]["message"] and "modified at" in failed[0]["message"]
     assert failed[0]["file"] == shard
+
+
+def test_finalize_refuses_a_shard_made_before_the_source_changed(fixture_copy, tmp_path, capsys) -> None:
+    """Scale-out: shard 0 ran, then a source file changed, then shard 1 ran. Finalize names a file shard 0 made from
+    the old bytes; once shard 0 runs again (redoing only what that file fed) finalize ends as a clean conversion."""
+    src = fixture_copy(VARIANT)
+    plan = the_plan(src)
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", 0, "--shard-count", 2)[0] == 0
+    shard, offset = byte_read_by(plan.files[0], plan)  # plan.files[0] is shard 0's (i % 2 == 0)
+    flip(src / shard, offset)
+    assert run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", 1, "--shard-count", 2)[0] == 0
+
+    code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS, "--finalize")
+    assert code == 1 and "cannot finalize" in err and shard in err and "rerun its shard" in err, err
+    assert not (out / MANIFEST).exists()
+
+    code, stdout, err = run_cli(capsys, "convert", src, out, *OPTS, "--shard-index", 0, "--shard-count", 2, "--json")
+    assert code == 0, err
+    ours = plan.files[0::2]
+    assert json.loads(stdout)["files_written"] == sum(shard in files_fed(f, plan.sources) for f in ours)
+    assert run_cli(capsys, "convert", src, out, *OPTS, "--finalize")[0] == 0
+    assert_a_clean_conversion_of(src, out, capsys)

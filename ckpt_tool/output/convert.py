@@ -64,6 +64,19 @@ from ckpt_tool.output.writer import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The source as this run planned from it: the checkpoint, its fingerprint (the manifest's ``source``) and the
+    run's, and each file's identity then (recorded in the manifest for a local source only: a hub source is pinned
+    by its commit)."""
+
+    ckpt: Checkpoint
+    doc: dict
+    fingerprint: str
+    identities: dict[str, FileIdentity]
+    record_identity: bool
+
+
 @dataclass
 class ConvertResult:
     plan: Plan  # the plan of the files this run is responsible for (the whole plan unless ranks/shard select)
@@ -219,16 +232,14 @@ def convert(
     plan = replace(full, files=tuple(selected))
     if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
         on_plan(plan)
-    source = source_fingerprint(ckpt)
-    fingerprint = run_fingerprint(source, full.options)  # the options as the plan settled them (vllm_series)
+    doc = source_fingerprint(ckpt)
+    fingerprint = run_fingerprint(doc, full.options)  # the options as the plan settled them (vllm_series)
     partial = not finalize and shard_count > 1
-    # each source file as the plan saw it; a hub snapshot's files are pinned by their commit instead, so the
-    # manifest records the identity of a local source only (verify compares it)
     identities = _identities(ckpt)
-    record_identity = not isinstance(src, Checkpoint)
+    source = _Source(ckpt, doc, fingerprint, identities, record_identity=not isinstance(src, Checkpoint))
 
     if finalize:
-        result = _finalize(ckpt, out, covered, source, fingerprint, ranks, identities, record_identity)
+        result = _finalize(source, out, covered, ranks)
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -340,7 +351,7 @@ def convert(
         if partial:
             result.seconds = time.perf_counter() - t0
             return result
-        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks, identities, record_identity)
+        _write_final(source, out, covered, journal["files"], ranks)
         journal_path.unlink(missing_ok=True)
         _drop_journals(out, fingerprint)
         result.finalized = True
@@ -408,28 +419,19 @@ def serving_files(root: Path) -> list[str]:
     return names
 
 
-def _write_final(
-    ckpt: Checkpoint,
-    out: Path,
-    plan: Plan,
-    source: dict,
-    fingerprint: str,
-    outputs: dict,
-    ranks: Sequence[int] | None,
-    identities: dict[str, FileIdentity],
-    record_identity: bool,
-) -> None:
+def _write_final(source: _Source, out: Path, plan: Plan, outputs: dict, ranks: Sequence[int] | None) -> None:
     """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete").
 
     The manifest is written only while every source file OUT was made from is still the file the plan saw.
     """
+    ckpt = source.ckpt
     copied: dict[str, dict] = {}
     for comp in COMPONENTS:
         if any(f.component == comp for f in plan.files):
             (out / comp).mkdir(exist_ok=True)
             _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
             shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
-            if sha256_file(out / comp / "config.json") != source["config_sha256"]:
+            if sha256_file(out / comp / "config.json") != source.doc["config_sha256"]:
                 raise CheckpointError(
                     f"{ckpt.root / 'config.json'}: changed while converting; OUT is not complete — rerun the same "
                     "command once the source is stable (pass --force if it now describes another model)"
@@ -444,30 +446,22 @@ def _write_final(
     layout = source_layout(ckpt)
     _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
     fed = sorted({file for f in plan.files for file in files_fed(f, plan.sources)})
-    if record_identity:
-        source = {**source, "identity": {file: identities[file].as_dict() for file in fed}}
+    recorded = source.doc
+    if source.record_identity:
+        recorded = {**recorded, "identity": {file: source.identities[file].as_dict() for file in fed}}
     outputs = {relpath: {"size": o["size"], "sha256": o["sha256"]} for relpath, o in outputs.items()}
-    doc = manifest_doc(plan, source, fingerprint, outputs)
+    doc = manifest_doc(plan, recorded, source.fingerprint, outputs)
     doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
     doc["serving_files"] = copied
     if ranks is not None:
         doc["ranks"] = sorted(set(ranks))
     doc["complete"] = doc.pop("complete")  # keep "complete" the last key
-    with SourceFiles(ckpt.root, identities) as files:
+    with SourceFiles(ckpt.root, source.identities) as files:
         files.check_unchanged(fed)  # the last word before "complete"
     _write_json_atomic(out / MANIFEST, doc)
 
 
-def _finalize(
-    ckpt: Checkpoint,
-    out: Path,
-    plan: Plan,
-    source: dict,
-    fingerprint: str,
-    ranks: Sequence[int] | None,
-    identities: dict[str, FileIdentity],
-    record_identity: bool,
-) -> ConvertResult:
+def _finalize(source: _Source, out: Path, plan: Plan, ranks: Sequence[int] | None) -> ConvertResult:
     """Check every planned file against the shard journals and write the final index/config/manifest."""
     result = ConvertResult(plan, out)
     if not out.is_dir():
@@ -475,7 +469,7 @@ def _finalize(
     with OutputLock(out):
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("complete"):
-            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (
+            if manifest.get("fingerprint") == source.fingerprint and manifest.get("ranks") == (
                 sorted(set(ranks)) if ranks is not None else None
             ):
                 result.skipped = [f.relpath for f in plan.files]
@@ -483,7 +477,7 @@ def _finalize(
             raise OutputError(
                 f"{out}: holds a finished conversion of another source or with other options; choose a new OUT"
             )
-        recorded = _recorded_files(out, fingerprint)
+        recorded = _recorded_files(out, source.fingerprint)
         problems: list[str] = []
         for f in plan.files:
             dest = out / f.relpath
@@ -499,7 +493,7 @@ def _finalize(
                 problems.append(
                     f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard"
                 )
-            elif (why := _made_from(rec, files_fed(f, plan.sources), identities)) is not None:
+            elif (why := _made_from(rec, files_fed(f, plan.sources), source.identities)) is not None:
                 problems.append(f"{f.relpath}: made from another state of the source: {why}; rerun its shard")
             elif sha256_file(dest) != rec["sha256"]:
                 problems.append(
@@ -512,8 +506,8 @@ def _finalize(
             more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
             raise OutputError(f"{out}: cannot finalize: {problems[0]}{more}")
         outputs = {f.relpath: recorded[f.relpath] for f in plan.files}
-        _write_final(ckpt, out, plan, source, fingerprint, outputs, ranks, identities, record_identity)
-        _drop_journals(out, fingerprint)
+        _write_final(source, out, plan, outputs, ranks)
+        _drop_journals(out, source.fingerprint)
         result.finalized = True
     return result
 
