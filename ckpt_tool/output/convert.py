@@ -1,10 +1,12 @@
 """``convert``: source headers → plan → streamed, atomic, resumable output with index and manifest.
 
 The OUT format is :mod:`ckpt_tool.output.layout`. The manifest is written last with ``"complete": true``;
-until then, OUT/.ckpt-tool-journal.json records finished files so a rerun with
-the same source and options skips them (after re-checking their checksum). OUT/ckpt-tool-source.json
-keeps the source's raw safetensors headers (named and hashed in the manifest) so ``unconvert`` can
-rebuild the original checkpoint from OUT alone.
+until then, OUT/.ckpt-tool-journal.json records finished files (and the identity of the source files each
+was made from) so a rerun with the same source and options skips them (after re-checking their checksum)
+unless a source file they read has changed since. A source file that changes during the run fails it before
+the file of OUT that read it is renamed into place, or before the manifest (:mod:`ckpt_tool.checkpoint.identity`).
+OUT/ckpt-tool-source.json keeps the source's raw safetensors headers (named and hashed in the manifest) so
+``unconvert`` can rebuild the original checkpoint from OUT alone.
 
 Scale-out: ``ranks`` restricts the run to some TP ranks (it still finishes with a manifest, which
 records the ranks); ``shard=(K, M)`` writes only the planned files ``i % M == K`` of the selection,
