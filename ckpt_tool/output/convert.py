@@ -183,6 +183,9 @@ def _write_text_atomic(path: Path, text: str) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_error(exc, path) from None
+    except BaseException:  # a stop signal (KeyboardInterrupt, Preempted) mid-write: no temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _clear_previous(out: Path) -> None:
