@@ -53,15 +53,17 @@ WRAPPER = textwrap.dedent(
 
 
 def start_slow_convert(
-    tmp_path: Path, src: Path, out: Path, delay: float, *extra: str
+    tmp_path: Path, src: Path, out: Path, delay: float, *extra: str, ignoring: int | None = None
 ) -> tuple[subprocess.Popen, Path]:
+    """``ignoring``: a signal the process is started ignoring (as ``nohup`` starts it ignoring SIGHUP)."""
     wrapper = tmp_path / "slow_convert.py"
     wrapper.write_text(WRAPPER)
     marker = tmp_path / "writing"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CKPT_TOOL_DEBUG", None)
     cmd = [sys.executable, str(wrapper), str(marker), str(delay), "convert", str(src), str(out), *OPTS, *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ignore = None if ignoring is None else (lambda: signal.signal(ignoring, signal.SIG_IGN))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()[1]
@@ -117,4 +119,16 @@ def test_a_second_signal_exits_at_once(fixture_dir, reference: Path, tmp_path: P
     assert not (out / "ckpt-tool.json").exists()
 
     assert run_cli(capsys, "convert", src, out, *OPTS)[0] == 0  # the temporaries it left are cleared, resumed
+    assert snapshot(out) == snapshot(reference)
+
+
+def test_a_signal_ignored_at_start_stays_ignored(fixture_dir, reference: Path, tmp_path: Path) -> None:
+    """``nohup ckpt-tool convert ...``: a closed terminal's SIGHUP does not stop it."""
+    out = tmp_path / "out"
+    proc, _marker = start_slow_convert(
+        tmp_path, fixture_dir(VARIANT), out, 0.2, "--workers", "1", ignoring=signal.SIGHUP
+    )
+    proc.send_signal(signal.SIGHUP)
+    _stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
     assert snapshot(out) == snapshot(reference)

@@ -76,7 +76,10 @@ class Preempted(KeyboardInterrupt):
 @contextmanager
 def stop_signals() -> Iterator[None]:
     """While a command runs: the first of SIGINT, SIGTERM, SIGHUP stops it as Ctrl-C does; a second one exits at
-    once (128 + its number) without waiting for files in flight: their temporaries are cleared by the rerun."""
+    once (128 + its number) without waiting for files in flight: their temporaries are cleared by the rerun.
+
+    A signal the command was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell ignores SIGINT
+    for a job started with ``&``)."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -85,12 +88,14 @@ def stop_signals() -> Iterator[None]:
         os.write(2, f"error: {signal.Signals(signum).name} again: stopped at once\n".encode())
         os._exit(128 + signum)
 
+    handled = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+
     def first(signum: int, frame: object) -> None:
-        for s in STOP_SIGNALS:
+        for s in handled:
             signal.signal(s, at_once)
         raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signum)
 
-    previous = {s: signal.signal(s, first) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, first) for s in handled}
     try:
         yield
     finally:
