@@ -29,6 +29,15 @@ VARIANT = "fp4"
 CHANGED_FILE_AT = 30  # the byte flips while this file of the plan (in plan order) is being written
 
 
+def assert_convert_stops_naming(src: Path, out: Path, capsys, shard: str, *said: str) -> None:
+    """convert exits 1 with one line naming ``shard`` and saying each of ``said``; OUT is not complete."""
+    code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert shard in lines[0] and all(s in lines[0] for s in said), lines[0]
+    assert not (out / MANIFEST).exists()
+
+
 def assert_a_clean_conversion_of(src: Path, out: Path, capsys) -> None:
     """OUT holds exactly what an uninterrupted conversion of ``src`` as it is now writes."""
     clean = out.with_name(f"{out.name}-clean")
@@ -96,12 +105,7 @@ def test_a_byte_flipped_mid_run_fails_and_the_rerun_reconverts_only_what_that_sh
     shard, _offset = flip_while_writing(monkeypatch, plan, src, CHANGED_FILE_AT)
     out = tmp_path / "out"
 
-    code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 1, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert shard in lines[0] and "changed while converting" in lines[0] and "modified at" in lines[0], lines[0]
-    assert not (out / MANIFEST).exists()
+    assert_convert_stops_naming(src, out, capsys, shard, "changed while converting", "modified at")
     assert not (out / plan.files[CHANGED_FILE_AT].relpath).exists()  # the file being written never got its name
     assert not [p for p in out.rglob("*.tmp")]
     journaled = json.loads((out / JOURNAL).read_text())["files"]
@@ -139,9 +143,7 @@ def test_a_source_changed_before_the_manifest_leaves_out_incomplete(
 
     monkeypatch.setattr(conv, "index_doc", index_doc)
     out = tmp_path / "out"
-    code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS)
-    assert code == 1 and shard in err and "changed while converting" in err, err
-    assert not (out / MANIFEST).exists()
+    assert_convert_stops_naming(src, out, capsys, shard, "changed while converting")
 
     monkeypatch.undo()
     code, stdout, err = run_cli(capsys, "convert", src, out, *OPTS, "--json")
@@ -167,9 +169,7 @@ def test_a_shard_replaced_by_a_new_file_of_the_same_bytes_and_time_is_still_a_ch
 
     once_written(monkeypatch, 0, replace_by_a_copy)
     out = tmp_path / "out"
-    code, _stdout, err = run_cli(capsys, "convert", src, out, *OPTS)
-    assert code == 1 and shard in err and "replaced by another file" in err, err
-    assert not (out / MANIFEST).exists()
+    assert_convert_stops_naming(src, out, capsys, shard, "changed while converting", "replaced by another file")
 
 
 @pytest.mark.parametrize("change", ["flip", "touch"])
