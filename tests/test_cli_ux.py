@@ -334,3 +334,32 @@ def test_main_resets_global_flags_between_calls(capsys) -> None:
     code, out, _ = run_cli(capsys, "profiles")
     assert code == 0 and out and entry.STATE["quiet"] is False
     assert os.environ.get("CKPT_TOOL_DEBUG") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's imports run one way: entry → common → render → streams
+
+
+def _ckpt_tool_imports(module: str) -> set[str]:
+    """Every ``ckpt_tool`` module ``module``'s source imports, at module level or inside functions."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckpt_tool"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ckpt_tool"))
+    return found
+
+
+def test_render_and_common_do_not_import_each_other() -> None:
+    assert "ckpt_tool.cli.render" in _ckpt_tool_imports("ckpt_tool.cli.common")
+    for module in ("ckpt_tool.cli.render", "ckpt_tool.cli.streams"):
+        back = {m for m in _ckpt_tool_imports(module) if m in ("ckpt_tool.cli.common", "ckpt_tool.cli.entry")}
+        assert not back, f"{module} imports {back}: the CLI's imports must run entry → common → render → streams"
+    assert _ckpt_tool_imports("ckpt_tool.cli.streams") == set()

@@ -474,7 +474,7 @@ def test_missing_shard_file_is_a_checkpoint_error_naming_it(tmp_path: Path) -> N
 
 def test_directory_instead_of_shard_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "dir.safetensors").mkdir()
-    with pytest.raises(CheckpointError, match=r"dir\.safetensors: is a directory"):
+    with pytest.raises(CheckpointError, match=r"dir\.safetensors: is a folder, expected a safetensors file"):
         read_shard_header(tmp_path / "dir.safetensors")
 
 

@@ -222,3 +222,46 @@ def test_norm_nan_warning_survives_json_mode(base: Path, tmp_path: Path, capsys,
     doc = json.loads(stdout)
     assert any("layers.0.attn_norm.weight" in w and S1 in w for w in doc["warnings"]), doc["warnings"]
     assert "warning: " in err
+
+
+# ---------------------------------------------------------------------------------------------
+# An index-named path that is there but is not a regular file: said as what it is, never opened
+
+
+def _shard_replaced_by(base: Path, tmp_path: Path, kind: str) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in base.iterdir():
+        (src / p.name).symlink_to(p)  # the fixture's files, shared; S4 below is the case's own
+    (src / S4).unlink()
+    if kind == "folder":
+        (src / S4).mkdir()
+    else:
+        os.mkfifo(src / S4)
+    return src
+
+
+@pytest.mark.parametrize(("kind", "said"), [("folder", "is a folder"), ("pipe", "is a named pipe")])
+def test_an_index_named_path_that_is_not_a_regular_file_is_named_as_what_it_is(
+    kind: str, said: str, base: Path, tmp_path: Path
+) -> None:
+    """A real process (a named pipe opened for reading would block it: the timeout would fail the test)."""
+    src = _shard_replaced_by(base, tmp_path, kind)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CKPT_TOOL_DEBUG", None)
+    for command in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out")]):
+        r = subprocess.run(
+            [sys.executable, "-m", "ckpt_tool", *command], capture_output=True, text=True, env=env, timeout=60
+        )
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1, r.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert S4 in lines[0] and said in lines[0] and "missing" not in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_index_named_path_that_is_absent_is_missing(base: Path, tmp_path: Path, capsys) -> None:
+    src = _shard_replaced_by(base, tmp_path, "folder")
+    (src / S4).rmdir()
+    code, _out, err = run_cli(capsys, "inspect", src)
+    assert code == 1 and S4 in err and "missing" in err

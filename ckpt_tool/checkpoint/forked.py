@@ -138,7 +138,8 @@ def _run_child(read_end: int, write_end: int, fn: Callable[..., Any], args: tupl
     code = 1
     try:
         os.close(read_end)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C reaches the whole group: the child just goes
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # sent to the whole group: the child just goes
+            signal.signal(stop, signal.SIG_DFL)
         data = marshal.dumps(fn(*args))
         with os.fdopen(write_end, "wb") as out:
             out.write(data)

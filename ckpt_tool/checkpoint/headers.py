@@ -19,13 +19,15 @@ import struct
 from collections import Counter
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain, count, repeat
 from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from ckpt_tool.checkpoint.identity import FileIdentity
+from ckpt_tool.checkpoint.paths import not_a_regular_file
 from ckpt_tool.errors import CheckpointError, HeaderError
 
 MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
@@ -110,6 +112,7 @@ class ShardHeader:
     columns: Columns = field(repr=False)
     header_sha256: str = ""
     dtype_totals: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # dtype -> (tensors, bytes)
+    identity: FileIdentity | None = None  # the file as it was when this header was read (None: not read from a file)
 
     @cached_property
     def tensors(self) -> dict[str, TensorInfo]:
@@ -138,12 +141,14 @@ class ShardHeader:
             tuple(self.columns),
             self.header_sha256,
             self.dtype_totals,
+            None if self.identity is None else tuple(self.identity),
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> ShardHeader:
-        file, header_len, file_size, metadata, names, dtypes, columns, sha, totals = wire
-        return cls(file, header_len, file_size, metadata, names, dtypes, Columns(*columns), sha, totals)
+        file, header_len, file_size, metadata, names, dtypes, columns, sha, totals, identity = wire
+        identity = None if identity is None else FileIdentity(*identity)
+        return cls(file, header_len, file_size, metadata, names, dtypes, Columns(*columns), sha, totals, identity)
 
     @property
     def data_start(self) -> int:
@@ -531,9 +536,13 @@ def _tensor_entry(file: str, name: str, entry: object, data_start: int) -> Tenso
 def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
     """Read and validate the header of the safetensors file at ``path`` (no tensor bytes are read)."""
     file = file or path.name
+    kind = not_a_regular_file(path)
+    if kind not in (None, "missing"):  # never open it: a named pipe would block until someone wrote to it
+        raise CheckpointError(f"{file}: is {kind}, expected a safetensors file ({path}); not opened — put it there")
     try:
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+            st = os.fstat(fh.fileno())
+            size = st.st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
                 raise HeaderError(
@@ -555,14 +564,14 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
     except FileNotFoundError:
         raise CheckpointError(f"{file}: file not found ({path})") from None
     except IsADirectoryError:
-        raise CheckpointError(f"{file}: is a directory, expected a safetensors file ({path})") from None
+        raise CheckpointError(f"{file}: is a folder, expected a safetensors file ({path})") from None
     except PermissionError:
         raise CheckpointError(f"{file}: permission denied reading {path}") from None
     except OSError as exc:
         raise CheckpointError(
             f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again"
         ) from None
-    return parse_header(raw, file, size, header_len)
+    return replace(parse_header(raw, file, size, header_len), identity=FileIdentity.of_stat(st))
 
 
 def safe_relative_name(name: object, where: str) -> str:

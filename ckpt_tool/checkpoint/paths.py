@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
+
+
+# What a path that is there but is not a regular file is, in words (os.stat follows symlinks, as open would).
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """None when ``path`` is a regular file (or a symlink to one); else what it is: "missing" when nothing is
+    there (a dangling symlink included), or "a folder", "a named pipe", ... Only stats: opening a named pipe to
+    look would block until a writer came."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
 def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
-from ckpt_tool.checkpoint.paths import INDEX_NAME, load_config, resolve_layout
+from ckpt_tool.checkpoint.paths import INDEX_NAME, load_config, not_a_regular_file, resolve_layout
 from ckpt_tool.errors import CheckpointError
 
 __all__ = ["INDEX_NAME", "Checkpoint", "load_config", "open_checkpoint", "resolve_layout"]
@@ -92,10 +92,16 @@ def _open_checkpoint(src: Path, need_config: bool) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         path = root / file
-        if not path.is_file():
+        kind = not_a_regular_file(path)
+        if kind is not None:
             where = f"{index_path.name}" if index_path else str(root)
+            if kind == "missing":
+                raise CheckpointError(
+                    f"{file}: named by {where} but missing from {root}; the download is incomplete — fetch this file"
+                )
             raise CheckpointError(
-                f"{file}: named by {where} but missing from {root}; the download is incomplete — fetch this file"
+                f"{file}: named by {where}, but {path} is {kind}, not a safetensors file (not opened); replace it "
+                "with the shard file — fetch this file again"
             )
         header = read_shard_header(path, file)
         before = len(tensors)

@@ -1,8 +1,9 @@
 """The ``ckpt-tool`` command line: a thin layer over the library. Errors become one line and an exit code.
 
-Exit codes (every command): 0 ok, 1 a check failed or the input is invalid, 2 usage error, 130
-interrupted. A closed stdout (``ckpt-tool inspect SRC | head -1``) is not an error. ``--debug`` and
-``-q/--quiet`` are accepted anywhere on the command line. ``--json`` (or ``--format json``) prints one
+Exit codes (every command): 0 ok, 1 a check failed or the input is invalid, 2 usage error, 128 + the signal
+when stopped (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; :func:`ckpt_tool.cli.common.stop_signals`). A closed
+stdout (``ckpt-tool inspect SRC | head -1``) is not an error. ``--debug`` and ``-q/--quiet`` are accepted
+anywhere on the command line. ``--json`` (or ``--format json``) prints one
 JSON document per command, of one shape on success and failure (``schema_version``, ``command``,
 ``ok``, ``error``, then the command's fields; see jsondoc.JSON_FIELDS).
 """
@@ -84,7 +85,7 @@ def _root(
 
 
 def _guarded(command: str):
-    """Wrap a command: Ctrl-C says what to do (exit 130); a closed stdout ends quietly (exit 0)."""
+    """Wrap a command: a stop signal says what to do (exit 128 + the signal); a closed stdout ends quietly (exit 0)."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -588,6 +589,7 @@ def verify(
                     seed=seed,
                     progress=prog,
                     workers=workers,
+                    same_files=ref is None,  # a hub source is pinned by its commit, not by the files' identity
                 )
             if judged is not None:  # beside the level: the engine's checks follow the level's
                 have = {c.name for c in report.checks}

@@ -1,14 +1,21 @@
 """What both ways into the command line share: the global flags, one-line errors, interrupts, and inspect.
 
 :mod:`ckpt_tool.cli.entry` (the console script, with its typer-free path for inspect) and the typer app
-(:mod:`ckpt_tool.cli.app`) both import this; neither imports the other at module level.
+(:mod:`ckpt_tool.cli.app`) both import this; neither imports the other at module level. It imports
+:mod:`ckpt_tool.cli.render` (rich) only inside functions, so ``inspect --json`` never loads rich; render never
+imports this module (what both need, :func:`drop_stdout`, lives in :mod:`ckpt_tool.cli.streams`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ckpt_tool.cli.streams import drop_stdout
 
 STATE = {"debug": False, "quiet": False}
 GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
@@ -53,24 +60,61 @@ def report_error(exc: BaseException) -> None:
     error_line(str(exc))
 
 
+# What stops a command from outside: Ctrl-C, and what Slurm, Kubernetes (SIGTERM) and a closed terminal (SIGHUP) send.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: raised where Ctrl-C's KeyboardInterrupt would be, so the command stops the same way
+    (a convert's files in flight finish or their temporaries go, the journal stays resumable)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """While a command runs: the first of SIGINT, SIGTERM, SIGHUP stops it as Ctrl-C does; a second one exits at
+    once (128 + its number) without waiting for files in flight: their temporaries are cleared by the rerun.
+
+    A signal the command was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell ignores SIGINT
+    for a job started with ``&``)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def at_once(signum: int, frame: object) -> None:
+        os.write(2, f"error: {signal.Signals(signum).name} again: stopped at once\n".encode())
+        os._exit(128 + signum)
+
+    handled = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+
+    def first(signum: int, frame: object) -> None:
+        for s in handled:
+            signal.signal(s, at_once)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signum)
+
+    previous = {s: signal.signal(s, first) for s in handled}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def interrupted(command: str, exc: BaseException) -> int:
-    """Ctrl-C says what to do (exit 130); a closed stdout (``| head``) ends quietly (exit 0)."""
+    """A stop signal says what to do (exit 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); a closed stdout
+    (``| head``) ends quietly (exit 0)."""
     if isinstance(exc, BrokenPipeError):
         drop_stdout()
         return 0
     from ckpt_tool.cli.render import error_line
 
-    error_line("interrupted; rerun the same command to resume" if command == "convert" else "interrupted")
-    return 130
-
-
-def drop_stdout() -> None:
-    """The reader went away (``| head``): send what is left of stdout to /dev/null so exit is silent."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout without a descriptor (captured): nothing to redirect
-        pass
+    signum = exc.signum if isinstance(exc, Preempted) else signal.SIGINT
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    error_line(f"{how}; rerun the same command to resume" if command == "convert" else how)
+    return 128 + signum
 
 
 def run_inspect(

@@ -14,7 +14,15 @@ from __future__ import annotations
 import os
 import sys
 
-from ckpt_tool.cli.common import FORMATS, STATE, apply_global_flags, interrupted, run_inspect, take_global_flags
+from ckpt_tool.cli.common import (
+    FORMATS,
+    STATE,
+    apply_global_flags,
+    interrupted,
+    run_inspect,
+    stop_signals,
+    take_global_flags,
+)
 
 _INSPECT_VALUE_OPTIONS = {"--format": "fmt", "--revision": "revision", "--token": "token", "--cache-dir": "cache_dir"}
 
@@ -57,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules["ckpt_tool.cli.render"].set_quiet(False)
     args = take_global_flags(list(sys.argv[1:] if argv is None else argv))
     plain = _plain_inspect(args)
+    with stop_signals():
+        return _run(args, plain)
+
+
+def _run(args: list[str], plain: dict | None) -> int:
     try:
         if plain is not None and not os.environ.get("CKPT_TOOL_TYPER_ONLY"):
             apply_global_flags()

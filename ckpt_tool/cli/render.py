@@ -10,14 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ckpt_tool.checkpoint.summary import InspectReport
+from ckpt_tool.cli.streams import drop_stdout
 from ckpt_tool.verify.verdict import FAILED, SKIPPED
 
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader went away (``| head``): not an error. rich's default exits 1."""
-        from ckpt_tool.cli.common import drop_stdout
-
         self.quiet = True
         drop_stdout()
         raise SystemExit(0)

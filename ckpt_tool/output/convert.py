@@ -1,10 +1,12 @@
 """``convert``: source headers → plan → streamed, atomic, resumable output with index and manifest.
 
 The OUT format is :mod:`ckpt_tool.output.layout`. The manifest is written last with ``"complete": true``;
-until then, OUT/.ckpt-tool-journal.json records finished files so a rerun with
-the same source and options skips them (after re-checking their checksum). OUT/ckpt-tool-source.json
-keeps the source's raw safetensors headers (named and hashed in the manifest) so ``unconvert`` can
-rebuild the original checkpoint from OUT alone.
+until then, OUT/.ckpt-tool-journal.json records finished files (and the identity of the source files each
+was made from) so a rerun with the same source and options skips them (after re-checking their checksum)
+unless a source file they read has changed since. A source file that changes during the run fails it before
+the file of OUT that read it is renamed into place, or before the manifest (:mod:`ckpt_tool.checkpoint.identity`).
+OUT/ckpt-tool-source.json keeps the source's raw safetensors headers (named and hashed in the manifest) so
+``unconvert`` can rebuild the original checkpoint from OUT alone.
 
 Scale-out: ``ranks`` restricts the run to some TP ranks (it still finishes with a manifest, which
 records the ranks); ``shard=(K, M)`` writes only the planned files ``i % M == K`` of the selection,
@@ -27,8 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
-from ckpt_tool.errors import OutputError, UsageError
+from ckpt_tool.errors import CheckpointError, OutputError, UsageError
 from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
 from ckpt_tool.output.layout import (
     COMPONENTS,
@@ -54,12 +57,26 @@ from ckpt_tool.output.writer import (
     SourceFiles,
     default_workers,
     file_size,
+    files_fed,
     output_error,
     sha256_file,
     write_output_file,
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The source as this run planned from it: the checkpoint, its fingerprint (the manifest's ``source``) and the
+    run's, and each file's identity then (recorded in the manifest for a local source only: a hub source is pinned
+    by its commit)."""
+
+    ckpt: Checkpoint
+    doc: dict
+    fingerprint: str
+    identities: dict[str, FileIdentity]
+    record_identity: bool
 
 
 @dataclass
@@ -166,6 +183,9 @@ def _write_text_atomic(path: Path, text: str) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_error(exc, path) from None
+    except BaseException:  # a stop signal (KeyboardInterrupt, Preempted) mid-write: no temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _clear_previous(out: Path) -> None:
@@ -217,12 +237,14 @@ def convert(
     plan = replace(full, files=tuple(selected))
     if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
         on_plan(plan)
-    source = source_fingerprint(ckpt)
-    fingerprint = run_fingerprint(source, full.options)  # the options as the plan settled them (vllm_series)
+    doc = source_fingerprint(ckpt)
+    fingerprint = run_fingerprint(doc, full.options)  # the options as the plan settled them (vllm_series)
     partial = not finalize and shard_count > 1
+    identities = _identities(ckpt)
+    source = _Source(ckpt, doc, fingerprint, identities, record_identity=not isinstance(src, Checkpoint))
 
     if finalize:
-        result = _finalize(ckpt, out, covered, source, fingerprint, ranks)
+        result = _finalize(source, out, covered, ranks)
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -279,6 +301,7 @@ def convert(
             done = known.get(f.relpath)
             if (
                 done
+                and _made_from(done, files_fed(f, plan.sources), identities) is None
                 and dest.is_file()
                 and dest.stat().st_size == done["size"] == file_size(f)
                 and sha256_file(dest) == done["sha256"]
@@ -292,7 +315,7 @@ def convert(
                 continue
             todo.append(f)
 
-        files = SourceFiles(ckpt.root)
+        files = SourceFiles(ckpt.root, identities)
         jlock = threading.Lock()
 
         failed = threading.Event()  # one file failed: files not yet started are not started
@@ -305,8 +328,9 @@ def convert(
             except BaseException:
                 failed.set()
                 raise
+            fed = {file: identities[file].as_dict() for file in files_fed(f, plan.sources)}
             with jlock:
-                journal["files"][f.relpath] = {"size": size, "sha256": digest}
+                journal["files"][f.relpath] = {"size": size, "sha256": digest, "sources": fed}
                 _write_json_atomic(journal_path, journal)
                 result.written.append(f.relpath)
                 result.bytes_written += size
@@ -332,7 +356,7 @@ def convert(
         if partial:
             result.seconds = time.perf_counter() - t0
             return result
-        _write_final(ckpt, out, covered, source, fingerprint, journal["files"], ranks)
+        _write_final(source, out, covered, journal["files"], ranks)
         journal_path.unlink(missing_ok=True)
         _drop_journals(out, fingerprint)
         result.finalized = True
@@ -340,8 +364,37 @@ def convert(
     return result
 
 
+def _identities(ckpt: Checkpoint) -> dict[str, FileIdentity]:
+    """Each source file as it was when its header was read (what the plan is made from)."""
+    found = {}
+    for file, header in ckpt.shards.items():
+        identity = header.identity or identity_of(ckpt.root / file)  # a header not read from this file: now
+        if identity is None:
+            raise CheckpointError(
+                f"{ckpt.root / file}: removed since its header was read; rerun once the source is whole again"
+            )
+        found[file] = identity
+    return found
+
+
+def _made_from(entry: dict, fed: list[str], identities: dict[str, FileIdentity]) -> str | None:
+    """Why the journal ``entry`` of a finished file was not made from the source files ``fed`` as they are
+    now (None: it was). Another run made it, maybe on another machine: size and mtime are compared."""
+    recorded = entry.get("sources")
+    if not isinstance(recorded, dict):
+        return "its journal entry does not say which source files it was made from"
+    for file in fed:
+        was = FileIdentity.from_dict(recorded.get(file)) if isinstance(recorded.get(file), dict) else None
+        if was is None:
+            return f"its journal entry does not record {file}"
+        said = was.changes_since(identities[file])
+        if said:
+            return f"{file} changed since it was made ({'; '.join(said)})"
+    return None
+
+
 def _recorded_files(out: Path, fingerprint: str) -> dict[str, dict]:
-    """{relpath: {size, sha256}} from every journal in OUT that belongs to this conversion."""
+    """{relpath: {size, sha256, sources}} from every journal in OUT that belongs to this conversion."""
     files: dict[str, dict] = {}
     for path in journals(out):
         doc = read_journal(path)
@@ -371,16 +424,23 @@ def serving_files(root: Path) -> list[str]:
     return names
 
 
-def _write_final(
-    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, outputs: dict, ranks: Sequence[int] | None
-) -> None:
-    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete")."""
+def _write_final(source: _Source, out: Path, plan: Plan, outputs: dict, ranks: Sequence[int] | None) -> None:
+    """Index files, config copies, serving files, the source layout, then the manifest (last: it says "complete").
+
+    The manifest is written only while every source file OUT was made from is still the file the plan saw.
+    """
+    ckpt = source.ckpt
     copied: dict[str, dict] = {}
     for comp in COMPONENTS:
         if any(f.component == comp for f in plan.files):
             (out / comp).mkdir(exist_ok=True)
             _write_json_atomic(out / comp / "index.json", index_doc(plan, comp))
             shutil.copyfile(ckpt.root / "config.json", out / comp / "config.json")
+            if sha256_file(out / comp / "config.json") != source.doc["config_sha256"]:
+                raise CheckpointError(
+                    f"{ckpt.root / 'config.json'}: changed while converting; OUT is not complete — rerun the same "
+                    "command once the source is stable (pass --force if it now describes another model)"
+                )
             if comp == "model":
                 for name in serving_files(ckpt.root):
                     shutil.copyfile(ckpt.root / name, out / comp / name)
@@ -390,18 +450,23 @@ def _write_final(
                     }
     layout = source_layout(ckpt)
     _write_text_atomic(out / SOURCE_LAYOUT, json.dumps(layout, separators=(",", ":")) + "\n")
-    doc = manifest_doc(plan, source, fingerprint, outputs)
+    fed = sorted({file for f in plan.files for file in files_fed(f, plan.sources)})
+    recorded = source.doc
+    if source.record_identity:
+        recorded = {**recorded, "identity": {file: source.identities[file].as_dict() for file in fed}}
+    outputs = {relpath: {"size": o["size"], "sha256": o["sha256"]} for relpath, o in outputs.items()}
+    doc = manifest_doc(plan, recorded, source.fingerprint, outputs)
     doc["source_layout"] = {"file": SOURCE_LAYOUT, "sha256": sha256_file(out / SOURCE_LAYOUT)}
     doc["serving_files"] = copied
     if ranks is not None:
         doc["ranks"] = sorted(set(ranks))
     doc["complete"] = doc.pop("complete")  # keep "complete" the last key
+    with SourceFiles(ckpt.root, source.identities) as files:
+        files.check_unchanged(fed)  # the last word before "complete"
     _write_json_atomic(out / MANIFEST, doc)
 
 
-def _finalize(
-    ckpt: Checkpoint, out: Path, plan: Plan, source: dict, fingerprint: str, ranks: Sequence[int] | None
-) -> ConvertResult:
+def _finalize(source: _Source, out: Path, plan: Plan, ranks: Sequence[int] | None) -> ConvertResult:
     """Check every planned file against the shard journals and write the final index/config/manifest."""
     result = ConvertResult(plan, out)
     if not out.is_dir():
@@ -409,7 +474,7 @@ def _finalize(
     with OutputLock(out):
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("complete"):
-            if manifest.get("fingerprint") == fingerprint and manifest.get("ranks") == (
+            if manifest.get("fingerprint") == source.fingerprint and manifest.get("ranks") == (
                 sorted(set(ranks)) if ranks is not None else None
             ):
                 result.skipped = [f.relpath for f in plan.files]
@@ -417,7 +482,7 @@ def _finalize(
             raise OutputError(
                 f"{out}: holds a finished conversion of another source or with other options; choose a new OUT"
             )
-        recorded = _recorded_files(out, fingerprint)
+        recorded = _recorded_files(out, source.fingerprint)
         problems: list[str] = []
         for f in plan.files:
             dest = out / f.relpath
@@ -433,6 +498,8 @@ def _finalize(
                 problems.append(
                     f"{f.relpath}: size {dest.stat().st_size} differs from the journal's {rec['size']}; rerun its shard"
                 )
+            elif (why := _made_from(rec, files_fed(f, plan.sources), source.identities)) is not None:
+                problems.append(f"{f.relpath}: made from another state of the source: {why}; rerun its shard")
             elif sha256_file(dest) != rec["sha256"]:
                 problems.append(
                     f"{f.relpath}: sha256 differs from the journal's; the file changed after it was written — rerun "
@@ -443,8 +510,9 @@ def _finalize(
         if problems:
             more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
             raise OutputError(f"{out}: cannot finalize: {problems[0]}{more}")
-        _write_final(ckpt, out, plan, source, fingerprint, {f.relpath: recorded[f.relpath] for f in plan.files}, ranks)
-        _drop_journals(out, fingerprint)
+        outputs = {f.relpath: recorded[f.relpath] for f in plan.files}
+        _write_final(source, out, plan, outputs, ranks)
+        _drop_journals(out, source.fingerprint)
         result.finalized = True
     return result
 

@@ -11,7 +11,8 @@
 
 The manifest records the tool version, options, profile and target (the vLLM releases the profile is
 verified against, the vLLM installed at convert time and whether the profile is verified for it), the
-source's fingerprint (shard sizes and header hashes, config hash), every output file's size and sha256,
+source's fingerprint (shard sizes and header hashes, config hash; for a local source ``identity``: each file's
+size, mtime_ns, inode and device when converted), every output file's size and sha256,
 materialized tensors and deviations. ``index.json`` is ``{"tp", "ranks": {rank: {tensor: file}}, "total_size"}``.
 convert writes this format (:mod:`ckpt_tool.output.convert`); verify, unconvert and the hub input read it.
 """

@@ -31,11 +31,12 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.identity import FileIdentity, changed_while_converting
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
@@ -80,14 +81,32 @@ def file_size(out: OutFile) -> int:
 
 
 class SourceFiles(OpenFiles):
-    """Read-only descriptors of the source shards, opened once and shared by writer threads."""
+    """Read-only descriptors of the source shards, opened once and shared by writer threads.
 
-    def __init__(self, root: Path) -> None:
+    ``identities``: each source file as it was when the plan was made (its header read); with them,
+    :meth:`check_unchanged` tells whether a file is still that file (:mod:`ckpt_tool.checkpoint.identity`).
+    """
+
+    def __init__(self, root: Path, identities: dict[str, FileIdentity] | None = None) -> None:
         super().__init__(root, sequential=True)
+        self.identities = identities or {}
+
+    def check_unchanged(self, files: Iterable[str]) -> None:
+        """Raise a CheckpointError naming the first of ``files`` that changed since the plan, and how."""
+        assert self.root is not None
+        for file in files:
+            recorded = self.identities.get(file)
+            if recorded is not None and (error := changed_while_converting(self.root / file, recorded)):
+                raise error
 
     def pread_exact(self, info: TensorInfo, into: memoryview, offset: int) -> None:
         """Fill ``into`` from absolute ``offset`` of ``info``'s file; a short read means the file changed."""
         self.read_into(info.file, into, offset, what=f"tensor {info.name!r}")
+
+
+def files_fed(out: OutFile, sources: dict[str, TensorInfo]) -> list[str]:
+    """The source files whose bytes go into ``out``."""
+    return sorted({sources[name].file for t in out.tensors for name in t.sources})
 
 
 def _nonfinite(raw: memoryview, dtype: str) -> int:
@@ -487,7 +506,11 @@ def write_output_file(
     progress: ProgressFn | None = None,
     warnings: list[str] | None = None,
 ) -> tuple[int, str]:
-    """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256)."""
+    """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256).
+
+    Before the rename, every source file ``out`` read from must still be the file the plan was made from
+    (``files.identities``): a source changed mid-file leaves no file under the final name.
+    """
     tmp = dest.with_name(f".{dest.name}.tmp")
     header = header_bytes(out)
     expected = len(header) + out.data_bytes
@@ -515,6 +538,7 @@ def write_output_file(
             digest = pipe.finish()
             os.ftruncate(fd, written)
             os.fsync(fd)
+            files.check_unchanged(files_fed(out, sources))  # what was read is still the source: only then final
         except BaseException:
             if pipe is not None:
                 pipe.abort()

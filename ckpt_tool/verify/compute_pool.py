@@ -224,7 +224,8 @@ def _child(queue, write_end: int, run: Callable[[int, ComputePool], Any], server
     the parent's exit hooks. Any failure just ends it: the parent runs what it did not answer."""
     code = 1
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C reaches the whole group: the child just goes
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # sent to the whole group: the child just goes
+            signal.signal(stop, signal.SIG_DFL)
         lock = threading.Lock()
 
         def serve(_: int) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
@@ -60,8 +61,12 @@ def verify(
     seed: int = 0,
     progress: Progress | None = None,
     workers: int | None = None,
+    same_files: bool = True,
 ) -> VerifyReport:
     """Run the checks up to ``level``. Never raises for a failed check: failures are in the report.
+
+    ``same_files``: ``source`` should be the very files OUT was converted from, unchanged since (their size and
+    mtime_ns as the manifest records them); False for a hub source, which its commit pins.
 
     ``workers``: output files compared at once by the values level (default: one per CPU, at most 4), and
     tiles computed at once by the numeric level (default: one per CPU).
@@ -108,6 +113,8 @@ def verify(
         return report
     if not _same_source(manifest, ckpt, report):
         return report  # every later check would only restate it
+    if same_files:
+        _same_identity(manifest, ckpt, report)  # the later checks still say whether the bytes differ
     try:
         config = ckpt.require_config()
         opts = options_from_manifest(manifest)
@@ -216,6 +223,34 @@ def _same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool
         return False
     report.add(Check("source-fingerprint", True))
     return True
+
+
+def _same_identity(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> None:
+    """Is each source file OUT was made from unchanged since (size and mtime_ns as the manifest records them)?
+
+    One check, when the manifest records identities (a local source; a hub source is pinned by its commit).
+    """
+    recorded = (manifest.get("source") or {}).get("identity")
+    if not isinstance(recorded, dict):
+        return
+    for file, doc in sorted(recorded.items()):
+        was = FileIdentity.from_dict(doc) if isinstance(doc, dict) else None
+        header = ckpt.shards.get(file)
+        now = header.identity if header is not None and header.identity is not None else identity_of(ckpt.root / file)
+        said = ["removed"] if now is None else ["unreadable record"] if was is None else was.changes_since(now)
+        if said:
+            report.add(
+                Check(
+                    "source-identity",
+                    False,
+                    f"{ckpt.root / file}: changed since OUT was converted ({'; '.join(said)}); OUT may no longer "
+                    "agree with it — reconvert from the source as it is now (a copy that did not keep modification "
+                    "times counts as changed too)",
+                    file=file,
+                )
+            )
+            return
+    report.add(Check("source-identity", True, details={"files": len(recorded)}))
 
 
 def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyReport) -> None:

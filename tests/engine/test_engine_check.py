@@ -344,3 +344,24 @@ def test_a_v41_out_is_judged_for_the_vllm_series_it_was_written_for(engine_site,
     (failure,) = json.loads(proc.stdout)["failures"]
     assert failure["name"] == "engine-vllm:dspark/rank-0"
     assert "context_wkv_proj" in failure["message"] and f"convert again with --vllm {release}" in failure["message"]
+
+
+def test_a_serving_env_without_one_of_vllms_requirements_names_it_and_what_to_install(
+    engine_site, converted, tmp_path
+) -> None:
+    """A trimmed serving environment: the release's site without llguidance (every other entry linked in). vLLM's
+    model registry logs the ImportError and fails later inside pydantic; the one line names the missing module,
+    not pydantic's ValidationError, and the requirement to install."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for entry in engine_site.iterdir():
+        if not entry.name.lower().startswith("llguidance"):
+            (site / entry.name).symlink_to(entry)
+    python = _script(tmp_path / "python", f'PYTHONPATH="{site}" exec "{sys.executable}" "$@"')
+    proc = verify(converted("fp4", 1), "--engine", "--engine-python", python)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "ModuleNotFoundError: No module named 'llguidance'" in proc.stderr, proc.stderr
+    assert "validation error for" not in proc.stderr, proc.stderr
+    assert f"vLLM {release_of(engine_site)} requires llguidance" in proc.stderr, proc.stderr
+    assert "-m pip install 'llguidance" in proc.stderr, proc.stderr

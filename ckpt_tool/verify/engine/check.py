@@ -281,6 +281,10 @@ def run_probe(request: dict, python: str | None = None) -> dict:
         if fatal["kind"] == "no-vllm":
             raise EngineError(f"no vLLM to judge with: {python} cannot import vllm; {NO_VLLM_HINT}")
         version = (answer.get("versions") or {}).get("vllm_version", "?")
+        if fatal.get("hint"):  # a requirement of vLLM missing where it is installed: say what to install
+            raise EngineError(
+                f"vLLM {version} ({python}) cannot be built: {fatal['message']}; {fatal['hint']}; nothing was judged"
+            )
         raise EngineError(
             f"vLLM {version} ({python}) cannot be built on this machine: {fatal['message']}; nothing was judged "
             "(the CPU stubs are ckpt_tool/verify/engine/vllm_stubs.py; --debug shows vLLM's traceback)"

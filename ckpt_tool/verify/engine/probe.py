@@ -10,7 +10,7 @@ Request: ``{"protocol": 1, "config_dir": OUT/model, "draft_dir": OUT/mtp or null
 OUT/<component>, "real_load": bool}, ...]}``; a job may carry its own
 ``config_dir``, ``draft_dir``, ``tp`` and ``ep`` (several OUTs judged by one vLLM import).
 
-Answer: ``{"protocol": 1, "fatal": null | {"kind": "no-vllm"|"build", "stage", "message", "traceback"},
+Answer: ``{"protocol": 1, "fatal": null | {"kind": "no-vllm"|"build", "stage", "message", "hint", "traceback"},
 "versions": {...}, "results": [{"component", "rank", "class", "seconds", "table": {key: [dtype, shape]},
 "aliases": {dropped key: kept key}, "on_cpu": [keys], "load": null | {...}}]}``.
 
@@ -139,6 +139,7 @@ def answer(request: dict, stubs) -> dict:
             "kind": e.kind,
             "stage": e.stage,
             "message": str(e),
+            "hint": e.hint,  # what to install, where the cause is a missing module (None: not that)
             "traceback": traceback.format_exception(type(e), e, e.__traceback__)[-12:],
         }
     if doc["versions"] is None and doc["fatal"] and doc["fatal"]["kind"] != "no-vllm":

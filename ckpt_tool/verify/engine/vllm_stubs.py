@@ -48,6 +48,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import types
@@ -90,12 +91,14 @@ STUB_OP_NAMESPACES = (
 
 
 class EngineUnavailable(Exception):
-    """vLLM is absent, or its classes cannot be built on this machine; ``stage`` names the step that failed."""
+    """vLLM is absent, or its classes cannot be built on this machine; ``stage`` names the step that failed,
+    ``hint`` (or None) what to install where the cause is a module missing from the environment."""
 
-    def __init__(self, stage: str, message: str, kind: str = "build") -> None:
+    def __init__(self, stage: str, message: str, kind: str = "build", hint: str | None = None) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.kind = kind  # "no-vllm" | "build"
+        self.hint = hint
 
 
 def _describe(exc: BaseException) -> str:
@@ -103,9 +106,105 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """The exception at the bottom of ``exc``'s chain (``raise ... from``, or raised while handling another)."""
+    seen = {id(exc)}
+    while True:
+        below = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if below is None or id(below) in seen:
+            return exc
+        seen.add(id(below))
+        exc = below
+
+
+def _root_cause(exc: BaseException, logged: list[BaseException]) -> BaseException:
+    """What made a step fail. vLLM catches some failures, logs them and fails later for want of the result: its
+    model registry (``_try_inspect_model_cls`` in vllm/model_executor/models/registry.py, 0.33.0 and 0.34.0) logs the
+    import error of the model class and returns None, and ``ModelConfig``'s validator then raises "Model
+    architectures [...] failed to be inspected. Please check the logs", which pydantic wraps in a ValidationError.
+    Behind such a wrapper the first exception vLLM logged during the step is the cause; else pydantic's own error."""
+    inner = _innermost(exc)
+    wrapper = type(inner).__name__ == "ValidationError" or "check the logs" in str(inner).lower()
+    if wrapper and logged:
+        return _innermost(logged[0])
+    if type(inner).__name__ == "ValidationError" and hasattr(inner, "errors"):
+        try:
+            wrapped = (inner.errors()[0].get("ctx") or {}).get("error")
+        except Exception:  # noqa: BLE001 - another pydantic: keep its own message
+            wrapped = None
+        if isinstance(wrapped, BaseException):
+            return _innermost(wrapped)
+    return inner
+
+
+# Top-level modules vLLM imports whose distribution (in vLLM's Requires-Dist) has another name.
+_DISTRIBUTION_OF = {
+    "cpuinfo": "py-cpuinfo",
+    "cv2": "opencv-python-headless",
+    "google": "protobuf",
+    "lmformatenforcer": "lm-format-enforcer",
+    "PIL": "pillow",
+    "pythonjsonlogger": "python-json-logger",
+    "yaml": "pyyaml",
+    "zmq": "pyzmq",
+}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def install_hint(cause: BaseException) -> str | None:
+    """What to install, and where, when ``cause`` is a module missing from this environment (None: it is not)."""
+    if not isinstance(cause, ImportError) or not getattr(cause, "name", None):
+        return None
+    import importlib.metadata
+
+    module = cause.name.split(".")[0]
+    if module in ("vllm", "torch"):
+        return None  # not one package missing: the installation itself is broken
+    want = _normal(_DISTRIBUTION_OF.get(module, module))
+    try:
+        version = importlib.metadata.version("vllm")
+        requires = importlib.metadata.requires("vllm") or []
+    except importlib.metadata.PackageNotFoundError:
+        version, requires = None, []
+    for req in requires:
+        spec = req.split(";")[0].strip()
+        name = re.match(r"[A-Za-z0-9._-]+", spec)
+        if name and _normal(name.group(0)) == want and "extra ==" not in req:
+            spec = re.sub(r"\[[^]]*\]", "", spec).replace(" ", "")  # the package itself, not its extras
+            return (
+                f"vLLM {version} requires {spec}, missing from {sys.executable}'s environment: install it there "
+                f"({sys.executable} -m pip install '{spec}')"
+            )
+    again = f"'vllm=={version}'" if version else "vllm"
+    return (
+        f"module {module!r} is missing from {sys.executable}'s environment: install vLLM's requirements there "
+        f"({sys.executable} -m pip install {again})"
+    )
+
+
+class _LoggedExceptions(logging.Handler):
+    """The exceptions vLLM logs (``logger.exception``) while a step runs."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.exceptions: list[BaseException] = []
+
+    def emit(self, record):
+        if record.exc_info and record.exc_info[1] is not None:
+            self.exceptions.append(record.exc_info[1])
+
+
 @contextlib.contextmanager
 def stage(name: str):
-    """Run a bootstrap/build step; any exception becomes :class:`EngineUnavailable` naming the step."""
+    """Run a bootstrap/build step; any exception becomes :class:`EngineUnavailable` naming the step and the innermost
+    cause (:func:`_root_cause`), with what to install when that is a missing module."""
+    logged = _LoggedExceptions()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(logged)
+    _CAPTURING.append(logged)  # kept across vLLM's own logging setup, as capture()'s handlers are
     try:
         yield
     except EngineUnavailable:
@@ -113,7 +212,14 @@ def stage(name: str):
     except BaseException as exc:  # noqa: BLE001 - vLLM may raise anything (SystemExit, ImportError, ...)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise EngineUnavailable(name, _describe(exc)) from exc
+        cause = _root_cause(exc, logged.exceptions)
+        said = _describe(cause)
+        if cause is not exc:
+            said += f" (vLLM then raised {type(exc).__name__})"
+        raise EngineUnavailable(name, said, hint=install_hint(cause)) from exc
+    finally:
+        _CAPTURING.remove(logged)
+        logger.removeHandler(logged)
 
 
 class _Stub:
