@@ -1,11 +1,13 @@
 """The ``ckpt-tool`` entry point: global flags, then the command.
 
 Most commands go through the typer app in :mod:`ckpt_tool.cli.app`. ``inspect`` with plain arguments
-(``inspect SRC [--json | --format F] [--revision R] [--token T] [--cache-dir D]``) runs here without
-importing typer or rich: building the typer app alone costs ~0.2 s, and inspect is what people run
-interactively (target: a full V4 checkpoint in 0.3 s, interpreter start included). Anything else
-(``--help``, a usage error, another command) takes the typer path, which calls the same
-:func:`run_inspect`; a test holds the two paths to the same output (``CKPT_TOOL_TYPER_ONLY=1``
+(``inspect SRC [--json | --format F] [--revision R] [--token T] [--cache-dir D]``) and a plain dry run
+(``convert SRC OUT --dry-run [--tp T] [--moe-parallel M] [--only O] [--target P] [--json | --format F]``) run
+here without importing typer: building the typer app alone costs ~0.2 s (typer builds pydantic adapters for
+every option), as much as the rest of a dry run of a full V4 checkpoint, and both commands are what people run
+interactively (targets: inspect within 2.5x, a dry run within 5x of reading and parsing every header). Anything
+else (``--help``, a usage error, any other option or command) takes the typer path, which calls the same
+:func:`run_inspect` / :func:`print_plan`; tests hold the two paths to the same output (``CKPT_TOOL_TYPER_ONLY=1``
 sends every command line through typer).
 """
 
@@ -14,7 +16,15 @@ from __future__ import annotations
 import os
 import sys
 
-from ckpt_tool.cli.common import FORMATS, STATE, apply_global_flags, interrupted, run_inspect, take_global_flags
+from ckpt_tool.cli.common import (
+    FORMATS,
+    STATE,
+    apply_global_flags,
+    interrupted,
+    run_dry_run,
+    run_inspect,
+    take_global_flags,
+)
 
 _INSPECT_VALUE_OPTIONS = {"--format": "fmt", "--revision": "revision", "--token": "token", "--cache-dir": "cache_dir"}
 
@@ -50,20 +60,76 @@ def _plain_inspect(args: list[str]) -> dict | None:
     return found
 
 
+# convert --dry-run's options this path takes, each with the values typer would accept (anything else: typer says)
+_DRY_RUN_CHOICES = {"--moe-parallel": ("tp", "ep"), "--only": ("model", "mtp"), "--format": FORMATS}
+
+
+def _plain_dry_run(args: list[str]) -> dict | None:
+    """The keyword arguments of :func:`run_dry_run` when ``args`` is a plain ``convert --dry-run``, else None."""
+    if len(args) < 4 or args[0] != "convert":
+        return None
+    found: dict = {"--tp": "1", "--moe-parallel": "tp", "--only": None, "--target": "auto", "--format": None}
+    positional: list[str] = []
+    flags: set[str] = set()
+    rest = args[1:]
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        name, eq, value = a.partition("=")
+        if a in ("--dry-run", "--json"):
+            flags.add(a)
+        elif name in found:
+            if not eq:
+                if i + 1 >= len(rest):
+                    return None
+                i += 1
+                value = rest[i]
+            found[name] = value
+        elif a.startswith("-"):
+            return None  # --help, any other option, a '--': typer says what to do
+        else:
+            positional.append(a)
+        i += 1
+    tp = found["--tp"]
+    if len(positional) != 2 or "--dry-run" not in flags or not tp.isdigit() or int(tp) < 1:
+        return None
+    if any(found[o] not in (*choices, None) for o, choices in _DRY_RUN_CHOICES.items()):
+        return None
+    if not _known_target(found["--target"]):
+        return None
+    return {
+        "src": positional[0],
+        "out": positional[1],
+        "tp": int(tp),
+        "moe_parallel": found["--moe-parallel"],
+        "only": found["--only"],
+        "target": found["--target"],
+        "as_json": "--json" in flags or found["--format"] == "json",
+    }
+
+
+def _known_target(name: str) -> bool:
+    from ckpt_tool.mapping.profiles import known_names
+
+    return name == "auto" or name in known_names()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns the exit code."""
     STATE.update(debug=False, quiet=False)
     if "ckpt_tool.cli.render" in sys.modules:  # an earlier in-process call (tests) may have left it quiet
         sys.modules["ckpt_tool.cli.render"].set_quiet(False)
     args = take_global_flags(list(sys.argv[1:] if argv is None else argv))
-    plain = _plain_inspect(args)
+    quick = not os.environ.get("CKPT_TOOL_TYPER_ONLY")
+    plain = _plain_inspect(args) if quick else None
+    dry_run = _plain_dry_run(args) if quick and plain is None else None
     try:
-        if plain is not None and not os.environ.get("CKPT_TOOL_TYPER_ONLY"):
+        if plain is not None or dry_run is not None:
             apply_global_flags()
             try:
-                return run_inspect(**plain)
+                return run_inspect(**plain) if plain is not None else run_dry_run(**dry_run)
             except (KeyboardInterrupt, BrokenPipeError) as exc:
-                return interrupted("inspect", exc)
+                return interrupted(args[0], exc)
         from ckpt_tool.cli.app import app
 
         app(args=args, prog_name="ckpt-tool", standalone_mode=True)
