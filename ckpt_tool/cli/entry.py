@@ -27,84 +27,70 @@ from ckpt_tool.cli.common import (
 )
 
 _INSPECT_VALUE_OPTIONS = {"--format": "fmt", "--revision": "revision", "--token": "token", "--cache-dir": "cache_dir"}
-
-
-def _plain_inspect(args: list[str]) -> dict | None:
-    """The keyword arguments of :func:`run_inspect` when ``args`` is a plain inspect command line, else None."""
-    if len(args) < 2 or args[0] != "inspect":
-        return None
-    found: dict = {"src": None, "as_json": False}
-    rest = args[1:]
-    i = 0
-    while i < len(rest):
-        a = rest[i]
-        name, eq, value = a.partition("=")
-        if a == "--json":
-            found["as_json"] = True
-        elif name in _INSPECT_VALUE_OPTIONS:
-            if not eq:
-                if i + 1 >= len(rest):
-                    return None
-                i += 1
-                value = rest[i]
-            found[_INSPECT_VALUE_OPTIONS[name]] = value
-        elif a.startswith("-") or found["src"] is not None:
-            return None  # --help, an unknown option, a second argument, a '--': typer says what to do
-        else:
-            found["src"] = a
-        i += 1
-    fmt = found.pop("fmt", None)
-    if found["src"] is None or fmt not in (None, *FORMATS):
-        return None
-    found["as_json"] = found["as_json"] or fmt == "json"
-    return found
-
-
 # convert --dry-run's options this path takes, each with the values typer would accept (anything else: typer says)
 _DRY_RUN_CHOICES = {"--moe-parallel": ("tp", "ep"), "--only": ("model", "mtp"), "--format": FORMATS}
 
 
-def _plain_dry_run(args: list[str]) -> dict | None:
-    """The keyword arguments of :func:`run_dry_run` when ``args`` is a plain ``convert --dry-run``, else None."""
-    if len(args) < 4 or args[0] != "convert":
-        return None
-    found: dict = {"--tp": "1", "--moe-parallel": "tp", "--only": None, "--target": "auto", "--format": None}
+def _scan(args: list[str], flags: tuple[str, ...], valued: tuple[str, ...]) -> tuple[list, set, dict] | None:
+    """``args`` as (positional arguments, ``flags`` given, ``valued`` option -> its last value, as ``--opt v`` or
+    ``--opt=v``); None at anything else (``--help``, an unknown option, a ``--``, an option missing its value)."""
     positional: list[str] = []
-    flags: set[str] = set()
-    rest = args[1:]
+    given: set[str] = set()
+    values: dict[str, str] = {}
     i = 0
-    while i < len(rest):
-        a = rest[i]
+    while i < len(args):
+        a = args[i]
         name, eq, value = a.partition("=")
-        if a in ("--dry-run", "--json"):
-            flags.add(a)
-        elif name in found:
+        if a in flags:
+            given.add(a)
+        elif name in valued:
             if not eq:
-                if i + 1 >= len(rest):
+                if i + 1 >= len(args):
                     return None
                 i += 1
-                value = rest[i]
-            found[name] = value
+                value = args[i]
+            values[name] = value
         elif a.startswith("-"):
-            return None  # --help, any other option, a '--': typer says what to do
+            return None
         else:
             positional.append(a)
         i += 1
-    tp = found["--tp"]
-    if len(positional) != 2 or "--dry-run" not in flags or not tp.isdigit() or int(tp) < 1:
+    return positional, given, values
+
+
+def _plain_inspect(args: list[str]) -> dict | None:
+    """The keyword arguments of :func:`run_inspect` when ``args`` is a plain inspect command line, else None."""
+    scanned = _scan(args[1:], ("--json",), tuple(_INSPECT_VALUE_OPTIONS)) if args[:1] == ["inspect"] else None
+    if scanned is None or len(scanned[0]) != 1:
+        return None  # a second argument, or none: typer says what to do
+    positional, given, values = scanned
+    fmt = values.pop("--format", None)
+    if fmt not in (None, *FORMATS):
         return None
-    if any(found[o] not in (*choices, None) for o, choices in _DRY_RUN_CHOICES.items()):
+    found = {"src": positional[0], "as_json": "--json" in given or fmt == "json"}
+    return found | {_INSPECT_VALUE_OPTIONS[o]: v for o, v in values.items()}
+
+
+def _plain_dry_run(args: list[str]) -> dict | None:
+    """The keyword arguments of :func:`run_dry_run` when ``args`` is a plain ``convert --dry-run``, else None."""
+    valued = ("--tp", "--target", *_DRY_RUN_CHOICES)
+    scanned = _scan(args[1:], ("--dry-run", "--json"), valued) if args[:1] == ["convert"] else None
+    if scanned is None or len(scanned[0]) != 2 or "--dry-run" not in scanned[1]:
         return None
-    if not _known_target(found["--target"]):
+    (src, out), given, values = scanned
+    tp = values.get("--tp", "1")
+    if not tp.isdigit() or int(tp) < 1 or not _known_target(values.get("--target", "auto")):
+        return None
+    if any(values.get(o) not in (*choices, None) for o, choices in _DRY_RUN_CHOICES.items()):
         return None
     return {
-        "src": positional[0],
-        "out": positional[1],
+        "src": src,
+        "out": out,
         "tp": int(tp),
-        "moe_parallel": found["--moe-parallel"],
-        "only": found["--only"],
-        "target": found["--target"],
-        "as_json": "--json" in flags or found["--format"] == "json",
+        "moe_parallel": values.get("--moe-parallel", "tp"),
+        "only": values.get("--only"),
+        "target": values.get("--target", "auto"),
+        "as_json": "--json" in given or values.get("--format") == "json",
     }
 
 
