@@ -19,7 +19,9 @@ tasks of a bounded pool could wait forever); :func:`map_tasks` runs inline when 
 Threads share one interpreter lock: each tile's dozen tensor ops take it for a few microseconds each, so one
 process's threads saturate it at a handful of cores. :func:`fan_out` therefore spreads independent tasks (the
 per-tensor check's units) over forked processes, each running a one-slot pool of its own, where forking is
-safe (Linux, CPU tensors, no other thread that could hold a lock the children need).
+safe (Linux, CPU tensors, no other thread that could hold a lock the children need). They are forked through
+:func:`ckpt_tool.processes.fork`, which limits torch to one thread in each child before anything else runs (a
+fork does not copy the OpenMP team of the forking thread; see that module).
 """
 
 from __future__ import annotations
