@@ -363,3 +363,73 @@ def test_render_and_common_do_not_import_each_other() -> None:
         back = {m for m in _ckpt_tool_imports(module) if m in ("ckpt_tool.cli.common", "ckpt_tool.cli.entry")}
         assert not back, f"{module} imports {back}: the CLI's imports must run entry → common → render → streams"
     assert _ckpt_tool_imports("ckpt_tool.cli.streams") == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# convert --dry-run without typer (cli/entry.py): the same output as the typer command
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--tp", "2", "--json"],
+        ["--tp=2", "--moe-parallel", "ep", "--format", "json"],
+        ["--only", "mtp", "--format=table"],
+        ["--tp", "2", "-q"],
+        ["--target", "vllm-0.33+", "--json"],
+        [],
+    ],
+)
+@pytest.mark.parametrize("variant", ["fp4", "missing-mtp"])
+def test_quick_dry_run_prints_what_the_typer_path_prints(
+    fixture_dir, tmp_path, capsys, monkeypatch, variant: str, args: list[str]
+) -> None:
+    from ckpt_tool.cli.entry import _plain_dry_run
+
+    line = ["convert", str(fixture_dir(variant)), str(tmp_path / "out"), "--dry-run", *args]
+    assert _plain_dry_run([a for a in line if a != "-q"]) is not None
+    quick = run_cli(capsys, *line)
+    monkeypatch.setenv("CKPT_TOOL_TYPER_ONLY", "1")
+    typer_path = run_cli(capsys, *line)
+    assert quick == typer_path
+    assert quick[0] == (0 if variant == "fp4" else 1)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "a", "b"],  # no --dry-run: a conversion
+        ["convert", "a", "--dry-run"],
+        ["convert", "a", "b", "c", "--dry-run"],
+        ["convert", "a", "b", "--dry-run", "--tp", "0"],
+        ["convert", "a", "b", "--dry-run", "--tp", "x"],
+        ["convert", "a", "b", "--dry-run", "--tp"],
+        ["convert", "a", "b", "--dry-run", "--moe-parallel", "dp"],
+        ["convert", "a", "b", "--dry-run", "--only", "all"],
+        ["convert", "a", "b", "--dry-run", "--format", "xml"],
+        ["convert", "a", "b", "--dry-run", "--target", "vllm-9"],
+        ["convert", "a", "b", "--dry-run", "--ranks", "0"],
+        ["convert", "a", "b", "--dry-run", "--help"],
+        ["convert", "a", "b", "--dry-run", "--", "c"],
+        ["inspect", "a", "b", "--dry-run"],
+    ],
+)
+def test_anything_but_a_plain_dry_run_goes_to_typer(args: list[str]) -> None:
+    from ckpt_tool.cli.entry import _plain_dry_run
+
+    assert _plain_dry_run(args) is None
+
+
+def test_a_dry_run_imports_neither_typer_nor_torch(fixture_dir, tmp_path) -> None:
+    """The header path stays light: a plain dry run (and inspect) loads no typer, pydantic, torch, triton or vLLM."""
+    src, out = str(fixture_dir("fp4")), str(tmp_path / "out")
+    code = (
+        "import sys; from ckpt_tool.cli.entry import main\n"
+        f"assert main(['convert', {src!r}, {out!r}, '--tp', '2', '--dry-run', '--json']) == 0\n"
+        f"assert main(['inspect', {src!r}, '--json']) == 0\n"
+        "heavy = {'typer', 'pydantic', 'torch', 'triton', 'vllm'} & {m.split('.')[0] for m in sys.modules}\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr

@@ -167,12 +167,12 @@ def test_a_shard_run_refuses_while_a_plain_convert_holds_out(clean, tmp_path: Pa
     assert first.returncode == 0
 
 
-@pytest.mark.parametrize("cpus, pending, expected", [(2, 1, 1), (2, 5, 2), (16, 3, 3), (16, 100, 8), (None, 4, 1)])
+@pytest.mark.parametrize("cpus, pending, expected", [(2, 1, 1), (2, 5, 2), (16, 3, 3), (16, 100, 8), (1, 4, 1)])
 def test_default_workers_use_the_cores_while_files_are_pending(monkeypatch, cpus, pending: int, expected: int) -> None:
     """Without --workers, one file per core is written (and hashed) at once, never more than the ring budget allows."""
     from ckpt_tool.output import writer
 
-    monkeypatch.setattr(writer.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(writer, "usable_cpus", lambda: cpus)
     assert writer.default_workers(pending) == expected
     assert writer.MAX_DEFAULT_WORKERS * writer.RING <= writer.MAX_BUFFERS
 

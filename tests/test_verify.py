@@ -483,7 +483,7 @@ def test_numeric_workers_compute_while_the_values_level_runs(fixture_dir, tmp_pa
     real_values = levels.check_values
 
     def values_after_a_numeric_answer(*args, **kwargs):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 60
         while started[0]._answers.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
         answered_during_values.append(not started[0]._answers.empty())
@@ -492,11 +492,66 @@ def test_numeric_workers_compute_while_the_values_level_runs(fixture_dir, tmp_pa
     monkeypatch.setattr(levels, "check_values", values_after_a_numeric_answer)
     report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
     assert answered_during_values == [True]
+    monkeypatch.undo()  # the serial run forks no worker: nothing would ever answer the wait above
     assert report.ok, [(c.name, c.message) for c in report.failures]
     assert report.coverage["percent"] == 100.0
     serial = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=1)
     assert [(c.name, c.ok) for c in report.checks] == [(c.name, c.ok) for c in serial.checks]
     assert report.coverage == serial.coverage
+
+
+FORKED_NUMERIC_RUNS = 30
+FORKED_RUN_SECONDS = 60  # one run takes about a quarter of a second here; a stuck worker never answers
+
+
+def test_forked_numeric_workers_answer_every_task_run_after_run(fixture_dir, tmp_path, monkeypatch) -> None:
+    """The numeric level's forked path 30 times in a row, each time forked from a thread that has just run a matmul
+    on a team of two OpenMP threads (what once left a worker spinning in a matmul): the workers answer every task
+    of every run in time (a watchdog kills workers still running at the deadline, which fails the run), and every
+    report passes at full coverage."""
+    import threading
+
+    from ckpt_tool.verify.compute_pool import ForkedTasks, can_fork_workers
+
+    assert can_fork_workers(), "the forked numeric path needs Linux and no other thread running"
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 1)
+    ckpt, plan = _plan_of(out, src)
+    headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
+    forked, answered, real_results = [], [], ForkedTasks.results
+
+    def results(self):
+        forked.append((self, len(self.pids)))
+        for item in real_results(self):
+            answered.append(item[0])
+            yield item
+
+    monkeypatch.setattr(ForkedTasks, "results", results)
+    threads, team = torch.get_num_threads(), torch.ones(256, 256)
+    try:
+        for run in range(FORKED_NUMERIC_RUNS):
+            forked.clear()
+            answered.clear()
+            torch.set_num_threads(2)
+            team @ team  # noqa: B018 - a thread team now attached to this thread, which forks the workers
+            report = VerifyReport(str(out), str(src), "numeric")
+            with numeric.NumericLevel(
+                out, plan, ckpt, headers, kernels="torch", device="cpu", tokens=4, seed=run, workers=2
+            ) as level:
+                level.start()
+                watchdog = threading.Timer(FORKED_RUN_SECONDS, lambda: forked and forked[0][0].stop())
+                watchdog.daemon = True
+                watchdog.start()
+                try:
+                    level.finish(report)
+                finally:
+                    watchdog.cancel()
+            assert [processes for _, processes in forked] == [2], f"run {run}: the workers were not forked"
+            assert sorted(answered) == list(range(forked[0][0].tasks)), f"run {run}: workers left tasks unanswered"
+            assert report.ok, (run, [(c.name, c.message) for c in report.failures])
+            assert report.coverage["percent"] == 100.0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_values_failure_stops_the_numeric_workers_and_adds_no_numeric_check(

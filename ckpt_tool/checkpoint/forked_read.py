@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.forked import TaskQueue, can_fork, helpers, usable_cpus
 from ckpt_tool.checkpoint.headers import read_index
 from ckpt_tool.checkpoint.paths import load_config, resolve_layout
 from ckpt_tool.errors import CkptToolError
+from ckpt_tool.processes import TaskQueue, can_fork, helpers, usable_cpus
 
 # Shards a checkpoint needs before helpers pay for themselves (a fork and hand-back cost ~10 ms).
 FORK_MIN_FILES = 8
@@ -70,7 +70,7 @@ def read_shards_forked(
     files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
     if index_path is None or explicit is not None or not FORK_MIN_FILES <= len(files) <= TaskQueue.LIMIT:
         return None
-    if not can_fork() or not hashes_keyed_at_random():
+    if not can_fork() or usable_cpus() < 2 or not hashes_keyed_at_random():
         return None  # see index_digest
     try:
         queue = TaskQueue(len(files))

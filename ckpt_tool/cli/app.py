@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import typer
 
 from ckpt_tool import __version__
-from ckpt_tool.cli.common import FORMATS, apply_global_flags, interrupted, report_error, run_inspect
+from ckpt_tool.cli.common import FORMATS, apply_global_flags, interrupted, print_plan, report_error, run_inspect
 from ckpt_tool.errors import CkptToolError, UsageError
 
 app = typer.Typer(
@@ -338,8 +338,8 @@ def convert(
       ckpt-tool convert deepseek-ai/DeepSeek-V4-Flash ./v4-mtp --only mtp
       ckpt-tool convert ./DeepSeek-V4-Flash /shared/v4 --tp 8 --shard-index 2 --shard-count 4   # then --finalize
     """
-    from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, print_json, print_json_text
-    from ckpt_tool.cli.render import ConvertProgress, plan_json, render_convert_summary, render_plan
+    from ckpt_tool.cli.jsondoc import json_document, print_json
+    from ckpt_tool.cli.render import ConvertProgress, render_convert_summary
     from ckpt_tool.mapping.plan import Options
     from ckpt_tool.mapping.profiles import series_of
     from ckpt_tool.mapping.target import resolve_target
@@ -370,7 +370,7 @@ def convert(
         )
         from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
         from ckpt_tool.mapping.plan import HubNeeds
-        from ckpt_tool.output.convert import parse_ranks, select_files
+        from ckpt_tool.output.convert import parse_ranks
 
         rank_list = parse_ranks(ranks) if ranks is not None else None
         if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
@@ -378,24 +378,7 @@ def convert(
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
         source = open_hub_source(ref, HubNeeds(opts), download=not dry_run) if ref is not None else Path(src)
         if dry_run:
-            from dataclasses import replace
-
-            from ckpt_tool.checkpoint.source import open_checkpoint
-            from ckpt_tool.mapping.plan import plan_conversion
-
-            ckpt = open_checkpoint(source) if isinstance(source, Path) else source
-            plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
-            if rank_list is not None or shard_count > 1:
-                plan = replace(plan, files=tuple(select_files(plan, rank_list, shard_index, shard_count)))
-            if as_json:
-                doc = json_document(
-                    "convert",
-                    {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning},
-                )
-                print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
-            else:
-                render_plan(plan)
-                _target_note(chosen.note)
+            print_plan(source, opts, chosen, as_json=as_json, rank_list=rank_list, shard=(shard_index, shard_count))
             raise typer.Exit(0)
         with ConvertProgress(enabled=not as_json) as prog:
             try:

@@ -1,4 +1,5 @@
-"""What both ways into the command line share: the global flags, one-line errors, interrupts, and inspect.
+"""What both ways into the command line share: the global flags, one-line errors, interrupts, inspect, and
+``convert --dry-run``.
 
 :mod:`ckpt_tool.cli.entry` (the console script, with its typer-free path for inspect) and the typer app
 (:mod:`ckpt_tool.cli.app`) both import this; neither imports the other at module level. It imports
@@ -150,3 +151,72 @@ def run_inspect(
 
         render_inspect(report)
     return 0 if report.ok else 1
+
+
+def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | None = None, shard=(0, 1)) -> None:
+    """``convert --dry-run``'s output: the plan of ``source`` (a folder, or a hub source already opened) for
+    ``opts`` as one JSON document, or as a table and then the note on the ``--target`` chosen (``chosen``).
+    ``rank_list`` / ``shard`` (index, count): only the files those ranks or that scale-out part write."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from ckpt_tool.checkpoint.headers import gc_paused
+    from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.mapping.plan import plan_conversion
+
+    # headers, plan and its JSON are ~10^6 objects, none cyclic, alive until the command ends: one pause for the
+    # whole command, not one per step (each resumption had the collector walk the heap built so far)
+    with gc_paused():
+        ckpt = open_checkpoint(source) if isinstance(source, Path) else source
+        plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
+        if rank_list is not None or shard[1] > 1:
+            from ckpt_tool.output.convert import select_files
+
+            plan = replace(plan, files=tuple(select_files(plan, rank_list, *shard)))
+        _print_plan(plan, chosen, as_json)
+
+
+def _print_plan(plan, chosen, as_json: bool) -> None:
+    if as_json:
+        from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, print_json_text
+        from ckpt_tool.cli.render import plan_json
+
+        fields = {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning}
+        doc = json_document("convert", fields)
+        print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
+        return
+    from ckpt_tool.cli.render import note_line, render_plan
+
+    render_plan(plan)
+    if chosen.note:
+        note_line(chosen.note)
+
+
+def run_dry_run(src: str, out: str, *, tp: int, moe_parallel: str, only: str | None, target: str, as_json: bool) -> int:
+    """``ckpt-tool convert SRC OUT --dry-run`` with no option but these (the typer-free path of
+    :mod:`ckpt_tool.cli.entry`): what the typer command prints, and its exit code."""
+    from pathlib import Path
+
+    from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
+    from ckpt_tool.errors import CkptToolError
+    from ckpt_tool.mapping.plan import HubNeeds, Options
+    from ckpt_tool.mapping.target import resolve_target
+
+    try:
+        chosen = resolve_target(target)
+        if chosen.warning:
+            from ckpt_tool.cli.render import warning_line
+
+            warning_line(chosen.warning)  # before any work: on stderr in --json mode too
+        opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, profile=chosen.profile, vllm_series=chosen.vllm)
+        ref = parse_hub_ref(src)
+        source = open_hub_source(ref, HubNeeds(opts), download=False) if ref is not None else Path(src)
+        print_plan(source, opts, chosen, as_json=as_json)
+    except CkptToolError as exc:
+        if as_json:
+            from ckpt_tool.cli.jsondoc import json_document, print_json
+
+            print_json(json_document("convert", {"out": out, "dry_run": True}, error=str(exc)))
+        report_error(exc)
+        return exc.exit_code
+    return 0

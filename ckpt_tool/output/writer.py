@@ -40,6 +40,7 @@ from ckpt_tool.checkpoint.identity import FileIdentity, changed_while_converting
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
+from ckpt_tool.processes import usable_cpus
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
@@ -53,7 +54,7 @@ def default_workers(pending_files: int) -> int:
     Hashing (sha256, ~1.5 GB/s per core) runs beside each file's writes; on storage faster than one
     core hashes, one file at a time would be CPU-bound. Memory stays within MAX_BUFFERS either way.
     """
-    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS, pending_files))
+    return max(1, min(usable_cpus(), MAX_DEFAULT_WORKERS, pending_files))
 
 
 PIECE = 1024 * 1024  # scratch for gathers and conversions: small enough to stay in CPU cache

@@ -19,7 +19,9 @@ tasks of a bounded pool could wait forever); :func:`map_tasks` runs inline when 
 Threads share one interpreter lock: each tile's dozen tensor ops take it for a few microseconds each, so one
 process's threads saturate it at a handful of cores. :func:`fan_out` therefore spreads independent tasks (the
 per-tensor check's units) over forked processes, each running a one-slot pool of its own, where forking is
-safe (Linux, CPU tensors, no other thread that could hold a lock the children need).
+safe (Linux, CPU tensors, no other thread that could hold a lock the children need). They are forked through
+:func:`ckpt_tool.processes.fork`, which limits torch to one thread in each child before anything else runs (a
+fork does not copy the OpenMP team of the forking thread; see that module).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import marshal
 import os
 import selectors
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,18 +38,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from ckpt_tool.processes import TaskQueue, can_fork, fork, usable_cpus
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 _local = threading.local()  # .pool: the ComputePool whose task this thread runs
-
-
-def default_workers() -> int:
-    """One per CPU this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 class ComputePool:
@@ -56,7 +51,7 @@ class ComputePool:
     joined and torch's intra-op thread count of the calling thread is restored."""
 
     def __init__(self, workers: int | None = None) -> None:
-        self.workers = max(1, workers or default_workers())
+        self.workers = max(1, workers or usable_cpus())  # default: one per CPU
         self._slots = threading.BoundedSemaphore(self.workers)
         self._executor = ThreadPoolExecutor(2 * self.workers, thread_name_prefix="numeric", initializer=self._enter)
         self._torch_threads = torch.get_num_threads()
@@ -110,15 +105,9 @@ def map_tasks(pool: ComputePool | None, fn: Callable[[T], R], items: Iterable[T]
 
 
 def can_fork_workers() -> bool:
-    """Whether :func:`fan_out` may fork here: Linux, ``CKPT_TOOL_NO_FORK`` unset, and no thread besides this one
-    but daemon threads (a terminal's progress-bar refresher): a child runs only torch, ``os`` and ``marshal``
-    and touches no lock such a thread takes. Never with CUDA initialized (a child cannot use it)."""
-    if sys.platform != "linux" or os.environ.get("CKPT_TOOL_NO_FORK"):
-        return False
-    if torch.cuda.is_initialized():
-        return False
-    me = threading.current_thread()
-    return all(t is me or t.daemon for t in threading.enumerate())
+    """Whether :func:`fan_out` may fork here (:func:`~ckpt_tool.processes.can_fork`, daemon threads allowed: a
+    child runs only torch, ``os`` and ``marshal``). Never with CUDA initialized (a child cannot use it)."""
+    return can_fork(daemon_threads=True) and not torch.cuda.is_initialized()
 
 
 _FRAME = 4  # bytes of the length before each marshalled result
@@ -144,7 +133,7 @@ class ForkedTasks:
     threads, which a child would not have); :meth:`results` yields ``(task, result)`` as results arrive, and may
     run on a thread the caller starts after the fork; :meth:`stop` kills the children (their pipes then end, so
     :meth:`results` returns); :meth:`close` stops them and reaps them. Each child runs a :class:`ComputePool` of one
-    slot; ``servers`` of its threads take tasks from a shared :class:`~ckpt_tool.checkpoint.forked.TaskQueue`, one
+    slot; ``servers`` of its threads take tasks from a shared :class:`~ckpt_tool.processes.TaskQueue`, one
     reading while another computes (``servers=1``: the child's main thread takes them, and ``run`` may map work
     over ``pool``). Tasks a child took and never answered (it died, or was stopped) are simply not yielded: the
     caller runs what is missing itself, so a child never decides an outcome. Fewer children start when the
@@ -155,13 +144,11 @@ class ForkedTasks:
         self.pids: dict[int, int] = {}  # read fd -> pid
 
     def start(self) -> ForkedTasks:
-        from ckpt_tool.checkpoint.forked import TaskQueue
-
         with TaskQueue(self.tasks) as queue:  # closed here once forked: the children hold the read end
             for _ in range(self.processes):
                 read_end, write_end = os.pipe()
                 try:
-                    pid = os.fork()
+                    pid = fork()
                 except OSError:
                     os.close(read_end)
                     os.close(write_end)
@@ -219,13 +206,13 @@ def _collect(pids: dict[int, int]) -> Iterator[tuple[int, Any]]:
                         yield task, result
 
 
-def _child(queue, write_end: int, run: Callable[[int, ComputePool], Any], servers: int) -> None:  # pragma: no cover
+def _child(
+    queue: TaskQueue, write_end: int, run: Callable[[int, ComputePool], Any], servers: int
+) -> None:  # pragma: no cover
     """In a child: ``servers`` threads take tasks and write their results, then the child leaves without running
     the parent's exit hooks. Any failure just ends it: the parent runs what it did not answer."""
     code = 1
     try:
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # sent to the whole group: the child just goes
-            signal.signal(stop, signal.SIG_DFL)
         lock = threading.Lock()
 
         def serve(_: int) -> None:

@@ -40,6 +40,7 @@ from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
+from ckpt_tool.processes import usable_cpus
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
 
 __all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
@@ -72,7 +73,7 @@ def verify(
     tiles computed at once by the numeric level (default: one per CPU).
     """
     numeric_workers = workers
-    workers = workers or min(4, os.cpu_count() or 1)
+    workers = workers or min(4, usable_cpus())
     progress = progress or NoProgress()
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}")

@@ -1016,7 +1016,7 @@ class TensorCheck:
         skip_mtp_experts: bool = False,
         pool: ComputePool | None = None,
     ) -> None:
-        from ckpt_tool.checkpoint.forked import TaskQueue
+        from ckpt_tool.processes import TaskQueue
 
         self.progress = progress or NoProgress()
         opts, cfg = plan.options, plan.config

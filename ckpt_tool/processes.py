@@ -1,13 +1,23 @@
-"""A second core for the header path: run a function in a forked child, take back its result.
+"""Processes: how many CPUs this process may use, forking a child safely, and the work forked children share.
 
-``inspect`` of a full V4 checkpoint is CPU work on 69k-145k header entries (JSON parsing, tallies),
-and a user runs it interactively. A forked child starts in milliseconds with every module already
-imported (``multiprocessing`` costs more to import than the work it would split), and hands its result
-back through a pipe as ``marshal`` data: builtins only, no pickling of our classes.
+Every fork in ckpt-tool goes through :func:`fork`, and every CPU count through :func:`usable_cpus`.
 
-Every caller keeps a serial path and takes it whenever a child cannot help or did not succeed, so a
-child never decides an outcome: it only saves time on the way to the same answer. Linux only (fork
-without exec is not safe on macOS), and never from a process with other threads running.
+Forked helpers save time twice: ``inspect`` of a full V4 checkpoint is CPU work on 69k-145k header entries
+that helpers parse beside this process, and the numeric level's workers each compute on a core of their own
+(``verify.compute_pool``). A forked child starts in milliseconds with every module already imported
+(``multiprocessing`` costs more to import than the work it would split), and hands its result back through a
+pipe as ``marshal`` data: builtins only, no pickling of our classes.
+
+Every caller keeps a serial path and takes it whenever a child cannot help or did not succeed, so a child
+never decides an outcome: it only saves time on the way to the same answer. Linux only (fork without exec is
+not safe on macOS), and never while another thread could hold a lock the child needs.
+
+A fork copies the forking thread and none of the others, and that includes the OpenMP team torch's intra-op
+pool keeps for it. GNU OpenMP (libgomp, torch's runtime in its Linux wheels) records the team per thread and has
+no fork handler: a child whose forking thread opens a parallel region of more than one thread (any torch op large
+enough, an MKL ``sgemm``) waits forever at the team's barrier for threads that were never copied. So the child
+of :func:`fork` first limits torch to one thread (:func:`limit_thread_pools`), before any caller code runs:
+forked workers each compute on one core anyway (the parent starts one per CPU).
 """
 
 from __future__ import annotations
@@ -24,21 +34,44 @@ from typing import Any
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's count)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
-def can_fork() -> bool:
-    """Whether a forked child is safe and useful here: Linux, no other thread running, a spare CPU."""
+def limit_thread_pools() -> None:
+    """One thread for torch's intra-op pool in this thread (OpenMP, MKL, and the pool new threads start with),
+    where torch is loaded at all: the header path never imports it and pays nothing here."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def fork() -> int:
+    """``os.fork()``, with the child's thread pools limited (:func:`limit_thread_pools`) and the stop signals
+    (SIGINT, SIGTERM, SIGHUP) left to their default action there (they reach the whole process group: a child just
+    goes, the parent says how to resume), before the caller's code runs. Raises OSError when the system refuses a
+    fork."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child's coverage is not collected)
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop, signal.SIG_DFL)
+        limit_thread_pools()
+    return pid
+
+
+def can_fork(*, daemon_threads: bool = False) -> bool:
+    """Whether forking is safe here: Linux, ``CKPT_TOOL_NO_FORK`` unset, and no other thread running that could
+    hold a lock the child needs. ``daemon_threads``: daemon threads may run (a terminal's progress-bar refresher:
+    the caller's children touch no lock such a thread takes)."""
     if sys.platform != "linux" or os.environ.get("CKPT_TOOL_NO_FORK"):
         return False
     threading = sys.modules.get("threading")
-    if threading is not None and threading.active_count() > 1:
-        return False  # a lock held by another Python thread at fork time stays held in the child forever
-    # (native threads, such as an OpenMP pool torch may have started, do not matter: a child only parses
-    # JSON and runs no library code of theirs, and glibc's malloc is made safe across fork)
-    return usable_cpus() > 1
+    if threading is None:
+        return True
+    me = threading.current_thread()
+    # a lock held by another Python thread at fork time stays held in the child forever
+    return all(t is me or (daemon_threads and t.daemon) for t in threading.enumerate())
 
 
 class TaskQueue:
@@ -86,7 +119,7 @@ class Child:
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         read_end, write_end = os.pipe()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:  # pragma: no cover (the child's coverage is not collected)
             _run_child(read_end, write_end, fn, args)
         os.close(write_end)
@@ -138,8 +171,6 @@ def _run_child(read_end: int, write_end: int, fn: Callable[..., Any], args: tupl
     code = 1
     try:
         os.close(read_end)
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # sent to the whole group: the child just goes
-            signal.signal(stop, signal.SIG_DFL)
         data = marshal.dumps(fn(*args))
         with os.fdopen(write_end, "wb") as out:
             out.write(data)
