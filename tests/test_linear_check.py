@@ -127,12 +127,12 @@ def test_row_reader_direct_reads_give_what_the_file_holds(fixture_dir, tmp_path,
 
     from safetensors import safe_open
 
+    from ckpt_tool.checkpoint import reader as reads
     from ckpt_tool.checkpoint.headers import read_shard_header
-    from ckpt_tool.output import writer
     from ckpt_tool.verify import rows as tensor_rows
 
-    monkeypatch.setattr(writer, "DIRECT_IO", direct)
-    monkeypatch.setattr(tensor_rows, "DIRECT_FROM", 8192)  # the fixture's tensors: both kinds of read
+    monkeypatch.setattr(reads, "DIRECT_IO", direct)
+    monkeypatch.setattr(reads, "DIRECT_FROM", 8192)  # the fixture's tensors: both kinds of read
     src = fixture_dir("fp4")
     out = tmp_path / "out"
     convert(src, out, Options(tp=2))
@@ -159,7 +159,7 @@ def test_row_reader_direct_reads_give_what_the_file_holds(fixture_dir, tmp_path,
 
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(read, jobs))
-        assert reader._fd(path)[1] is direct
+        assert reader._out._fd(path, buffered=False)[1] is direct
     for (name, r0, r1), t in zip(jobs, got):
         want = full[name].reshape(-1, full[name].shape[-1] if full[name].dim() else 1)[r0:r1]
         assert t.shape[0] == r1 - r0

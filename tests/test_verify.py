@@ -1169,11 +1169,11 @@ def test_values_reads_tensors_spanning_many_read_blocks(
     """The values level reads each output file in blocks, ahead of the comparison, and hashes them in order:
     with blocks far smaller than the tensors every tensor spans several, the file's end is a partial block,
     and a good OUT still passes while one flipped byte is named (O_DIRECT and buffered reads alike)."""
-    from ckpt_tool.output import writer
+    from ckpt_tool.checkpoint import reader as reads
     from ckpt_tool.verify import levels as verify_mod
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", block)
-    monkeypatch.setattr(writer, "DIRECT_IO", direct == "1")
+    monkeypatch.setattr(reads, "DIRECT_IO", direct == "1")
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", 2)
     report = verify(out, src, level="values")
@@ -1189,10 +1189,9 @@ def test_output_files_hash_like_hashlib_through_the_read_ahead_reader(tmp_path, 
     block boundaries and an empty file included, gives hashlib's digest."""
     import hashlib
 
-    from ckpt_tool.verify import levels as verify_mod
+    from ckpt_tool.checkpoint.reader import sha256_file
 
-    monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", 4096)
     data = bytes((i * 7 + 3) % 251 for i in range(size))
     path = tmp_path / "f.safetensors"
     path.write_bytes(data)
-    assert verify_mod._sha256_output(path) == hashlib.sha256(data).hexdigest()
+    assert sha256_file(path, block=4096) == hashlib.sha256(data).hexdigest()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
+from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError, OutputError, UsageError
 from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
@@ -59,7 +60,6 @@ from ckpt_tool.output.writer import (
     file_size,
     files_fed,
     output_error,
-    sha256_file,
     write_output_file,
 )
 

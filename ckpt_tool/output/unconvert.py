@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, parse_header, read_shard_header
+from ckpt_tool.checkpoint.reader import LocalFiles, sha256_file
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources, plan_conversion
@@ -43,7 +43,6 @@ from ckpt_tool.output.layout import (
     read_manifest,
     source_layout,
 )
-from ckpt_tool.output.writer import sha256_file
 
 BLOCK_BYTES = 16 * 1024 * 1024
 
@@ -213,7 +212,7 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
     return regions
 
 
-def _rebuild(info: TensorInfo, reg: _Regions, reader: OpenFiles, fd: int, dest_start: int, progress) -> None:
+def _rebuild(info: TensorInfo, reg: _Regions, reader: LocalFiles, fd: int, dest_start: int, progress) -> None:
     """Write source tensor ``info`` at ``dest_start`` of ``fd``, in blocks of whole rows."""
     import numpy as np
 
@@ -320,7 +319,7 @@ def unconvert(
     _check_dest(out, dest, force)
     dest.mkdir(parents=True, exist_ok=True)
 
-    reader = OpenFiles()
+    reader = LocalFiles()
     written_names: dict[str, str] = {}
     if hasattr(progress, "stage"):  # a verdict.Progress: one stage, bytes, the file being written as description
         total = sum(t.nbytes for _raw, h in headers.values() for t in h.tensors.values() if t.name in recoverable)

@@ -4,7 +4,8 @@ The header is computed from the plan up front; then the output is assembled in a
 page-aligned ``CHUNK``-sized buffers, never a whole tensor in memory:
 
 - contiguous source ranges (whole tensors, row splits, wide column slices row by row) are read with
-  ``os.preadv`` straight into the buffer, at their place in the output;
+  the source's byte reader (:mod:`ckpt_tool.checkpoint.reader`) straight into the buffer, at their place in the
+  output;
 - narrow column slices (TP split of dim 1) are gathered with numpy from cache-sized blocks of source
   rows; converted segments (E8M0 → float32, int64 → int32: :mod:`conversions`) are converted piece by
   piece into the buffer;
@@ -34,9 +35,10 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ckpt_tool.checkpoint.files import OpenFiles
+from ckpt_tool.checkpoint import reader as reads
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
 from ckpt_tool.checkpoint.identity import FileIdentity, changed_while_converting
+from ckpt_tool.checkpoint.reader import DIRECT_ALIGN, ByteSource, LocalFiles
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
@@ -58,9 +60,7 @@ def default_workers(pending_files: int) -> int:
 
 
 PIECE = 1024 * 1024  # scratch for gathers and conversions: small enough to stay in CPU cache
-DIRECT_ALIGN = 4096  # O_DIRECT offset/length granularity we keep to (covers 512-byte devices too)
 SMALL_COLUMN_SLICE = 64 * 1024  # column slices narrower than this are gathered from row blocks
-DIRECT_IO = os.environ.get("CKPT_TOOL_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
 
 ProgressFn = Callable[[int], None]  # bytes now in the output file; called from writer threads
 
@@ -81,20 +81,23 @@ def file_size(out: OutFile) -> int:
     return len(header_bytes(out)) + out.data_bytes
 
 
-class SourceFiles(OpenFiles):
-    """Read-only descriptors of the source shards, opened once and shared by writer threads.
+class SourceFiles:
+    """The source's bytes as the writer threads read them: the checkpoint's :class:`ByteSource` (its local files,
+    read front to back with the kernel's read-ahead, unless ``source`` gives another).
 
-    ``identities``: each source file as it was when the plan was made (its header read); with them,
+    ``identities``: each local source file as it was when the plan was made (its header read); with them,
     :meth:`check_unchanged` tells whether a file is still that file (:mod:`ckpt_tool.checkpoint.identity`).
     """
 
-    def __init__(self, root: Path, identities: dict[str, FileIdentity] | None = None) -> None:
-        super().__init__(root, sequential=True)
+    def __init__(
+        self, root: Path, identities: dict[str, FileIdentity] | None = None, source: ByteSource | None = None
+    ) -> None:
+        self.root = root
+        self.source = source if source is not None else LocalFiles(root, sequential=True)
         self.identities = identities or {}
 
     def check_unchanged(self, files: Iterable[str]) -> None:
         """Raise a CheckpointError naming the first of ``files`` that changed since the plan, and how."""
-        assert self.root is not None
         for file in files:
             recorded = self.identities.get(file)
             if recorded is not None and (error := changed_while_converting(self.root / file, recorded)):
@@ -102,7 +105,16 @@ class SourceFiles(OpenFiles):
 
     def pread_exact(self, info: TensorInfo, into: memoryview, offset: int) -> None:
         """Fill ``into`` from absolute ``offset`` of ``info``'s file; a short read means the file changed."""
-        self.read_into(info.file, into, offset, what=f"tensor {info.name!r}")
+        self.source.read_into(info.file, into, offset, what=f"tensor {info.name!r}")
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self) -> SourceFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def files_fed(out: OutFile, sources: dict[str, TensorInfo]) -> list[str]:
@@ -483,7 +495,7 @@ def _pwrite_all(fd: int, view: memoryview, off: int) -> int:
 
 def _open_output(path: Path) -> tuple[int, bool]:
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-    if DIRECT_IO:
+    if reads.DIRECT_IO:  # (read at the call: CKPT_TOOL_DIRECT_IO, or a test, may turn it off)
         try:
             return os.open(path, flags | os.O_DIRECT, 0o666), True
         except OSError as exc:
@@ -602,12 +614,3 @@ def _fill_zeros(pipe: _Pipeline, element: bytes, count: int) -> None:
         pipe.commit(n)
         left -= n
         done += n
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    buf = memoryview(bytearray(PIECE))
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            digest.update(buf[:n])
-    return digest.hexdigest()

@@ -21,20 +21,15 @@ taking turns); their answers are taken only once values passed, else the workers
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import json
 import logging
-import mmap
-import os
-import threading
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
-from ckpt_tool.checkpoint.files import OpenFiles
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
+from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead, sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
@@ -158,7 +153,8 @@ def verify(
         if numeric is not None:
             numeric.start()
         if deep and report.ok:
-            check_values(out, plan, ckpt.root, headers, report, progress, workers=workers, manifest=manifest)
+            with closing(ckpt.open_bytes()) as source_bytes:
+                check_values(out, plan, source_bytes, headers, report, progress, workers=workers, manifest=manifest)
         if level == "numeric" and report.ok:
             if numeric is None:
                 report.add(_numeric_needs_every_rank([int(r) for r in held], opts.tp))
@@ -323,7 +319,7 @@ def check_structure(
 
         todo = [rel for rel in planned if rel in present]
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            digests = dict(zip(todo, pool.map(lambda rel: _sha256_output(out / rel), todo)))
+            digests = dict(zip(todo, pool.map(lambda rel: sha256_file(out / rel), todo)))
     for rel, f in planned.items():
         if rel not in present:
             continue
@@ -430,139 +426,10 @@ def _out_width(t: OutTensor) -> int:
     return t.segments[0].width
 
 
-class _HashingReader:
-    """Reads one output file front to back in 8 MiB blocks, hashing every byte (gaps included) once, so the
-    values level needs one read of each output for both the comparison and the manifest sha256.
-
-    The file is read with ``O_DIRECT`` where the file system allows it (the writer wrote it that way: it is
-    not in the page cache), by a thread that stays ``DEPTH`` blocks ahead, into page-aligned buffers:
-    no copy through the page cache (that copy was most of verify's system time) and the disk works while
-    the caller compares. Elsewhere (tmpfs, ``CKPT_TOOL_DIRECT_IO=0``) the same reads go through the cache.
-    """
-
-    DEPTH = 3  # blocks read ahead of the one being compared
-
-    def __init__(self, path: Path, size: int) -> None:
-        import queue
-
-        self.size, self.hash = size, hashlib.sha256()
-        self.fd, self.direct = _open_for_reading(path)
-        self.free: queue.Queue = queue.Queue()
-        self.full: queue.Queue = queue.Queue()
-        for _ in range(self.DEPTH + 1):
-            self.free.put(mmap.mmap(-1, VALUE_BLOCK_BYTES))  # page-aligned, as O_DIRECT wants
-        self.block, self.block_start, self.block_len = None, 0, 0  # the block being served
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._prefetch, name="verify-read", daemon=True)
-        self.thread.start()
-
-    def _prefetch(self) -> None:
-        pos = 0
-        try:
-            while pos < self.size and not self.stop.is_set():
-                buf = self.free.get()
-                if buf is None:
-                    return
-                n = _read_block(self.fd, buf, pos, min(VALUE_BLOCK_BYTES, self.size - pos), self)
-                self.full.put((buf, pos, n))
-                if n == 0:
-                    return
-                pos += n
-        except BaseException as exc:  # handed to the reader, which raises it in the caller's thread
-            self.full.put(exc)
-
-    def _next_block(self) -> None:
-        if self.block is not None:
-            self.free.put(self.block)
-        item = self.full.get()
-        if isinstance(item, BaseException):
-            raise item
-        self.block, self.block_start, self.block_len = item
-        if self.block_len == 0:
-            raise CkptToolError("output file ended early")
-        self.hash.update(memoryview(self.block)[: self.block_len])
-
-    def read(self, start: int, n: int) -> bytes:
-        """Bytes ``[start, start + n)``; calls must ask for increasing offsets (tensors in file order)."""
-        if start < self.block_start:
-            raise AssertionError("tensors must be read in file order")
-        parts = []
-        while n > 0:
-            while self.block is None or start >= self.block_start + self.block_len:
-                if self.block is not None and self.block_start + self.block_len >= self.size:
-                    return b"".join(parts)  # past the end: the caller reports a short file
-                self._next_block()
-            lo = start - self.block_start
-            take = min(n, self.block_len - lo)
-            parts.append(self.block[lo : lo + take])  # a copy: the block goes back to the prefetcher next
-            start, n = start + take, n - take
-        return b"".join(parts)
-
-    def hexdigest(self) -> str:
-        while self.block_start + self.block_len < self.size:  # (an empty file asks for no block)
-            self._next_block()
-        return self.hash.hexdigest()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.free.put(None)  # wakes a prefetcher waiting for a buffer
-        if self.block is not None:
-            self.free.put(self.block)
-        self.thread.join()
-        os.close(self.fd)
-
-
-def _sha256_output(path: Path) -> str:
-    """sha256 of an output file, read like the values level reads it (O_DIRECT where allowed, read ahead)."""
-    reader = _HashingReader(path, path.stat().st_size)
-    try:
-        return reader.hexdigest()
-    finally:
-        reader.close()
-
-
-def _open_for_reading(path: Path) -> tuple[int, bool]:
-    """``(fd, direct)``: O_DIRECT where allowed (see writer.DIRECT_IO), else a buffered descriptor."""
-    from ckpt_tool.output.writer import DIRECT_IO
-
-    if DIRECT_IO:
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, os.O_RDONLY), False
-
-
-def _read_block(fd: int, buf: mmap.mmap, pos: int, want: int, reader: _HashingReader) -> int:
-    """Read ``want`` bytes at ``pos`` into ``buf``. A direct read is asked for whole 4 KiB pages (the last
-    one may run past the end of the file, which returns short); EINVAL from a file system that took the
-    O_DIRECT open but not the read falls back to buffered reads."""
-    from ckpt_tool.output.writer import DIRECT_ALIGN
-
-    done = 0
-    while done < want:
-        ask = want - done
-        if reader.direct:
-            ask = -(-ask // DIRECT_ALIGN) * DIRECT_ALIGN
-        try:
-            n = os.preadv(fd, [memoryview(buf)[done : done + ask]], pos + done)
-        except OSError as exc:
-            if not reader.direct or exc.errno != errno.EINVAL:
-                raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            reader.direct = False
-            continue
-        if n <= 0:
-            break
-        done += n
-    return min(done, want)
-
-
 def check_values(
     out: Path,
     plan: Plan,
-    src_root: Path,
+    source: ByteSource,
     headers: dict[str, ShardHeader],
     report: VerifyReport,
     progress: Progress,
@@ -582,16 +449,12 @@ def check_values(
     jobs = [f for f in plan.files if f.relpath in headers]
     progress.stage("values", sum(f.data_bytes for f in jobs))
     outputs = (manifest or {}).get("outputs") or {}
-    src = OpenFiles(src_root)
 
     def one(f):
-        return _values_of_file(out, f, headers[f.relpath], plan, src, progress)
+        return _values_of_file(out, f, headers[f.relpath], plan, source, progress)
 
-    try:
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            results = list(pool.map(one, jobs))
-    finally:
-        src.close()
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        results = list(pool.map(one, jobs))
     for f, (bad, first_tensor, digest) in zip(jobs, results):
         if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
             report.add(
@@ -619,9 +482,9 @@ def check_values(
 
 
 def _values_of_file(
-    out: Path, f, header: ShardHeader, plan: Plan, src: OpenFiles, progress: Progress
+    out: Path, f, header: ShardHeader, plan: Plan, src: ByteSource, progress: Progress
 ) -> tuple[list[str], str | None, str]:
-    reader = _HashingReader(out / f.relpath, header.file_size)
+    reader = SequentialRead(out / f.relpath, header.file_size, VALUE_BLOCK_BYTES)
     try:
         found: list[tuple[int, str, str]] = []
         order = {t.name: i for i, t in enumerate(f.tensors)}
@@ -636,7 +499,7 @@ def _values_of_file(
         reader.close()
 
 
-def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan: Plan, src: OpenFiles) -> str | None:
+def _compare_tensor(t: OutTensor, got: TensorInfo, reader: SequentialRead, plan: Plan, src: ByteSource) -> str | None:
     import numpy as np
 
     width = _out_width(t)
@@ -668,7 +531,9 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: _HashingReader, plan:
         r = seg.row0
         while r < seg.row1:
             n = min(rows_per_block, seg.row1 - r)
-            raw = bytes(src.read(info.file, info.start + r * src_row, n * src_row, what=f"tensor {info.name!r}"))
+            raw = bytearray(n * src_row)
+            src.read_into(info.file, memoryview(raw), info.start + r * src_row, what=f"tensor {info.name!r}")
+            raw = bytes(raw)
             want = (
                 raw
                 if whole_rows

@@ -52,6 +52,7 @@ from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import EngramLayout, engram_layout
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
+from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
@@ -59,7 +60,7 @@ from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
 from ckpt_tool.verify import quant
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
-from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, row_count, source_info
+from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
@@ -675,7 +676,7 @@ class _Sides:
     def source_info(self, name: str) -> TensorInfo:
         return source_info(self.ckpt, name)
 
-    def source_rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+    def source_rows(self, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
         return self.reader.source_rows(self.ckpt, name, r0, r1, into).to(self.device)
 
     def engine_info(self, rank: int, name: str) -> tuple[Path, TensorInfo]:
@@ -684,7 +685,7 @@ class _Sides:
             raise CheckpointError(f"tensor {name!r} is not in rank {rank}'s files")
         return hit
 
-    def engine_rows(self, rank: int, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+    def engine_rows(self, rank: int, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
         path, info = self.engine_info(rank, name)
         return self.reader.rows(path, info, r0, r1, into).to(self.device)
 
@@ -735,13 +736,11 @@ class LinearRunner:
         self._lock = threading.Lock()  # units run on several threads
         self._local = threading.local()  # each thread's read buffers
 
-    def _buffers(self) -> dict[str, ReadBuffer]:
+    def _buffers(self) -> dict[str, Scratch]:
         """This thread's read buffers: one per role, so a source tile and a rank's tile never share memory."""
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
-            bufs = self._local.bufs = {
-                role: ReadBuffer() for role in ("source", "source scale", "engine", "engine scale")
-            }
+            bufs = self._local.bufs = {role: Scratch() for role in ("source", "source scale", "engine", "engine scale")}
         return bufs
 
     def take_computed(self) -> dict[tuple[str, str], int]:
@@ -940,7 +939,7 @@ class LinearRunner:
         if u.layout == "rows":
             return self._run_rows(u)
         info = self.sides.source_info(u.source)
-        src = self.sides.reader.whole(self.ckpt_path(info), info)
+        src = self.sides.reader.source_whole(self.sides.ckpt, info)
         T = len(u.ranks)
         for i, r in enumerate(u.ranks):
             path, einfo = self.sides.engine_info(r, u.name)
@@ -978,9 +977,6 @@ class LinearRunner:
                     return f"tensor {u.name!r} (rank {r}): bytes differ from source {u.source} rows {a}:{b}"
             self._done(u, u.source, [r])
         return None
-
-    def ckpt_path(self, info: TensorInfo) -> Path:
-        return self.sides.ckpt.root / info.file
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

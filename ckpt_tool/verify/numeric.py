@@ -43,6 +43,7 @@ import torch
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
@@ -57,7 +58,7 @@ from ckpt_tool.verify.compute_pool import (
     map_tasks,
 )
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
-from ckpt_tool.verify.rows import ReadBuffer, RowReader, read_tile_rows, release_freed_memory, source_info
+from ckpt_tool.verify.rows import RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 if TYPE_CHECKING:
@@ -146,12 +147,12 @@ CONVERTED_TENSORS: dict[str, dict[str, str]] = {name: converted_tensor_names(p.e
 _local = threading.local()
 
 
-def _tile_buffers() -> tuple[ReadBuffer, ReadBuffer]:
+def _tile_buffers() -> tuple[Scratch, Scratch]:
     """This thread's buffers for a weight tile and its scales: :func:`_gemm_by_tiles` multiplies each tile
     before it reads the next, and the two sides of the forward are compared by their outputs only."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
-        bufs = _local.bufs = (ReadBuffer(), ReadBuffer())
+        bufs = _local.bufs = (Scratch(), Scratch())
     return bufs
 
 
@@ -199,12 +200,12 @@ class SourceShard:
     def _info(self, name: str) -> TensorInfo:
         return source_info(self.ckpt, name)
 
-    def _rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+    def _rows(self, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
         return self.reader.source_rows(self.ckpt, name, r0, r1, into).to(self.device)
 
     def tensor(self, role: str) -> torch.Tensor:
         info = self._info(f"mtp.{self.mtp}." + SOURCE_TENSORS[role])
-        return self.reader.whole(self.ckpt.root / info.file, info).to(self.device).float()
+        return self.reader.source_whole(self.ckpt, info).to(self.device).float()
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.cat([self._rows(self.embed_name, int(i), int(i) + 1) for i in ids.tolist()]).float()
@@ -293,7 +294,7 @@ class ConvertedShard:
             raise CheckpointError(f"tensor {name!r} is not in rank {self.rank}'s files")
         return hit
 
-    def _rows(self, name: str, r0: int, r1: int, into: ReadBuffer | None = None) -> torch.Tensor:
+    def _rows(self, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
         path, info = self._info(name)
         return self.reader.rows(path, info, r0, r1, into).to(self.device)
 
@@ -637,7 +638,7 @@ def run_layer(
     """One MTP layer's :class:`LayerForward` on its own (``options``: its keyword arguments; it gets a reader of
     its own): the two sides at once in forked processes where :func:`_may_fork` allows, else one after the other
     here."""
-    with RowReader(direct_root=out, direct_source=True) as reader:
+    with RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)) as reader:
         layer = LayerForward(cfg, plan, ckpt, out, mtp, inputs, reader, **options)
         if _may_fork(pool, options["device"]):
             for which, answer in fan_out(2, 2, layer.side_task, servers=1):
@@ -753,7 +754,7 @@ class NumericLevel:
             }
             self.has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
             inputs = make_inputs(self.cfg, tokens, seed, self.device) if self.has_mtp else None
-            reader = self._stack.enter_context(RowReader(direct_root=out, direct_source=True))
+            reader = self._stack.enter_context(RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)))
             # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
             # dequantized once per side; everything else by the per-tensor check.
             self.check = TensorCheck(
