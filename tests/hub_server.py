@@ -42,6 +42,7 @@ import hashlib
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -191,7 +192,7 @@ class HubServer:
     # -- serving
 
     def _listen(self, host: str) -> ThreadingHTTPServer:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        server = _Server(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.hub, server.role = self, host  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, args=(0.05,), name=f"hub-server-{host}", daemon=True).start()
@@ -226,6 +227,13 @@ class HubServer:
         with self._idle:
             self._inflight -= 1
             self._idle.notify_all()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that closes its connection (a reader abandoning a body it refused) is no server error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _HubError(Exception):
