@@ -32,7 +32,7 @@ them into ``RepositoryNotFoundError`` / ``RevisionNotFoundError`` / ``RemoteEntr
 
 Every request is logged (:class:`Request`: method, path, file, Range, status, body bytes sent) and faults can be
 injected per request (:class:`Fault`: a status such as 429 with ``Retry-After`` or 503, a connection dropped after
-N body bytes, a short body). huggingface_hub retries 408/429/5xx in ``http_backoff`` (``utils/_http.py``;
+N body bytes, a short body, a slow answer). huggingface_hub retries 408/429/5xx in ``http_backoff`` (``utils/_http.py``;
 ``Retry-After`` honoured) and resumes a dropped ``http_get`` from the byte it reached (``Range: bytes=n-``).
 """
 
@@ -42,7 +42,9 @@ import hashlib
 import json
 import re
 import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -103,7 +105,9 @@ class Fault:
     - ``status`` (429, 503, ...) with an empty body, plus ``Retry-After: retry_after`` if given;
     - ``drop_after=N``: the normal headers, N body bytes, then the connection is closed;
     - ``short_by=N``: a well-formed response N bytes shorter than asked (Content-Range and Content-Length agree
-      with the short body), as a misbehaving proxy or CDN may answer.
+      with the short body), as a misbehaving proxy or CDN may answer;
+    - ``delay_s=S``: the answer (normal or faulty) after S seconds, as a slow hub gives it: a request is then
+      surely still in flight when another one starts.
     """
 
     method: str | None = "GET"
@@ -113,6 +117,7 @@ class Fault:
     retry_after: int | None = None
     drop_after: int | None = None
     short_by: int | None = None
+    delay_s: float | None = None
     times: int = 1
 
     def matches(self, req: Request) -> bool:
@@ -142,6 +147,7 @@ class HubServer:
         self.faults: list[Fault] = []
         self._lock = threading.Lock()
         self._inflight = 0
+        self.peak_inflight = 0  # the most requests answered at once
         self._idle = threading.Condition(self._lock)
         self._servers = [self._listen("hub"), self._listen("cdn")]
         self.url = self._origin(self._servers[0])
@@ -186,7 +192,7 @@ class HubServer:
     # -- serving
 
     def _listen(self, host: str) -> ThreadingHTTPServer:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        server = _Server(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.hub, server.role = self, host  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, args=(0.05,), name=f"hub-server-{host}", daemon=True).start()
@@ -210,6 +216,7 @@ class HubServer:
     def _begin(self, req: Request) -> Fault | None:
         with self._lock:
             self._inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self._inflight)
             self.log.append(req)
             fault = next((f for f in self.faults if f.matches(req)), None)
             if fault is not None:
@@ -220,6 +227,13 @@ class HubServer:
         with self._idle:
             self._inflight -= 1
             self._idle.notify_all()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that closes its connection (a reader abandoning a body it refused) is no server error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _HubError(Exception):
@@ -257,6 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
         answer = self._route(url.path, parse_qs(url.query), body)  # sets req.file
         fault = self.hub._begin(self.req)
         try:
+            if fault is not None and fault.delay_s:
+                time.sleep(fault.delay_s)
             if fault is not None and fault.status is not None:
                 headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
                 self._send(fault.status, b"", headers)

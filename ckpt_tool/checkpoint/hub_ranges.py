@@ -1,0 +1,429 @@
+"""Byte ranges of hub files, read straight from the hub: the hub backend of the checkpoint byte reader.
+
+:class:`HubRangeReader` answers ``read_into(file, into, offset, what=...)`` as
+:class:`ckpt_tool.checkpoint.files.OpenFiles` does for a local folder, with HTTP range requests on the resolve
+URL of one commit (``/{repo}/resolve/{commit}/{file}``), resolved once by
+:func:`ckpt_tool.checkpoint.hub.resolve_commit`: a branch that moves during a run cannot mix two commits.
+
+A file is cut into aligned chunks (``chunk_bytes``; the last one of a file shorter). A read is served from an
+LRU cache of chunks; the chunks it misses are fetched with one range request per run of adjacent missing chunks,
+and a chunk another thread is already fetching is waited for, not fetched again. The cache holds at most
+``cache_bytes``; on top of it each fetch in progress holds the one chunk it is filling. :meth:`prefetch` starts
+fetches on ``workers`` background threads so several requests are in flight.
+
+Requests go through huggingface_hub's own HTTP client (``get_session``, the URL from ``hf_hub_url``, the token and
+user agent from ``build_hf_headers``): proxies, ``HF_ENDPOINT`` and a client factory set by the user apply. The
+retry loop is ours, not ``http_backoff``'s, because a range must resume from the byte it reached when the
+connection drops mid-body, a body of the wrong length must be refused, the wait must be bounded and every request
+counted; ``http_backoff`` does none of these for a streamed body.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckpt_tool import __version__
+from ckpt_tool.checkpoint.hub import HubRef, network_error
+from ckpt_tool.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# The statuses huggingface_hub retries (2.4.0, utils/_http.py, _DEFAULT_RETRY_ON_STATUS_CODES).
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard one range is tried before the read fails.
+
+    ``attempts``: requests in a row that bring no byte (a request that brings bytes starts the count again);
+    ``backoff_s``: the first wait after a failure, doubled each time up to ``backoff_max_s``; a 429's
+    ``Retry-After`` (or its ``RateLimit`` reset) replaces it; ``max_wait_s``: the most one range sleeps in all.
+    The hub's rate limit windows are 5 minutes, so the default waits out one full window.
+    """
+
+    attempts: int = 6
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    max_wait_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class HubReadStats:
+    """What a reader has cost so far: ``requests`` (range requests issued, retries included, a redirect to the
+    CDN not counted apart), ``bytes_fetched`` (body bytes received, discarded ones included), ``waited_s`` (time
+    slept before retries), ``peak_cached_bytes`` (the most the chunk cache ever held)."""
+
+    requests: int
+    bytes_fetched: int
+    waited_s: float
+    peak_cached_bytes: int
+
+
+class _RangeError(Exception):
+    """A range that cannot be fetched; ``tail`` is the message after ``{file}: {what}: ``."""
+
+    def __init__(self, tail: str) -> None:
+        super().__init__(tail)
+        self.tail = tail
+
+
+class _Pending:
+    """A chunk some thread is fetching: the others wait on ``done`` and take ``data`` (or ``error``)."""
+
+    __slots__ = ("data", "done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.data: bytearray | None = None
+        self.error: _RangeError | None = None
+
+    def result(self) -> bytearray:
+        self.done.wait()
+        if self.error is not None:
+            raise _RangeError(self.error.tail)
+        assert self.data is not None
+        return self.data
+
+
+class HubRangeReader:
+    """Byte ranges of ``ref``'s files at ``commit``, read over HTTP; the API of ``OpenFiles`` for a hub source.
+
+    ``sizes``: every file that may be read, with its size in bytes (from the headers the plan was made from);
+    a read past the end, or a file the hub says has another size, is an error. ``endpoint``: the hub
+    (default: huggingface_hub's ``HF_ENDPOINT``). Threads may call :meth:`read_into` concurrently.
+    """
+
+    def __init__(
+        self,
+        ref: HubRef,
+        commit: str,
+        sizes: dict[str, int],
+        *,
+        chunk_bytes: int = 64 * MiB,
+        cache_bytes: int = 512 * MiB,
+        workers: int = 4,
+        retry: RetryPolicy = RetryPolicy(),
+        endpoint: str | None = None,
+    ) -> None:
+        from huggingface_hub import constants, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+
+        if chunk_bytes <= 0 or cache_bytes < chunk_bytes:
+            raise ValueError(
+                f"chunk_bytes must be > 0 and cache_bytes >= chunk_bytes, got {chunk_bytes}, {cache_bytes}"
+            )
+        if retry.attempts < 1:
+            raise ValueError(f"retry.attempts must be >= 1, got {retry.attempts}")
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(
+                f"{ref}: HF_HUB_OFFLINE is set, and reading shards from the hub needs the network; unset it, or "
+                "convert from the HF cache or a local folder"
+            )
+        self.ref, self.commit, self.sizes = ref, commit, dict(sizes)
+        self.chunk_bytes, self.cache_bytes = chunk_bytes, cache_bytes
+        self.retry = retry
+        # Every URL names the commit, never the branch: /{repo}/resolve/{commit}/{file} (hf_hub_url, 2.4.0
+        # file_download.py); the hub answers it with a 302 to its CDN, which the session follows
+        # (follow_redirects=True in utils/_http.py default_client_factory; httpx2 keeps the Range header on a
+        # redirect and drops Authorization when the redirect leaves the hub's origin).
+        self._urls = {f: hf_hub_url(ref.repo_id, f, revision=commit, endpoint=endpoint) for f in self.sizes}
+        # token (the argument, else HF_TOKEN / the stored login) and user agent, as every huggingface_hub call
+        self._headers = build_hf_headers(token=ref.token, library_name="ckpt-tool", library_version=__version__)
+        # no compression, as get_hf_file_metadata asks (2.4.0 file_download.py): the body is the file's bytes, its
+        # Content-Length can be checked, and a CDN does not answer a gzip-accepting Range request with the whole file
+        self._headers["Accept-Encoding"] = "identity"
+        # http_get's timeout for downloads (2.4.0 file_download.py): seconds without a byte, not for the whole body
+        self._timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, int], bytearray] = OrderedDict()
+        self._cached_bytes = 0
+        self._inflight: dict[tuple[str, int], _Pending] = {}
+        self._requests = self._bytes_fetched = 0
+        self._waited_s = 0.0
+        self._peak_cached_bytes = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
+        self._closed = False
+
+    # -- the OpenFiles API
+
+    def read_into(self, file: str, into: memoryview, offset: int, *, what: str = "") -> None:
+        """Fill ``into`` exactly from absolute byte ``offset`` of ``file`` at the pinned commit."""
+        end = offset + len(into)
+        self._check_span(file, offset, end, what)
+        if end == offset:
+            return
+        into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+
+        def deliver(i: int, data: bytearray) -> None:
+            lo, hi = max(offset, i * self.chunk_bytes), min(end, i * self.chunk_bytes + len(data))
+            into[lo - offset : hi - offset] = memoryview(data)[lo - i * self.chunk_bytes : hi - i * self.chunk_bytes]
+
+        first, last = offset // self.chunk_bytes, (end - 1) // self.chunk_bytes
+        i = first
+        try:
+            while i <= last:
+                with self._lock:
+                    data = self._cache_get((file, i))
+                    pending = None if data is not None else self._inflight.get((file, i))
+                    claimed = {} if data is not None or pending is not None else self._claim(file, i, last)
+                if data is not None:
+                    deliver(i, data)
+                    i += 1
+                elif pending is not None:
+                    deliver(i, pending.result())
+                    i += 1
+                else:
+                    self._fetch(file, claimed, deliver)
+                    i = max(claimed) + 1
+        except _RangeError as exc:
+            raise CheckpointError(f"{file}: {what + ': ' if what else ''}{exc.tail}") from None
+
+    def read(self, file: str, offset: int, n: int, *, what: str = "") -> bytearray:
+        """Exactly ``n`` bytes from byte ``offset`` of ``file``."""
+        buf = bytearray(n)
+        self.read_into(file, memoryview(buf), offset, what=what)
+        return buf
+
+    def prefetch(self, file: str, offset: int, n: int) -> None:
+        """Start fetching the chunks of ``file`` under ``[offset, offset + n)`` in the background.
+
+        A hint: the chunks already cached or in flight are skipped, at most half the cache is claimed (more
+        would evict what was prefetched before it is read). A failure (retries spent) is raised by the reads
+        waiting for those chunks at that moment; a later read fetches them again.
+        """
+        end = min(offset + n, self.sizes.get(file, 0))
+        if end <= offset or self._closed:
+            return
+        first = offset // self.chunk_bytes
+        last = min((end - 1) // self.chunk_bytes, first + max(1, self.cache_bytes // (2 * self.chunk_bytes)) - 1)
+        with self._lock:
+            runs, i = [], first
+            while i <= last:
+                key = (file, i)
+                if key in self._cache or key in self._inflight:
+                    i += 1
+                    continue
+                run = self._claim(file, i, last)
+                runs.append(run)
+                i = max(run) + 1
+        for run in runs:
+            self._pool.submit(self._prefetch_run, file, run)
+
+    def stats(self) -> HubReadStats:
+        with self._lock:
+            return HubReadStats(self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes)
+
+    def close(self) -> None:
+        """Stop the prefetch threads and drop the cache (huggingface_hub's shared session stays open)."""
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._cache.clear()
+            self._cached_bytes = 0
+
+    def __enter__(self) -> HubRangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the chunk cache (callers hold self._lock)
+
+    def _check_span(self, file: str, start: int, end: int, what: str) -> None:
+        size = self.sizes.get(file)
+        where = f"{file}: {what + ': ' if what else ''}"
+        if size is None:
+            raise CheckpointError(
+                f"{where}not a file of {self.ref.repo_id} at commit {self.commit[:12]} known to this reader"
+            )
+        if start < 0 or end > size:
+            raise CheckpointError(
+                f"{where}bytes {start}-{end - 1} lie outside the file ({size} bytes at commit {self.commit[:12]})"
+            )
+
+    def _chunk_len(self, file: str, i: int) -> int:
+        return min(self.chunk_bytes, self.sizes[file] - i * self.chunk_bytes)
+
+    def _cache_get(self, key: tuple[str, int]) -> bytearray | None:
+        data = self._cache.get(key)
+        if data is not None:
+            self._cache.move_to_end(key)
+        return data
+
+    def _claim(self, file: str, first: int, last: int) -> dict[int, _Pending]:
+        """Mark chunks ``first..`` (up to ``last``, stopping at one cached or in flight) as fetched by the caller."""
+        claimed: dict[int, _Pending] = {}
+        i = first
+        while i <= last and (file, i) not in self._cache and (file, i) not in self._inflight:
+            claimed[i] = self._inflight[(file, i)] = _Pending()
+            i += 1
+        return claimed
+
+    def _publish(self, file: str, i: int, data: bytearray, pending: _Pending) -> None:
+        with self._lock:
+            self._cache[(file, i)] = data
+            self._cached_bytes += len(data)
+            while self._cached_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= len(old)
+            self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
+            del self._inflight[(file, i)]
+        pending.data = data
+        pending.done.set()
+
+    def _fail(self, file: str, claimed: dict[int, _Pending], error: _RangeError) -> None:
+        with self._lock:
+            for i in claimed:
+                del self._inflight[(file, i)]
+        for pending in claimed.values():
+            pending.error = error
+            pending.done.set()
+
+    # -- fetching
+
+    def _prefetch_run(self, file: str, claimed: dict[int, _Pending]) -> None:
+        try:
+            self._fetch(file, claimed, None)
+        except _RangeError as exc:
+            log.debug("prefetch of %s failed (a read will retry it): %s", file, exc.tail)
+
+    def _fetch(self, file: str, claimed: dict[int, _Pending], deliver: Callable[[int, bytearray], None] | None) -> None:
+        """Fetch the claimed chunks (adjacent) with one range request, publishing each as soon as it is whole."""
+        first, last = min(claimed), max(claimed)
+        left = dict(claimed)
+        i, buf, fill = first, bytearray(self._chunk_len(file, first)), 0
+
+        def take(piece: memoryview) -> None:
+            nonlocal i, buf, fill
+            while len(piece):
+                k = min(len(buf) - fill, len(piece))
+                buf[fill : fill + k] = piece[:k]
+                fill, piece = fill + k, piece[k:]
+                if fill == len(buf):
+                    self._publish(file, i, buf, left.pop(i))
+                    if deliver is not None:
+                        deliver(i, buf)
+                    if i < last:
+                        i, buf, fill = i + 1, bytearray(self._chunk_len(file, i + 1)), 0
+
+        start = first * self.chunk_bytes
+        end = last * self.chunk_bytes + self._chunk_len(file, last)
+        try:
+            self._get_range(file, start, end, take)
+        except _RangeError as exc:
+            self._fail(file, left, exc)
+            raise
+        except BaseException as exc:  # KeyboardInterrupt, a bug: never leave a waiter hanging
+            self._fail(file, left, _RangeError(f"fetching bytes {start}-{end - 1} was interrupted ({exc!r})"))
+            raise
+
+    def _get_range(self, file: str, start: int, end: int, take: Callable[[memoryview], None]) -> None:
+        """Bytes ``[start, end)`` of ``file`` to ``take``, in order, each byte once: retried on 408/429/5xx and on a
+        dropped connection (resumed from the byte reached), a body of the wrong length refused."""
+        import httpx2
+        from huggingface_hub.utils import get_session
+
+        policy = self.retry
+        pos, tries, waited, backoff = start, 0, 0.0, policy.backoff_s
+        problem = ""
+        while pos < end:
+            if tries >= policy.attempts:
+                raise _RangeError(self._spent(start, end, tries, problem))
+            tries += 1
+            with self._lock:
+                self._requests += 1
+            problem, wait = "", None
+            headers = {**self._headers, "Range": f"bytes={pos}-{end - 1}"}
+            try:
+                with get_session().stream("GET", self._urls[file], headers=headers, timeout=self._timeout) as r:
+                    problem, wait = self._check_response(r, file, pos, end)
+                    if not problem:
+                        for piece in r.iter_bytes():
+                            if pos + len(piece) > end:
+                                problem = f"the body ran past byte {end - 1}"
+                                break
+                            with self._lock:
+                                self._bytes_fetched += len(piece)
+                            take(memoryview(piece))
+                            pos += len(piece)
+                            tries, backoff = 0, policy.backoff_s  # progress: a fresh count for what is left
+                        else:
+                            if pos < end:  # a clean end of stream before the length asked for
+                                problem = f"the body ended at byte {pos}, short of {end}"
+            except httpx2.TransportError as exc:  # connect, timeout, a connection dropped mid-body
+                problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}"
+            if not problem:
+                continue
+            log.warning("%s: bytes %d-%d: %s (attempt %d of %d)", file, pos, end - 1, problem, tries, policy.attempts)
+            if tries >= policy.attempts:
+                continue
+            delay = wait if wait is not None else backoff
+            backoff = min(backoff * 2, policy.backoff_max_s)
+            if waited + delay > policy.max_wait_s:
+                over = f"{problem}; waiting {delay:g}s more would pass the {policy.max_wait_s:g}s retry budget"
+                raise _RangeError(self._spent(start, end, tries, over))
+            time.sleep(delay)
+            waited += delay
+            with self._lock:
+                self._waited_s += delay
+
+    def _check_response(self, r, file: str, pos: int, end: int) -> tuple[str, float | None]:
+        """("", None) if ``r`` is the 206 for bytes ``[pos, end)``; else what is wrong and how long to wait
+        before retrying (None: the backoff). A refusal (401, 403, 404, ...) raises: retrying cannot help."""
+        from huggingface_hub.utils import hf_raise_for_status, parse_ratelimit_headers
+
+        status, size = r.status_code, self.sizes[file]
+        if status in RETRY_STATUSES:
+            # the wait huggingface_hub's http_backoff takes (2.4.0 utils/_http.py): a 429's RateLimit reset when
+            # none is left, else Retry-After in seconds (an HTTP date is not honoured there either)
+            limit = parse_ratelimit_headers(r.headers) if status == 429 else None
+            retry_after = r.headers.get("Retry-After", "").strip()
+            if limit is not None and limit.remaining == 0:
+                wait: float | None = float(limit.reset_in_seconds)
+            else:
+                wait = float(retry_after) if retry_after.isdigit() else None
+            return f"HTTP {status}", wait
+        length = r.headers.get("Content-Length")
+        if status == 206:
+            m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
+            if m is None:
+                return f"206 without a valid Content-Range ({r.headers.get('Content-Range')!r})", None
+            if m.group(3) != "*" and int(m.group(3)) != size:
+                raise _RangeError(
+                    f"bytes {pos}-{end - 1} of commit {self.commit[:12]}: the hub says the file has "
+                    f"{m.group(3)} bytes, its header said {size}; the sizes this reader was given are not this "
+                    "commit's (plan and read from the same commit)"
+                )
+            if (int(m.group(1)), int(m.group(2))) != (pos, end - 1):
+                return f"asked for bytes {pos}-{end - 1}, answered {m.group(1)}-{m.group(2)}", None
+        elif status == 200:  # the Range header was ignored: only right if the whole file was asked for
+            if (pos, end) != (0, size):
+                return f"asked for bytes {pos}-{end - 1}, answered 200 with the whole file", None
+        else:
+            r.read()  # hf_raise_for_status reads the error body
+            try:
+                hf_raise_for_status(r)
+            except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, RemoteEntryNotFoundError, ...
+                what = f"bytes {pos}-{end - 1} of commit {self.commit[:12]} cannot be read"
+                raise _RangeError(str(network_error(self.ref, what, exc))) from None
+            return f"unexpected HTTP {status}", None
+        if length is not None and length.isdigit() and int(length) != end - pos:
+            return f"Content-Length {length} for the {end - pos} bytes asked for", None
+        return "", None
+
+    def _spent(self, start: int, end: int, tries: int, problem: str) -> str:
+        return (
+            f"bytes {start}-{end - 1} of commit {self.commit[:12]} could not be fetched from {self.ref.repo_id} "
+            f"after {tries} attempts ({problem}); check the network (and HF_ENDPOINT / proxy settings), then rerun "
+            "the same command to resume"
+        )

@@ -1,0 +1,293 @@
+"""Streaming reads from the hub (``ckpt_tool/checkpoint/hub_ranges.py``), with the real huggingface_hub client.
+
+The fp4 fixture is served by ``tests/hub_server.py`` in this process (the endpoint passed explicitly: HF_ENDPOINT
+is read at import); what went over the wire is asserted from the server's request log. Each range request is a
+GET on the hub's resolve URL (logged with host "hub", answered 302) followed by the GET on the CDN that carries
+the bytes (host "cdn", answered 206). Chunks are 256 KiB, so the 1-5 MB shards span several.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from hub_server import Fault, HubServer, Request
+
+from ckpt_tool.checkpoint.headers import read_shard_header
+from ckpt_tool.checkpoint.hub import HubRef
+from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy
+from ckpt_tool.errors import CheckpointError
+
+REPO_ID = "deepseek-ai/Tiny-V4"
+CHUNK = 256 * 1024
+FAST = RetryPolicy(attempts=4, backoff_s=0.01, backoff_max_s=0.05, max_wait_s=5.0)
+BIG = "model-00003-of-00004.safetensors"  # 4.9 MB: 19 chunks
+
+
+def shard_sizes(src: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(src.glob("*.safetensors"))}
+
+
+@pytest.fixture
+def src(fixture_dir) -> Path:
+    return fixture_dir("fp4")
+
+
+@pytest.fixture
+def hub(src):
+    with HubServer() as server:
+        server.push(REPO_ID, src)
+        yield server
+
+
+def reader_for(hub: HubServer, src: Path, *, repo_id: str = REPO_ID, commit: str | None = None, **kw):
+    commit = commit or hub.repos[REPO_ID].refs["main"]
+    kw = {"chunk_bytes": CHUNK, "cache_bytes": 8 * CHUNK, "retry": FAST, **kw}
+    return HubRangeReader(HubRef(repo_id, "main"), commit, shard_sizes(src), endpoint=hub.url, **kw)
+
+
+def range_requests(hub: HubServer, file: str) -> list[Request]:
+    """The range requests the reader issued for ``file`` (on the hub; each is followed to the CDN)."""
+    return hub.requests("GET", file=file, host="hub")
+
+
+def span(r: Request) -> tuple[int, int]:
+    a, b = r.range.removeprefix("bytes=").split("-")
+    return int(a), int(b) + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes, and what they cost
+
+
+def test_every_tensor_and_random_spans_are_the_files_bytes(hub, src) -> None:
+    rng = random.Random(32)
+    with reader_for(hub, src, cache_bytes=4 * CHUNK) as reader:
+        for file, size in shard_sizes(src).items():
+            data = (src / file).read_bytes()
+            for info in read_shard_header(src / file, file).tensors.values():
+                buf = bytearray(info.nbytes)
+                reader.read_into(file, memoryview(buf), info.start, what=f"tensor {info.name!r}")
+                assert buf == data[info.start : info.end], info.name
+            for _ in range(40):
+                n = rng.choice([1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, rng.randrange(1, size)])
+                n = min(n, size)
+                offset = rng.choice([0, size - n, rng.randrange(0, size - n + 1)])
+                assert reader.read(file, offset, n) == data[offset : offset + n], (file, offset, n)
+
+
+def test_a_sequential_read_fetches_each_byte_once_in_one_request_per_chunk_at_most(hub, src) -> None:
+    size = shard_sizes(src)[BIG]
+    header = read_shard_header(src / BIG, BIG)
+    with reader_for(hub, src) as reader:
+        reader.read(BIG, 0, header.data_start)
+        for info in sorted(header.tensors.values(), key=lambda t: t.start):
+            reader.read(BIG, info.start, info.nbytes)
+        stats = reader.stats()
+    log = range_requests(hub, BIG)
+    assert stats.requests == len(log) <= math.ceil(size / CHUNK)
+    assert stats.bytes_fetched == hub.bytes_sent(BIG) == size  # within 1.02x: exactly 1x
+    spans = sorted(span(r) for r in log)
+    assert spans[0][0] == 0 and spans[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no byte fetched twice, none missed
+    assert all(a % CHUNK == 0 for a, _ in spans)  # aligned chunks
+
+
+def test_a_read_over_missing_chunks_is_one_request_per_run_of_adjacent_ones(hub, src) -> None:
+    data = (src / BIG).read_bytes()
+    with reader_for(hub, src) as reader:
+        assert reader.read(BIG, 3 * CHUNK + 10, 20) == data[3 * CHUNK + 10 : 3 * CHUNK + 30]  # chunk 3 cached
+        assert reader.read(BIG, CHUNK + 5, 5 * CHUNK) == data[CHUNK + 5 : 6 * CHUNK + 5]  # chunks 1-6
+    assert [span(r) for r in range_requests(hub, BIG)] == [
+        (3 * CHUNK, 4 * CHUNK),
+        (1 * CHUNK, 3 * CHUNK),  # 1-2 in one request
+        (4 * CHUNK, 7 * CHUNK),  # 4-6 in one request
+    ]
+
+
+def test_the_last_chunk_of_a_file_is_shorter_and_reads_past_the_end_are_refused(hub, src) -> None:
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    with reader_for(hub, src) as reader:
+        assert reader.read(BIG, size - 3, 3) == data[-3:]
+        with pytest.raises(CheckpointError, match=rf"^{BIG}: tensor 'x': bytes {size - 3}-{size} lie outside"):
+            reader.read(BIG, size - 3, 4, what="tensor 'x'")
+        with pytest.raises(CheckpointError, match="^model-9.safetensors: not a file of"):
+            reader.read("model-9.safetensors", 0, 1)
+    assert [span(r) for r in range_requests(hub, BIG)] == [(size // CHUNK * CHUNK, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+
+def test_429_with_retry_after_and_503_are_retried(hub, src) -> None:
+    hub.inject(Fault(file=BIG, host="hub", status=503))
+    hub.inject(Fault(file=BIG, host="cdn", status=429, retry_after=1))
+    with reader_for(hub, src) as reader:
+        assert reader.read(BIG, 0, 100) == (src / BIG).read_bytes()[:100]
+        stats = reader.stats()
+    log = hub.requests("GET", file=BIG)
+    assert [(r.host, r.status) for r in log] == [
+        ("hub", 503),
+        ("hub", 302),
+        ("cdn", 429),
+        ("hub", 302),
+        ("cdn", 206),
+    ]
+    assert all(r.range == f"bytes=0-{CHUNK - 1}" for r in log)  # the Range is sent again, and kept on the redirect
+    assert stats.requests == 3 and stats.waited_s >= 1.0  # Retry-After: 1 was honoured
+
+
+def test_a_connection_dropped_mid_body_resumes_from_the_byte_it_reached(hub, src) -> None:
+    hub.inject(Fault(file=BIG, host="cdn", drop_after=100_000))
+    with reader_for(hub, src) as reader:
+        assert reader.read(BIG, 0, 3 * CHUNK) == (src / BIG).read_bytes()[: 3 * CHUNK]
+        stats = reader.stats()
+    cdn = hub.requests("GET", file=BIG, host="cdn")
+    assert [(r.range, r.sent) for r in cdn] == [
+        (f"bytes=0-{3 * CHUNK - 1}", 100_000),
+        (f"bytes=100000-{3 * CHUNK - 1}", 3 * CHUNK - 100_000),  # the rest, not the start again
+    ]
+    assert stats.requests == 2 and stats.bytes_fetched == 3 * CHUNK
+
+
+def test_a_short_body_is_refused_and_fetched_again(hub, src) -> None:
+    hub.inject(Fault(file=BIG, host="cdn", short_by=7))
+    with reader_for(hub, src) as reader:
+        assert reader.read(BIG, 0, CHUNK) == (src / BIG).read_bytes()[:CHUNK]
+    assert [(r.range, r.sent) for r in hub.requests("GET", file=BIG, host="cdn")] == [
+        (f"bytes=0-{CHUNK - 1}", CHUNK - 7),  # Content-Range bytes 0-{CHUNK-8}: not what was asked
+        (f"bytes=0-{CHUNK - 1}", CHUNK),
+    ]
+
+
+def test_retries_spent_is_one_error_naming_file_range_commit_repo_and_the_rerun(hub, src) -> None:
+    commit = hub.repos[REPO_ID].refs["main"]
+    hub.inject(Fault(file=BIG, host="cdn", status=503, times=FAST.attempts))
+    with reader_for(hub, src) as reader:
+        with pytest.raises(CheckpointError) as err:
+            reader.read(BIG, 10, 20, what="tensor 'layers.0.ffn.w1'")
+        assert str(err.value) == (
+            f"{BIG}: tensor 'layers.0.ffn.w1': bytes 0-{CHUNK - 1} of commit {commit[:12]} could not be fetched from "
+            f"{REPO_ID} after {FAST.attempts} attempts (HTTP 503); check the network (and HF_ENDPOINT / proxy "
+            "settings), then rerun the same command to resume"
+        )
+        assert reader.stats().requests == FAST.attempts
+        # the failure is not cached: the next read asks again (and the hub answers now)
+        assert reader.read(BIG, 10, 20) == (src / BIG).read_bytes()[10:30]
+
+
+def test_a_retry_after_beyond_the_wait_budget_fails_at_once(hub, src) -> None:
+    hub.inject(Fault(file=BIG, host="cdn", status=429, retry_after=3600))
+    with reader_for(hub, src) as reader:
+        with pytest.raises(CheckpointError, match=r"after 1 attempts \(HTTP 429; waiting 3600s more would pass"):
+            reader.read(BIG, 0, 1)
+        assert reader.stats().waited_s == 0
+
+
+@pytest.mark.parametrize(
+    ("repo_id", "file", "error"),
+    [
+        ("other-org/Nope", BIG, "RepositoryNotFoundError"),
+        (REPO_ID, "model-00005-of-00004.safetensors", "RemoteEntryNotFoundError"),
+    ],
+    ids=["unknown-repo", "unknown-file"],
+)
+def test_a_refusal_is_one_clear_error_without_retries(hub, src, repo_id, file, error) -> None:
+    sizes = {**shard_sizes(src), file: 1000}
+    commit = hub.repos[REPO_ID].refs["main"]
+    reader = HubRangeReader(
+        HubRef(repo_id, "main"), commit, sizes, chunk_bytes=CHUNK, cache_bytes=CHUNK, retry=FAST, endpoint=hub.url
+    )
+    with reader, pytest.raises(CheckpointError) as err:
+        reader.read(file, 0, 10, what="tensor 'x'")
+    message = str(err.value)
+    assert message.startswith(f"{file}: tensor 'x': {repo_id}@main: bytes 0-999 of commit {commit[:12]} cannot be read")
+    assert f"({error}: " in message and "check the repo id and revision" in message
+    assert reader.stats().requests == 1 and len(hub.requests("GET", file=file)) == 1
+
+
+def test_sizes_from_another_commit_are_refused_not_retried(hub, src) -> None:
+    sizes = {**shard_sizes(src), BIG: shard_sizes(src)[BIG] + 1}
+    commit = hub.repos[REPO_ID].refs["main"]
+    reader = HubRangeReader(HubRef(REPO_ID, "main"), commit, sizes, chunk_bytes=CHUNK, retry=FAST, endpoint=hub.url)
+    with reader, pytest.raises(CheckpointError, match="the hub says the file has .* bytes, its header said"):
+        reader.read(BIG, 0, 10)
+    assert reader.stats().requests == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinning, threads, memory
+
+
+def test_a_branch_moved_after_the_commit_was_resolved_still_reads_that_commit(hub, src, tmp_path) -> None:
+    from huggingface_hub import HfApi
+
+    old = HfApi(endpoint=hub.url, token=False).model_info(REPO_ID, revision="main").sha
+    moved = tmp_path / "moved"
+    shutil.copytree(src, moved)
+    data = (src / BIG).read_bytes()
+    (moved / BIG).write_bytes(data[: len(data) // 2] + bytes(len(data) - len(data) // 2))  # same size, new bytes
+    new = hub.push(REPO_ID, moved)
+    assert new != old
+    with reader_for(hub, src, commit=old) as reader:
+        assert reader.read(BIG, len(data) - 1000, 1000) == data[-1000:]
+    assert all(f"/resolve/{old}/" in r.path for r in range_requests(hub, BIG))
+
+
+def test_threads_reading_one_chunk_at_once_fetch_it_once(hub, src) -> None:
+    data = (src / BIG).read_bytes()
+    hub.inject(Fault(file=BIG, host="cdn", delay_s=0.5))  # the first fetch is surely in flight when the rest ask
+    threads, start, results = 8, threading.Barrier(8), {}
+    with reader_for(hub, src) as reader:
+
+        def read(k: int) -> None:
+            start.wait()
+            results[k] = reader.read(BIG, CHUNK + 1000 * k, 5000)
+
+        workers = [threading.Thread(target=read, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert reader.stats().requests == 1
+    assert all(results[k] == data[CHUNK + 1000 * k : CHUNK + 1000 * k + 5000] for k in range(threads))
+    assert [span(r) for r in range_requests(hub, BIG)] == [(CHUNK, 2 * CHUNK)]
+
+
+def test_the_cache_never_holds_more_than_cache_bytes_and_evicts_the_least_recently_used(hub, src) -> None:
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    rng = random.Random(5)
+    with reader_for(hub, src, cache_bytes=3 * CHUNK) as reader:
+        for _ in range(60):
+            offset = rng.randrange(0, size - 1000)
+            assert reader.read(BIG, offset, 1000) == data[offset : offset + 1000]
+        assert reader.read(BIG, 0, size) == data  # one read bigger than the whole cache
+        stats = reader.stats()
+        assert stats.peak_cached_bytes == 3 * CHUNK  # full, never over
+        before = stats.requests
+        reader.read(BIG, size - 10, 10)  # the last chunk: the most recently used, still cached
+        assert reader.stats().requests == before
+        reader.read(BIG, 0, 10)  # the first: evicted long ago
+        assert reader.stats().requests == before + 1
+        assert reader.stats().peak_cached_bytes == 3 * CHUNK
+
+
+def test_prefetch_has_several_requests_in_flight_and_the_reads_then_fetch_nothing(hub, src) -> None:
+    files = sorted(shard_sizes(src))[:3]
+    for file in files:
+        hub.inject(Fault(file=file, host="cdn", delay_s=0.3))
+    with reader_for(hub, src, workers=3) as reader:
+        for file in files:
+            reader.prefetch(file, 0, 2 * CHUNK)
+        for file in files:
+            assert reader.read(file, 100, 2 * CHUNK - 100) == (src / file).read_bytes()[100 : 2 * CHUNK]
+        assert reader.stats().requests == 3
+    assert hub.peak_inflight >= 2
+    assert all([span(r) for r in range_requests(hub, file)] == [(0, 2 * CHUNK)] for file in files)
