@@ -248,12 +248,15 @@ def open_partial(
     )
 
 
-def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = True) -> Checkpoint:
+def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = True, stream: bool = False) -> Checkpoint:
     """Resolve ``ref`` for a conversion: check the plan from headers, fetch only the needed shards, open.
 
     ``download=False`` (``--dry-run``) checks from the hub's headers without fetching any shard and
-    returns a checkpoint whose tensors come from those headers (for planning only).
+    returns a checkpoint whose tensors come from those headers (for planning only). ``stream``: no shard is
+    downloaded; the checkpoint's bytes are read with HTTP range requests (:func:`open_hub_stream`).
     """
+    if stream and download:
+        return open_hub_stream(ref, needs)
     hf, constants = _hf()
     if constants.HF_HUB_OFFLINE:
         folder = cached_snapshot(ref)
@@ -304,6 +307,152 @@ def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = Tru
             f"{', '.join(missing)}"
         )
     return _open(folder, weight_map, files, names, config, needs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: the shards' bytes read with range requests, never downloaded
+
+HEAD_BYTES = 1 << 20  # one request reads a shard's header (V4's are ~200 KiB); a longer one takes a second
+
+
+class HubStream:
+    """Opens :class:`~ckpt_tool.checkpoint.hub_ranges.HubRangeReader` s of one repo at one commit (the
+    ``Checkpoint.remote`` of a streamed source: each ``open_bytes`` gets its own reader and closes it) and adds up
+    what they fetched, for the progress line and the summary."""
+
+    def __init__(self, ref: HubRef, commit: str, sizes: dict[str, int], **options) -> None:
+        self.ref, self.commit, self.sizes, self.options = ref, commit, sizes, options
+        self._readers: list = []
+        self.headers: dict[str, bytes] = {}  # each shard's raw JSON header, as read
+
+    def header_bytes(self, file: str) -> bytes:
+        return self.headers[file]
+
+    def __call__(self):
+        from ckpt_tool.checkpoint.hub_ranges import HubRangeReader
+
+        reader = HubRangeReader(self.ref, self.commit, self.sizes, **self.options)
+        self._readers.append(reader)
+        return reader
+
+    def fetched(self) -> tuple[int, int]:
+        """(bytes fetched, range requests) by every reader opened so far."""
+        stats = [r.stats() for r in self._readers]
+        return sum(s.bytes_fetched for s in stats), sum(s.requests for s in stats)
+
+
+def stream_settings() -> dict:
+    """The range readers' settings: 64 MiB requests (the hub allows some thousands of requests per 5 minutes), two
+    of them ahead of the reads, and the retry policy; ``CKPT_TOOL_HUB_CHUNK_MB``, ``CKPT_TOOL_HUB_ATTEMPTS`` and
+    ``CKPT_TOOL_HUB_BACKOFF_S`` change them (docs/hub.md)."""
+    import os
+
+    from ckpt_tool.checkpoint.hub_ranges import RetryPolicy
+
+    def number(name: str, default: float) -> float:
+        text = os.environ.get(name)
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            raise CheckpointError(f"{name}={text!r}: not a number") from None
+        if value <= 0:
+            raise CheckpointError(f"{name}={text!r}: must be positive")
+        return value
+
+    backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
+    return {
+        "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
+        "readahead": 2,
+        "retry": RetryPolicy(
+            attempts=int(number("CKPT_TOOL_HUB_ATTEMPTS", 6)), backoff_s=backoff, backoff_max_s=max(30.0, backoff)
+        ),
+    }
+
+
+def file_sizes(ref: HubRef, commit: str, files: list[str]) -> dict[str, int]:
+    """Each file's size at ``commit`` (one paths-info request for all of them)."""
+    hf, _ = _hf()
+    try:
+        infos = hf.HfApi(token=ref.token).get_paths_info(ref.repo_id, files, revision=commit)
+    except Exception as exc:
+        raise network_error(ref, "cannot list the shards' sizes", exc) from None
+    sizes = {i.path: i.size for i in infos if getattr(i, "size", None) is not None}
+    missing = [f for f in files if f not in sizes]
+    if missing:
+        raise CheckpointError(
+            f"{ref}: {len(missing)} file(s) named by {INDEX_NAME} are not in the repo at commit {commit[:12]}: "
+            f"{', '.join(missing[:5])}; the index and the repo disagree"
+        )
+    return sizes
+
+
+def open_hub_stream(ref: HubRef, needs: ConversionNeeds, **reader_options) -> Checkpoint:
+    """A checkpoint of ``ref`` whose shards stay on the hub: config, index and serving files are downloaded to the
+    HF cache as usual; every shard's header is read with one range request (the same bytes a download would give,
+    so the plan and the source fingerprint equal a local conversion's); the tensors' bytes are read later, as the
+    conversion asks for them, by the readers ``Checkpoint.open_bytes`` opens (``reader_options``: theirs)."""
+    from ckpt_tool.checkpoint.headers import HeaderError, parse_header
+
+    hf, constants = _hf()
+    if constants.HF_HUB_OFFLINE:
+        raise CheckpointError(
+            f"{ref}: --stream reads the shards from the hub, and HF_HUB_OFFLINE is set; unset it, or drop --stream to "
+            "convert from the HF cache"
+        )
+    commit = resolve_commit(ref)
+    try:
+        folder = Path(
+            hf.snapshot_download(
+                ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw
+            )
+        )
+    except Exception as exc:
+        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
+    config, weight_map = _read_small(folder, ref)
+    if weight_map is None:
+        raise CheckpointError(
+            f"{ref}: --stream needs {INDEX_NAME} to know the shards; this repo has none — drop --stream"
+        )
+    files = sorted(set(weight_map.values()))
+    sizes = file_sizes(ref, commit, files)
+    stream = HubStream(ref, commit, sizes, **{**stream_settings(), **reader_options})
+    shards = {}
+    tensors: dict[str, TensorInfo] = {}
+    with stream() as heads:
+        for file in files:
+            raw = heads.read_head(file, HEAD_BYTES)
+            if len(raw) < 8:
+                raise HeaderError(file, f"file is {sizes[file]} bytes, too small to be safetensors")
+            header_len = int.from_bytes(raw[:8], "little")
+            if 8 + header_len > sizes[file]:
+                raise HeaderError(
+                    file, f"header length {header_len} points past the end of the {sizes[file]}-byte file"
+                )
+            if 8 + header_len > len(raw):
+                raw = heads.read_head(file, 8 + header_len)
+            stream.headers[file] = raw[8 : 8 + header_len]
+            header = parse_header(stream.headers[file], file, sizes[file], header_len)
+            before = len(tensors)
+            tensors.update(header.tensors)
+            if len(tensors) != before + len(header.tensors):
+                raise CheckpointError(f"{file}: stores a tensor another shard stores too; a tensor must be stored once")
+            shards[file] = header
+    if weight_map != {name: info.file for name, info in tensors.items()}:
+        raise CheckpointError(
+            f"{INDEX_NAME}: the index and the shards' headers disagree at commit {commit[:12]}; the repo is "
+            "inconsistent"
+        )
+    names = needs.sources(set(weight_map), config)
+    needs.check(config, {n: tensors[n] for n in names})
+    return Checkpoint(
+        root=folder,
+        config=config,
+        config_error=None,
+        index_file=INDEX_NAME,
+        shards=shards,
+        tensors=tensors,
+        remote=stream,
+    )
 
 
 def _open(

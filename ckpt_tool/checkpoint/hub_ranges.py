@@ -1,8 +1,8 @@
 """Byte ranges of hub files, read straight from the hub: the hub backend of the checkpoint byte reader.
 
-:class:`HubRangeReader` answers ``read_into(file, into, offset, what=...)`` as
-:class:`ckpt_tool.checkpoint.files.OpenFiles` does for a local folder, with HTTP range requests on the resolve
-URL of one commit (``/{repo}/resolve/{commit}/{file}``), resolved once by
+:class:`HubRangeReader` is a :class:`ckpt_tool.checkpoint.reader.ByteSource`: it answers ``read_into`` and
+``read_span`` as :class:`~ckpt_tool.checkpoint.reader.LocalFiles` does for a local folder, with HTTP range
+requests on the resolve URL of one commit (``/{repo}/resolve/{commit}/{file}``), resolved once by
 :func:`ckpt_tool.checkpoint.hub.resolve_commit`: a branch that moves during a run cannot mix two commits.
 
 A file is cut into aligned chunks (``chunk_bytes``; the last one of a file shorter). A read is served from an
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ckpt_tool import __version__
 from ckpt_tool.checkpoint.hub import HubRef, network_error
+from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class _Pending:
 
 
 class HubRangeReader:
-    """Byte ranges of ``ref``'s files at ``commit``, read over HTTP; the API of ``OpenFiles`` for a hub source.
+    """Byte ranges of ``ref``'s files at ``commit``, read over HTTP; a ``ByteSource`` for a hub source.
 
     ``sizes``: every file that may be read, with its size in bytes (from the headers the plan was made from);
     a read past the end, or a file the hub says has another size, is an error. ``endpoint``: the hub
@@ -114,6 +115,7 @@ class HubRangeReader:
         workers: int = 4,
         retry: RetryPolicy = RetryPolicy(),
         endpoint: str | None = None,
+        readahead: int = 0,
     ) -> None:
         from huggingface_hub import constants, hf_hub_url
         from huggingface_hub.utils import build_hf_headers
@@ -132,6 +134,7 @@ class HubRangeReader:
         self.ref, self.commit, self.sizes = ref, commit, dict(sizes)
         self.chunk_bytes, self.cache_bytes = chunk_bytes, cache_bytes
         self.retry = retry
+        self.readahead = readahead  # chunks fetched in the background past the end of each read
         # Every URL names the commit, never the branch: /{repo}/resolve/{commit}/{file} (hf_hub_url, 2.4.0
         # file_download.py); the hub answers it with a 302 to its CDN, which the session follows
         # (follow_redirects=True in utils/_http.py default_client_factory; httpx2 keeps the Range header on a
@@ -154,7 +157,7 @@ class HubRangeReader:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
         self._closed = False
 
-    # -- the OpenFiles API
+    # -- the ByteSource API
 
     def read_into(self, file: str, into: memoryview, offset: int, *, what: str = "") -> None:
         """Fill ``into`` exactly from absolute byte ``offset`` of ``file`` at the pinned commit."""
@@ -187,6 +190,32 @@ class HubRangeReader:
                     i = max(claimed) + 1
         except _RangeError as exc:
             raise CheckpointError(f"{file}: {what + ': ' if what else ''}{exc.tail}") from None
+        if self.readahead:  # the writer reads a file front to back: have the next request in flight already
+            self.prefetch(file, (last + 1) * self.chunk_bytes, self.readahead * self.chunk_bytes)
+
+    def read_span(
+        self, file: str, offset: int, n: int, scratch: Scratch, *, what: str = "", short_ok: bool = False
+    ) -> memoryview:
+        """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (the ``ByteSource`` call the numeric
+        level makes); ``short_ok``: a span past the end of the file gives the bytes there are."""
+        if short_ok:
+            n = max(0, min(n, self.sizes.get(file, 0) - offset))
+        view = scratch.take(n)
+        self.read_into(file, view, offset, what=what)
+        return view
+
+    def read_head(self, file: str, n: int) -> bytes:
+        """The first ``n`` bytes of ``file`` (its safetensors header) with one request of their own, not through the
+        chunk cache: headers are read long before the tensors behind them, and a 64 MiB chunk per shard would be
+        fetched for a few hundred KiB."""
+        n = min(n, self.sizes.get(file, 0))
+        self._check_span(file, 0, n, "header")
+        got = bytearray()
+        try:
+            self._get_range(file, 0, n, got.extend)
+        except _RangeError as exc:
+            raise CheckpointError(f"{file}: header: {exc.tail}") from None
+        return bytes(got)
 
     def read(self, file: str, offset: int, n: int, *, what: str = "") -> bytearray:
         """Exactly ``n`` bytes from byte ``offset`` of ``file``."""

@@ -52,6 +52,19 @@ class ByteSource(Protocol):
     def close(self) -> None: ...
 
 
+class RemoteSource(Protocol):
+    """A checkpoint whose shards are not on this disk (a hub repo at one commit): opens byte sources of it, and
+    keeps what was read of it before the tensors (each shard's raw header)."""
+
+    commit: str
+
+    def __call__(self) -> ByteSource: ...
+
+    def header_bytes(self, file: str) -> bytes:
+        """The JSON header of ``file`` as stored (without its 8-byte length)."""
+        ...
+
+
 class Scratch:
     """Page-aligned memory a caller reads into again and again (grown as needed); what a read returns from it is
     valid until the next read into it. Each few-MiB read into fresh memory costs a thousand page faults."""

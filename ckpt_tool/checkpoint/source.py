@@ -7,7 +7,6 @@ A source is a folder (with or without ``model.safetensors.index.json``), an inde
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
 from ckpt_tool.checkpoint.paths import INDEX_NAME, load_config, not_a_regular_file, resolve_layout
-from ckpt_tool.checkpoint.reader import ByteSource, LocalFiles
+from ckpt_tool.checkpoint.reader import ByteSource, LocalFiles, RemoteSource
 from ckpt_tool.errors import CheckpointError
 
 __all__ = ["INDEX_NAME", "Checkpoint", "load_config", "open_checkpoint", "resolve_layout"]
@@ -33,7 +32,7 @@ class Checkpoint:
     index_file: str | None
     shards: dict[str, ShardHeader] = field(repr=False)
     tensors: dict[str, TensorInfo] = field(repr=False)
-    remote: Callable[[], ByteSource] | None = field(default=None, repr=False, compare=False)
+    remote: RemoteSource | None = field(default=None, repr=False, compare=False)
     """Opens the bytes of a source whose shards are not under ``root`` (a hub repo read by range requests)."""
 
     def open_bytes(self, *, direct: bool = False, sequential: bool = False) -> ByteSource:

@@ -146,6 +146,14 @@ CacheDirOpt = Annotated[
     str | None,
     typer.Option("--cache-dir", metavar="DIR", help="Hub source: cache folder (default: HF_HUB_CACHE / HF_HOME)."),
 ]
+StreamOpt = Annotated[
+    bool,
+    typer.Option(
+        "--stream",
+        help="Hub source: read the shards' bytes with HTTP range requests instead of downloading them (only OUT "
+        "and the small files land on disk; see docs/hub.md).",
+    ),
+]
 
 
 @app.command()
@@ -317,6 +325,7 @@ def convert(
     revision: RevisionOpt = None,
     token: TokenOpt = None,
     cache_dir: CacheDirOpt = None,
+    stream: StreamOpt = False,
 ) -> None:
     """Convert an original DeepSeek V4 checkpoint into vLLM's runtime layout (target model + MTP draft).
 
@@ -328,7 +337,8 @@ def convert(
     --force, and a non-empty folder that is not an OUT of ckpt-tool is refused.
 
     SRC may be a hub repo id: headers are read and the plan made first, then only the shards the
-    plan needs are downloaded into the HF cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
+    plan needs are downloaded into the HF cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply); with
+    --stream no shard is downloaded: their bytes are read with HTTP range requests straight into OUT.
 
     Examples:
 
@@ -336,6 +346,7 @@ def convert(
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-tp8 --tp 8
       ckpt-tool convert ./DeepSeek-V4-Flash ./v4-mtp --only mtp --dry-run
       ckpt-tool convert deepseek-ai/DeepSeek-V4-Flash ./v4-mtp --only mtp
+      ckpt-tool convert hf://deepseek-ai/DeepSeek-V4-Flash ./v4-tp8 --tp 8 --stream
       ckpt-tool convert ./DeepSeek-V4-Flash /shared/v4 --tp 8 --shard-index 2 --shard-count 4   # then --finalize
     """
     from ckpt_tool.cli.jsondoc import json_document, print_json
@@ -376,11 +387,17 @@ def convert(
         if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
             raise UsageError(f"--ranks {ranks}: rank(s) {', '.join(map(str, bad))} outside 0..{tp - 1} for --tp {tp}")
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
-        source = open_hub_source(ref, HubNeeds(opts), download=not dry_run) if ref is not None else Path(src)
+        if stream and ref is None:
+            raise UsageError(f"--stream reads a hub repo; {src} is a local path (convert reads it directly)")
+        source = (
+            open_hub_source(ref, HubNeeds(opts), download=not dry_run, stream=stream) if ref is not None else Path(src)
+        )
         if dry_run:
             print_plan(source, opts, chosen, as_json=as_json, rank_list=rank_list, shard=(shard_index, shard_count))
             raise typer.Exit(0)
-        with ConvertProgress(enabled=not as_json) as prog:
+        remote = getattr(source, "remote", None)
+        fetched = getattr(remote, "fetched", None)
+        with ConvertProgress(enabled=not as_json, fetched=fetched) as prog:
             try:
                 result = run_convert(
                     source,
@@ -396,6 +413,8 @@ def convert(
                 )
             except OSError as exc:  # one the library did not word, e.g. OUT's parent is a file: still one line
                 raise _os_error(exc, out) from exc
+        if fetched is not None:
+            result.fetched = fetched()
     except typer.Exit:
         raise
     except CkptToolError as exc:
@@ -505,6 +524,7 @@ def verify(
     revision: RevisionOpt = None,
     token: TokenOpt = None,
     cache_dir: CacheDirOpt = None,
+    stream: StreamOpt = False,
 ) -> None:
     """Prove a converted checkpoint right: structure, exact values, then numbers; --engine: as vLLM loads it.
 
@@ -558,7 +578,9 @@ def verify(
             from ckpt_tool.verify.levels import hub_source_for_verify
 
             ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
-            src_path = hub_source_for_verify(ref, out) if ref is not None else Path(source)
+            if stream and ref is None:
+                raise UsageError(f"--stream reads a hub repo; {source} is a local path (verify reads it directly)")
+            src_path = hub_source_for_verify(ref, out, stream=stream) if ref is not None else Path(source)
             from ckpt_tool.cli.render import StageProgress
 
             with StageProgress(enabled=not as_json) as prog:

@@ -47,6 +47,8 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "seconds",
         "mb_per_s",
         "peak_rss_bytes",
+        "fetched_bytes",  # --stream: bytes read from the hub (null otherwise)
+        "fetch_requests",  # --stream: range requests made (retries included)
         "files",
         "dropped",
         "materialized",

@@ -272,12 +272,18 @@ def _print_plan_plain(plan) -> None:
 
 
 class ConvertProgress:
-    """A rich progress bar on stderr (bytes, rate, ETA); silent when stderr is not a terminal, or with -q."""
+    """A rich progress bar on stderr (bytes written, rate, ETA; for a streamed source also what was fetched and at
+    what rate); silent when stderr is not a terminal, or with -q.
 
-    def __init__(self, enabled: bool = True) -> None:
+    ``fetched``: () -> (bytes fetched, range requests) so far (a streamed hub source's ``HubStream.fetched``).
+    """
+
+    def __init__(self, enabled: bool = True, fetched=None) -> None:
         self.enabled = enabled and err.is_terminal and not _quiet["on"]
         self.progress = None
         self.task = None
+        self.fetched = fetched
+        self._t0 = 0.0
 
     def __enter__(self) -> ConvertProgress:
         if self.enabled:
@@ -296,6 +302,7 @@ class ConvertProgress:
                 DownloadColumn(),
                 TransferSpeedColumn(),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[fetched]}"),
                 console=err,
                 transient=False,
             )
@@ -304,14 +311,26 @@ class ConvertProgress:
 
     def start(self, plan) -> None:
         if self.progress is not None:
+            import time
+
             from ckpt_tool.output.writer import file_size
 
             total = sum(file_size(f) for f in plan.files)
-            self.task = self.progress.add_task("convert", total=total)
+            self.task = self.progress.add_task("convert", total=total, fetched="")
+            self._t0 = time.monotonic()
 
     def advance(self, n: int) -> None:
         if self.progress is not None and self.task is not None:
             self.progress.advance(self.task, n)
+            if self.fetched is not None:
+                self.progress.update(self.task, fetched=self.fetched_text())
+
+    def fetched_text(self) -> str:
+        import time
+
+        got, requests = self.fetched()
+        rate = got / max(time.monotonic() - self._t0, 1e-9)
+        return f"fetched {human_bytes(got)} at {human_bytes(rate)}/s in {requests} request(s)"
 
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None:
@@ -343,6 +362,8 @@ def render_convert_summary(result, as_json: bool = False):
         "notes": list(plan.notes),
         "warnings": sorted(set(result.warnings)),
     }
+    if result.fetched is not None:  # a streamed hub source
+        doc["fetched_bytes"], doc["fetch_requests"] = result.fetched
     for w in doc["warnings"]:
         warning_line(w)
     if as_json:
@@ -353,7 +374,12 @@ def render_convert_summary(result, as_json: bool = False):
         f"[green]converted[/] {plan.tensor_count} tensors, {human_bytes(plan.total_bytes)} into "
         f"{escape(str(result.out))}: "
         f"{len(result.written)} file(s) written, {len(result.skipped)} resumed, {result.seconds:.2f} s, "
-        f"{rate:.1f} MB/s, peak RSS {human_bytes(doc['peak_rss_bytes'])}",
+        f"{rate:.1f} MB/s, peak RSS {human_bytes(doc['peak_rss_bytes'])}"
+        + (
+            f"; fetched {human_bytes(result.fetched[0])} in {result.fetched[1]} range request(s)"
+            if result.fetched is not None
+            else ""
+        ),
         highlight=False,
     )
     for d in plan.deviations:

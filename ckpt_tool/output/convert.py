@@ -17,6 +17,7 @@ journals' checksums and writes the index files, config copies, source layout and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,12 +25,13 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
+from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError, OutputError, UsageError
@@ -54,6 +56,7 @@ from ckpt_tool.output.layout import (
     source_layout,
 )  # fmt: skip
 from ckpt_tool.output.writer import (
+    MAX_DEFAULT_WORKERS,
     ProgressFn,
     SourceFiles,
     default_workers,
@@ -90,6 +93,7 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
     partial: bool = False  # a --shard-count run: files and journal written, no manifest
     finalized: bool = False  # a manifest with "complete": true was written by this run
+    fetched: tuple[int, int] | None = None  # a streamed hub source: (bytes fetched, range requests)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +246,7 @@ def convert(
     partial = not finalize and shard_count > 1
     identities = _identities(ckpt)
     source = _Source(ckpt, doc, fingerprint, identities, record_identity=not isinstance(src, Checkpoint))
+    watched = identities if ckpt.remote is None else {}  # a streamed source's bytes are its commit's: nothing to watch
 
     if finalize:
         result = _finalize(source, out, covered, ranks)
@@ -315,16 +320,18 @@ def convert(
                 continue
             todo.append(f)
 
-        files = SourceFiles(ckpt.root, identities)
+        files = SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True))
         jlock = threading.Lock()
 
         failed = threading.Event()  # one file failed: files not yet started are not started
 
-        def work(f: OutFile) -> None:
+        def work(f: OutFile, pace: Callable[[int], None] | None = None) -> None:
             if failed.is_set():
                 return
             try:
-                size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings)
+                size, digest = write_output_file(
+                    f, out / f.relpath, files, plan.sources, progress, result.warnings, pace
+                )
             except BaseException:
                 failed.set()
                 raise
@@ -338,7 +345,9 @@ def convert(
         if workers is None:
             workers = default_workers(len(todo))
         try:
-            if workers <= 1:
+            if ckpt.remote is not None:  # every source byte crosses the network: each once, for all ranks
+                _write_in_lockstep(todo, work, failed)
+            elif workers <= 1:
                 for f in todo:
                     work(f)
             else:
@@ -364,8 +373,48 @@ def convert(
     return result
 
 
+LOCKSTEP_WINDOW = 32 * 1024 * 1024
+"""How far (bytes of its own file) a rank's writer may run ahead of the slowest of its group: at tp 8 the group's
+source reads then span about 8 x this, which a streamed source's chunk cache holds (``HubRangeReader``, 512 MiB)."""
+
+
+def rank_groups(files: Sequence[OutFile], size: int = MAX_DEFAULT_WORKERS) -> list[list[OutFile]]:
+    """``files`` in groups cut from the same source tensors: the ranks of one component's part (at most ``size``
+    together, each with its writer's ring buffers: ``MAX_BUFFERS``)."""
+    by_part: dict[tuple[str, int], list[OutFile]] = {}
+    for f in files:
+        by_part.setdefault((f.component, f.part), []).append(f)
+    return [group[i : i + size] for group in by_part.values() for i in range(0, len(group), size)]
+
+
+def _write_in_lockstep(todo: list[OutFile], work: Callable, failed: threading.Event) -> None:
+    """Each group of :func:`rank_groups` written at once, one thread a file, kept within ``LOCKSTEP_WINDOW`` of
+    each other (:class:`Lockstep`): the ranks then ask for each source byte close together, and the first fetch
+    of it serves them all."""
+    for group in rank_groups(todo):
+        step = Lockstep(len(group), LOCKSTEP_WINDOW)
+
+        def member(i: int, f: OutFile, step: Lockstep = step) -> None:
+            try:
+                work(f, functools.partial(step.advance, i))
+            finally:
+                step.done(i)
+
+        with ThreadPoolExecutor(max_workers=len(group)) as pool:
+            futures = [pool.submit(member, i, f) for i, f in enumerate(group)]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                failed.set()
+                raise
+
+
 def _identities(ckpt: Checkpoint) -> dict[str, FileIdentity]:
-    """Each source file as it was when its header was read (what the plan is made from)."""
+    """Each source file as it was when its header was read (what the plan is made from); of a streamed source, its
+    size at the commit (the commit is in the run's fingerprint)."""
+    if ckpt.remote is not None:
+        return {file: FileIdentity(header.file_size, 0, 0, 0) for file, header in ckpt.shards.items()}
     found = {}
     for file, header in ckpt.shards.items():
         identity = header.identity or identity_of(ckpt.root / file)  # a header not read from this file: now
@@ -461,7 +510,7 @@ def _write_final(source: _Source, out: Path, plan: Plan, outputs: dict, ranks: S
     if ranks is not None:
         doc["ranks"] = sorted(set(ranks))
     doc["complete"] = doc.pop("complete")  # keep "complete" the last key
-    with SourceFiles(ckpt.root, source.identities) as files:
+    with SourceFiles(ckpt.root, source.identities if ckpt.remote is None else {}) as files:
         files.check_unchanged(fed)  # the last word before "complete"
     _write_json_atomic(out / MANIFEST, doc)
 

@@ -55,11 +55,16 @@ def lock_name(shard: tuple[int, int] | None) -> str:
 def source_fingerprint(ckpt: Checkpoint) -> dict:
     files = {f: {"size": h.file_size, "header_sha256": h.header_sha256} for f, h in sorted(ckpt.shards.items())}
     cfg = (ckpt.root / "config.json").read_bytes()
-    return {"root": str(ckpt.root), "files": files, "config_sha256": hashlib.sha256(cfg).hexdigest()}
+    doc = {"root": str(ckpt.root), "files": files, "config_sha256": hashlib.sha256(cfg).hexdigest()}
+    if ckpt.remote is not None:  # a streamed hub source: its bytes are the commit's (a resume of another is refused)
+        doc["commit"] = ckpt.remote.commit
+    return doc
 
 
 def run_fingerprint(source: dict, opts: Options) -> str:
     doc = {"tool": __version__, "files": source["files"], "config": source["config_sha256"], "options": opts.as_dict()}
+    if "commit" in source:
+        doc["commit"] = source["commit"]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -68,9 +73,12 @@ def source_layout(ckpt: Checkpoint) -> dict:
     re-plan the conversion and rebuild every source file (``unconvert``) without the source."""
     files = {}
     for name, h in sorted(ckpt.shards.items()):
-        with open(ckpt.root / name, "rb") as fh:
-            fh.seek(8)
-            raw = fh.read(h.header_len)
+        if ckpt.remote is not None:
+            raw = ckpt.remote.header_bytes(name)
+        else:
+            with open(ckpt.root / name, "rb") as fh:
+                fh.seek(8)
+                raw = fh.read(h.header_len)
         if hashlib.sha256(raw).hexdigest() != h.header_sha256:
             raise OutputError(f"{name}: header changed while converting; rerun")
         files[name] = {"size": h.file_size, "header": raw.decode("utf-8")}

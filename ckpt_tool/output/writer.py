@@ -321,10 +321,13 @@ class _Pipeline:
     last partial buffer and returns the sha256. Errors of either thread surface in the caller.
     """
 
-    def __init__(self, fd: int, direct: bool, progress: ProgressFn | None) -> None:
+    def __init__(
+        self, fd: int, direct: bool, progress: ProgressFn | None, pace: Callable[[int], None] | None = None
+    ) -> None:
         self.fd = fd
         self.direct = direct
         self.progress = progress
+        self.pace = pace
         self.digest = hashlib.sha256()
         self.error: BaseException | None = None
         self.ring = RING
@@ -363,6 +366,8 @@ class _Pipeline:
         """The free part of the current buffer (a fresh buffer when it is full)."""
         if self.cur is None:
             self._check()
+            if self.pace is not None:  # before reading the source for the next buffer (Lockstep.advance)
+                self.pace(self.written)
             while True:
                 try:
                     self.cur = self.free.get(timeout=0.5)
@@ -518,8 +523,12 @@ def write_output_file(
     sources: dict[str, TensorInfo],
     progress: ProgressFn | None = None,
     warnings: list[str] | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> tuple[int, str]:
     """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256).
+
+    ``pace``: called with the bytes written so far before each buffer is filled from the source (a
+    :class:`~ckpt_tool.checkpoint.lockstep.Lockstep` keeping the ranks of a group together may hold it there).
 
     Before the rename, every source file ``out`` read from must still be the file the plan was made from
     (``files.identities``): a source changed mid-file leaves no file under the final name.
@@ -537,7 +546,7 @@ def write_output_file(
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
-            pipe = _Pipeline(fd, direct, progress)
+            pipe = _Pipeline(fd, direct, progress, pace)
             pipe.write(header)
             for t in out.tensors:
                 start = pipe.written

@@ -585,9 +585,9 @@ def _pad_message(t: OutTensor, seg: Segment, row: int, col: int) -> str:
     )
 
 
-def hub_source_for_verify(ref, out: Path) -> Path | Checkpoint:
+def hub_source_for_verify(ref, out: Path, *, stream: bool = False) -> Path | Checkpoint:
     """The checkpoint ``verify --source REF`` reads for a hub ``ref`` (``ckpt_tool.checkpoint.hub.HubRef``), fetched
-    into the HF cache if absent.
+    into the HF cache if absent (``stream``: never fetched, its bytes read with range requests).
 
     An ``--only mtp`` conversion made from part of a hub repo recorded just the shards it read: it is
     verified against that same partial checkpoint (no other shard is fetched). Otherwise the whole
@@ -603,6 +603,8 @@ def hub_source_for_verify(ref, out: Path) -> Path | Checkpoint:
         raise CheckpointError(f"{out / MANIFEST}: missing; OUT is not a finished ckpt-tool conversion")
     opts = options_from_manifest(manifest)
     recorded = set((manifest.get("source") or {}).get("files") or {})
+    if stream:
+        return open_hub_source(ref, HubNeeds(replace(opts, only=None)), stream=True)
     if opts.only == "mtp":
         part = open_hub_source(ref, HubNeeds(opts))  # the shards the conversion read (fetched if absent)
         if recorded == set(part.shards):
