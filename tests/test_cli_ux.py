@@ -422,13 +422,14 @@ def test_anything_but_a_plain_dry_run_goes_to_typer(args: list[str]) -> None:
 
 
 def test_a_dry_run_imports_neither_typer_nor_torch(fixture_dir, tmp_path) -> None:
-    """The header path stays light: a plain dry run (and inspect) loads no typer, pydantic, torch, triton or vLLM."""
+    """The header path stays light: a plain dry run (and inspect) loads no typer, pydantic, torch, triton or vLLM, and
+    with --json not rich either."""
     src, out = str(fixture_dir("fp4")), str(tmp_path / "out")
     code = (
         "import sys; from ckpt_tool.cli.entry import main\n"
         f"assert main(['convert', {src!r}, {out!r}, '--tp', '2', '--dry-run', '--json']) == 0\n"
         f"assert main(['inspect', {src!r}, '--json']) == 0\n"
-        "heavy = {'typer', 'pydantic', 'torch', 'triton', 'vllm'} & {m.split('.')[0] for m in sys.modules}\n"
+        "heavy = {'typer', 'pydantic', 'rich', 'torch', 'triton', 'vllm'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert not heavy, heavy\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -178,8 +178,7 @@ def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | No
 
 def _print_plan(plan, chosen, as_json: bool) -> None:
     if as_json:
-        from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, print_json_text
-        from ckpt_tool.cli.render import plan_json
+        from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, plan_json, print_json_text
 
         fields = {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning}
         doc = json_document("convert", fields)
