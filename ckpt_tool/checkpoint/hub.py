@@ -178,6 +178,22 @@ def _read_small(folder: Path, ref: HubRef) -> tuple[V4Config, dict[str, str] | N
     return config, (read_index(index) if index.is_file() else None)
 
 
+def _small_files(ref: HubRef, commit: str) -> tuple[Path, V4Config, dict[str, str] | None]:
+    """Download (or find cached) config.json, the index and the serving files of ``ref`` at ``commit``: the snapshot
+    folder, the config and the index's weight map (None: a one-file repo)."""
+    hf, _ = _hf()
+    try:
+        folder = Path(
+            hf.snapshot_download(
+                ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw
+            )
+        )
+    except Exception as exc:
+        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
+    config, weight_map = _read_small(folder, ref)
+    return folder, config, weight_map
+
+
 def _offline_error(ref: HubRef, folder: Path, missing: list[str], what: str) -> CheckpointError:
     return CheckpointError(
         f"{ref}: HF_HUB_OFFLINE is set and {len(missing)} file(s) {what} are not in the HF cache "
@@ -271,15 +287,7 @@ def open_hub_source(ref: HubRef, needs: ConversionNeeds, *, download: bool = Tru
         return _open(folder, weight_map, files, names, config, needs)
 
     commit = resolve_commit(ref)
-    try:
-        folder = Path(
-            hf.snapshot_download(
-                ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw
-            )
-        )
-    except Exception as exc:
-        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
-    config, weight_map = _read_small(folder, ref)
+    folder, config, weight_map = _small_files(ref, commit)
     header_tensors = metadata_tensors(ref, commit)
     if weight_map is None:
         weight_map = {n: t.file for n, t in header_tensors.items()}
@@ -400,15 +408,7 @@ def open_hub_stream(ref: HubRef, needs: ConversionNeeds, **reader_options) -> Ch
             "convert from the HF cache"
         )
     commit = resolve_commit(ref)
-    try:
-        folder = Path(
-            hf.snapshot_download(
-                ref.repo_id, revision=commit, allow_patterns=[*SMALL_FILES, *SERVING_PATTERNS], **ref.kw
-            )
-        )
-    except Exception as exc:
-        raise network_error(ref, f"cannot download config.json / {INDEX_NAME}", exc) from None
-    config, weight_map = _read_small(folder, ref)
+    folder, config, weight_map = _small_files(ref, commit)
     if weight_map is None:
         raise CheckpointError(
             f"{ref}: --stream needs {INDEX_NAME} to know the shards; this repo has none — drop --stream"
