@@ -94,6 +94,7 @@ class LocalFiles:
         self.direct = direct and DIRECT_IO
         self.sequential = sequential
         self._fds: dict[tuple[Path, bool], tuple[int, bool]] = {}  # (path, buffered wanted) -> (fd, is direct)
+        self._retired: list[int] = []  # direct descriptors replaced by buffered ones
         self._lock = threading.Lock()
 
     def path(self, file: str | Path) -> Path:
@@ -131,9 +132,10 @@ class LocalFiles:
         """The file system took the O_DIRECT open but not a read: read this file through the cache from now on."""
         path = self.path(file)
         with self._lock:
-            fd, _ = self._fds.pop((path, False))
-            os.close(fd)
-            self._fds[path, False] = self._open(path, direct=False)
+            fd, direct = self._fds[path, False]
+            if direct:  # (another thread may have switched it already)
+                self._retired.append(fd)  # closed with the others: a thread may still be reading it
+                self._fds[path, False] = self._open(path, direct=False)
 
     def read_into(self, file: str | Path, into: memoryview, offset: int, *, what: str = "") -> None:
         """Fill ``into`` from byte ``offset`` of ``file`` through the cache; short means truncated or changed."""
@@ -194,13 +196,16 @@ class LocalFiles:
             if n == 0:
                 break
             got += n
+            if direct and (offset + got) % DIRECT_ALIGN:  # a direct read ends short only at the end of the file
+                break
         return got
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
+            for fd in [fd for fd, _ in self._fds.values()] + self._retired:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
     def __enter__(self) -> LocalFiles:
         return self
