@@ -9,14 +9,16 @@
 In one run, on one skeleton (bench/make_skeleton.py: the real config, names, shapes and dtypes, random valid
 bytes; by default 3 main layers and the MTP layer, 256 MXFP4 experts each): ``convert --tp 8``, then rounds of
 ``verify --level values`` and ``verify --level numeric`` (which runs the values level too, its own workers
-computing beside it; 16 tokens, torch kernels on cpu). Each is a subprocess under ``/usr/bin/time``: wall
-seconds, CPU seconds (user + sys, forked workers included), peak RSS of the largest process, bytes read from the
-disk; plus the numeric coverage.
+computing beside it; 16 tokens, torch kernels on cpu). Each is a subprocess timed by bench/timing.py: wall
+seconds, CPU seconds (user + sys, forked workers included), peak RSS of the largest process, bytes the process tree
+read from the disk (also as a multiple of what the plan needs: the source rows its segments name, once, plus OUT);
+plus the numeric coverage.
 
-Cold start: before every timed command the source and OUT are dropped from the page cache
-(``posix_fadvise(DONTNEED)`` per file), as a whole checkpoint never fits there. Within one numeric run the
-values pass may leave the source cached for its own later reads on this 24 GiB VM; at V4-Flash scale it could
-not, so the projection below models reads instead of scaling this run's seconds.
+Cold start: before every timed command the page cache is emptied (``drop_caches``; where not allowed, every file of
+the source and OUT is evicted with ``posix_fadvise(DONTNEED)``, and the output says so), as a whole checkpoint never
+fits there. Within one numeric run the values pass may leave the source cached for its own later reads on this
+24 GiB VM; at V4-Flash scale it could not, so the projection below models reads instead of scaling this run's
+seconds.
 
 Figures per GiB of the source, and against the values level of the same round (the VM's speed moves over the
 day: only ratios within a round compare). The script fails if a verify fails or coverage is below 100 %.
@@ -24,8 +26,9 @@ Targets (issue 22): numeric <= 2 x values, coverage 100 %, peak RSS <= 2 GiB; va
 
 Projection to V4-Flash (148.6 GiB) and V4-Pro (805 GiB, make_skeleton's specs): a level takes
 max(CPU seconds / cores, bytes it asks to read / disk rate). CPU seconds scale with the source from this run;
-the bytes asked for are counted from the plan (values reads whole source rows for each rank's column slice;
-numeric reads the source and OUT once more beside values); the disk rate is a direct read measured here.
+the bytes read are counted from the plan (values reads the source rows the plan needs once — the ranks of a
+part keep within a window of each other, so the first rank's read serves the rest from the page cache — and OUT
+once; numeric reads the source and OUT once more beside values); the disk rate is a direct read measured here.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,48 +47,43 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 import make_skeleton  # noqa: E402
+from timing import drop_caches, evicting, run_timed  # noqa: E402
 
-TIME = "/usr/bin/time"
 GiB = 1024**3
 PROJECTED_CORES = (2, 32)
 
 
-def drop_from_page_cache(*folders: Path) -> None:
-    """Evict every file under ``folders`` from the page cache (clean pages only: ``sync`` first)."""
-    subprocess.run(["sync"], check=False)
-    for folder in folders:
-        for p in folder.rglob("*"):
-            if p.is_file():
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
-def timed(cmd: list[str], log, cold: list[Path]) -> dict:
-    """Wall and CPU seconds, peak RSS and disk reads of ``cmd`` started with ``cold`` out of the page cache."""
-    drop_from_page_cache(*cold)
-    with tempfile.NamedTemporaryFile("r", suffix=".txt") as tf:
-        proc = subprocess.run(
-            [TIME, "-f", "%e %U %S %M %I", "-o", tf.name, *cmd], capture_output=True, text=True, cwd=REPO
-        )
-        wall, user, sys_s, rss_kb, blocks = tf.read().split()[-5:]
+def timed(
+    cmd: list[str], log, cold: list[Path], needed: int | None = None, evict: list[Path] = (), every: float = 0
+) -> dict:
+    """Wall and CPU seconds, peak RSS and disk reads of ``cmd`` started from a cold page cache (``cold``: the
+    folders to evict where the whole cache cannot be dropped); ``needed``: the bytes it has to read at least;
+    ``evict``: folders dropped from the page cache again ``every`` seconds while it runs."""
+    how = drop_caches(*cold)
+    log(f"load {Path('/proc/loadavg').read_text().strip()}")
+    with evicting(list(evict), every):
+        t = run_timed(cmd, cwd=REPO)
+    if every:
+        how += f", the source evicted every {every:g} s"
     row = {
-        "cmd": " ".join(cmd),
-        "rc": proc.returncode,
-        "seconds": float(wall),
-        "cpu_seconds": float(user) + float(sys_s),
-        "peak_rss_mib": int(rss_kb) / 1024,
-        "disk_read_gib": int(blocks) * 512 / GiB,
+        "cmd": t.cmd,
+        "rc": t.rc,
+        "seconds": t.seconds,
+        "cpu_seconds": t.cpu_seconds,
+        "peak_rss_mib": t.peak_rss_mib,
+        "disk_read_gib": t.disk_read_bytes / GiB,
+        "disk_read_x_needed": t.disk_read_bytes / needed if needed else None,
+        "io_cross_check_gib": None if t.io_cross_check_bytes is None else t.io_cross_check_bytes / GiB,
+        "cold": how,
     }
+    x = f" ({row['disk_read_x_needed']:.2f} x needed)" if needed else ""
     log(
         f"{row['seconds']:8.2f} s {row['cpu_seconds']:7.1f} CPU s {row['peak_rss_mib']:6.0f} MiB "
-        f"{row['disk_read_gib']:6.1f} GiB from disk  rc {proc.returncode}  {row['cmd']}"
+        f"{row['disk_read_gib']:6.2f} GiB from disk{x}  rc {t.rc}  [{how}]  {row['cmd']}"
     )
-    if proc.returncode not in (0, 1):
-        log(proc.stderr[-2000:])
-    row["stdout"] = proc.stdout
+    if t.rc not in (0, 1):
+        log(t.stderr[-2000:])
+    row["stdout"] = t.stdout
     return row
 
 
@@ -127,16 +124,19 @@ def checkpoint_gib(model: str) -> float:
             setattr(make_skeleton, k, v)
 
 
-def values_source_reads(out: Path, src: Path) -> int:
-    """Source bytes the values level asks for: for every segment of every output tensor, its source rows whole
-    (``levels._compare_tensor`` reads whole rows and cuts a rank's columns out of them)."""
+def source_reads(out: Path, src: Path) -> tuple[int, int]:
+    """Source bytes the plan of OUT needs — every source row a segment names, once — and the bytes the values level
+    asks for: each segment's source rows whole, once per rank (``levels._compare_tensor`` cuts a rank's columns out
+    of whole rows; with the ranks of a part in lockstep, all but the first are served by the page cache)."""
     from ckpt_tool.checkpoint.source import open_checkpoint
     from ckpt_tool.mapping.plan import ZERO, plan_conversion
     from ckpt_tool.output.layout import options_from_manifest, read_manifest
 
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, options_from_manifest(read_manifest(out)))
-    total = 0
+    asked = 0
+    rows: dict[tuple[str, int], set[tuple[int, int]]] = {}  # (file, start) of a source tensor -> row ranges
+    row_bytes: dict[tuple[str, int], int] = {}
     for f in plan.files:
         for t in f.tensors:
             for seg in t.segments:
@@ -144,25 +144,44 @@ def values_source_reads(out: Path, src: Path) -> int:
                     continue
                 info = plan.sources[seg.src]
                 row = info.nbytes // info.shape[0] if info.shape else info.nbytes
-                total += (seg.row1 - seg.row0) * row
-    return total
+                asked += (seg.row1 - seg.row0) * row
+                key = (info.file, info.start)  # a materialized alias is the bytes of the tensor it aliases
+                rows.setdefault(key, set()).add((seg.row0, seg.row1))
+                row_bytes[key] = row
+    needed = 0
+    for key, ranges in rows.items():
+        end = 0
+        for r0, r1 in sorted(ranges):
+            needed += max(0, r1 - max(r0, end)) * row_bytes[key]
+            end = max(end, r1)
+    return needed, asked
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", type=Path, help="an existing skeleton (default: make one in a fresh /tmp folder)")
+    ap.add_argument("--src", type=Path, help="an existing skeleton (default: make one in the work folder)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp"), help="where the temporary folder goes (default /tmp)")
     ap.add_argument("--layers", type=int, default=3, help="main layers of the skeleton made (default 3)")
     ap.add_argument("--model", choices=("flash", "pro"), default="flash", help="skeleton dimensions (default V4-Flash)")
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of values then numeric (default 2)")
     ap.add_argument("--workers", type=int, help="verify --workers (default: its own, one per CPU)")
+    ap.add_argument("--levels", default="values,numeric", help="verify levels timed each round (default both)")
+    ap.add_argument(
+        "--evict-source-every",
+        type=float,
+        default=0,
+        metavar="S",
+        help="while verify runs, drop the source from the page cache every S seconds: a cache smaller than the "
+        "source, as at V4-Flash scale (default: never)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
 
     sizes = {"V4-Flash": checkpoint_gib("flash"), "V4-Pro": checkpoint_gib("pro")}  # before --model pro
-    work = Path(tempfile.mkdtemp(prefix="verify-bench-", dir="/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="verify-bench-", dir=args.work))
     log = lambda m: print(m, flush=True)  # noqa: E731
     ckpt = [sys.executable, "-m", "ckpt_tool"]
     rows: list[dict] = []
@@ -184,14 +203,28 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         src_gib, out_gib = folder_bytes(src) / GiB, folder_bytes(out) / GiB
         disk_rate = direct_read_rate(max(out.rglob("*.safetensors"), key=lambda p: p.stat().st_size))
-        values_src_gib = values_source_reads(out, src) / GiB
+        needed, asked = source_reads(out, src)
+        needed_gib, values_src_gib = needed / GiB, asked / GiB
+        conv["disk_read_x_needed"] = conv["disk_read_gib"] / needed_gib
         log(f"disk: {disk_rate:.2f} GiB/s direct read of OUT's largest file")
+        log(
+            f"the plan needs {needed_gib:.2f} GiB of the source (convert read {conv['disk_read_x_needed']:.2f} x "
+            f"that); the values level asks for {values_src_gib:.2f} GiB of it (whole rows, once per rank); "
+            f"OUT {out_gib:.2f} GiB; convert's disk reads by /proc/self/io: {conv['io_cross_check_gib']:.2f} GiB"
+        )
         extra = ["--workers", str(args.workers)] if args.workers else []
         for rnd in range(args.rounds):
-            for level in ("values", "numeric"):
+            for level in args.levels.split(","):
                 numeric = ["--tokens", str(args.tokens), "--kernels", "torch", "--device", "cpu"]
                 cmd = [*ckpt, "verify", str(out), "--source", str(src), "--level", level, "--json", *extra]
-                r = timed(cmd + (numeric if level == "numeric" else []), log, [src, out])
+                r = timed(
+                    cmd + (numeric if level == "numeric" else []),
+                    log,
+                    [src, out],
+                    needed + out_gib * GiB,
+                    [src],
+                    args.evict_source_every,
+                )
                 doc = json.loads(r.pop("stdout") or "{}")
                 rows.append(
                     {"round": rnd + 1, "level": level, **r, "ok": doc.get("ok"), "coverage": doc.get("coverage")}
@@ -207,8 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{out_gib:.2f} GiB; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
         "each command from a cold page cache\n"
     )
-    print("| round | verify | seconds | s/GiB | x values | x convert | CPU s | peak RSS | from disk | coverage |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print(
+        f"convert: {conv['seconds']:.1f} s, {conv['cpu_seconds']:.0f} CPU s, {conv['peak_rss_mib']:.0f} MiB, "
+        f"{conv['disk_read_gib']:.2f} GiB from disk ({conv['disk_read_x_needed']:.2f} x the {needed_gib:.2f} GiB of "
+        f"source the plan needs); cold page cache by {conv['cold']}\n"
+    )
+    print(
+        "| round | verify | seconds | s/GiB | x values | x convert | CPU s | peak RSS | from disk | x (needed + OUT) "
+        "| coverage |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     ratios = []
     for r in rows:
         values = next(v for v in rows if v["round"] == r["round"] and v["level"] == "values")
@@ -221,16 +262,39 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {r['round']} | --level {r['level']} | {r['seconds']:.1f} | {r['s_per_gib']:.2f} | "
             f"{r['x_values']:.2f} | {r['x_convert']:.2f} | {r['cpu_seconds']:.0f} | {r['peak_rss_mib']:.0f} MiB | "
-            f"{r['disk_read_gib']:.1f} GiB | "
+            f"{r['disk_read_gib']:.2f} GiB | {r['disk_read_x_needed']:.2f} | "
             f"{cov_txt} |"
         )
     print(
         f"\nconvert: {conv['seconds']:.1f} s, {conv['peak_rss_mib']:.0f} MiB; numeric / values, median: "
-        f"{statistics.median(ratios):.2f}"
+        + (f"{statistics.median(ratios):.2f}" if ratios else "(not timed)")
     )
+    projection = {}
+    if ratios:
+        projection = project(rows, sizes, src_gib, out_gib, needed_gib, disk_rate)
+    if args.json:
+        doc = {
+            "cpus": os.cpu_count(),
+            "model": args.model,
+            "layers": args.layers,
+            "tp": args.tp,
+            "source_gib": src_gib,
+            "out_gib": out_gib,
+            "disk_gib_per_s": disk_rate,
+            "source_needed_gib": needed_gib,
+            "values_source_asked_gib": values_src_gib,
+            "convert": {k: v for k, v in conv.items() if k != "stdout"},
+            "rows": rows,
+            "projection": projection,
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if failed else 0
 
+
+def project(rows, sizes, src_gib, out_gib, needed_gib, disk_rate) -> dict:
+    """Per model of ``sizes`` and level: max(CPU s / cores, bytes read / disk rate), printed and returned."""
     # projection: max(CPU / cores, bytes asked for / disk rate), per level
-    reads = {"values": values_src_gib + out_gib, "numeric": values_src_gib + 2 * out_gib + src_gib}
+    reads = {"values": needed_gib + out_gib, "numeric": needed_gib + 2 * out_gib + src_gib}
     cpu = {lv: statistics.median(r["cpu_seconds"] for r in rows if r["level"] == lv) / src_gib for lv in reads}
     print(
         f"\nprojection: max(CPU s/GiB x size / cores, GiB asked for x size / {disk_rate:.2f} GiB/s); per GiB of "
@@ -252,22 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": list(PROJECTED_CORES),
             **{f"{lv}_seconds": s for lv, s in per.items()},
         }
-    if args.json:
-        doc = {
-            "cpus": os.cpu_count(),
-            "model": args.model,
-            "layers": args.layers,
-            "tp": args.tp,
-            "source_gib": src_gib,
-            "out_gib": out_gib,
-            "disk_gib_per_s": disk_rate,
-            "values_source_reads_gib": values_src_gib,
-            "convert": {k: v for k, v in conv.items() if k != "stdout"},
-            "rows": rows,
-            "projection": projection,
-        }
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    return 1 if failed else 0
+    return projection
 
 
 if __name__ == "__main__":

@@ -1183,6 +1183,80 @@ def test_values_reads_tensors_spanning_many_read_blocks(
     assert not report.ok and report.failures[0].tensor == name
 
 
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir, tmp_path, monkeypatch, moe) -> None:
+    """The values level asks for each source row once per rank, and the ranks of a group ask close together: when a
+    rank asks for source bytes, no file of its group (the other ranks' same part; under ep, whose parts may differ,
+    the other ranks' component) is more than the window (+ the steps a position takes) past that rank's position.
+    So the first rank's read is still in the page cache for the last one: the disk reads each source byte once.
+    Rank 0 is slowed down (a sleep per source read): without the lockstep the other ranks run away from it."""
+    import threading
+    import time
+
+    from ckpt_tool.checkpoint.reader import LocalFiles, SequentialRead
+    from ckpt_tool.verify import levels
+
+    block, window, tp = 4096, 8 * 4096, 4
+    monkeypatch.setattr(levels, "VALUE_BLOCK_BYTES", block)
+    monkeypatch.setattr(levels, "LOCKSTEP_WINDOW", window)
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", tp, moe)
+    ckpt = open_checkpoint(src)
+    plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp, moe_parallel=moe))
+    files = {f.relpath: f for f in plan.files}
+    groups = {
+        m[0].relpath: [g for member in group for g in member]
+        for group in levels._lockstep_groups(list(files.values()))
+        for m in group
+    }
+    sizes = {rel: (out / rel).stat().st_size for rel in files}
+    assert max(sizes.values()) > 8 * window, "the files must be much longer than the window for this to mean much"
+
+    lock = threading.Lock()
+    pos: dict[str, int] = {}  # OUT file -> where it is being read now (its member's position: earlier parts added)
+    base = {
+        rel: sum(sizes[g.relpath] for g in groups[rel] if g.rank == files[rel].rank and g.part < files[rel].part)
+        for rel in files
+    }
+    mine = threading.local()
+    leads: list[tuple[int, str, tuple]] = []  # (how far the group's leader is past the asking rank, file, range)
+
+    class Tracked(SequentialRead):
+        def __init__(self, path, size, block_bytes=4096):
+            super().__init__(path, size, block_bytes)
+            mine.rel = str(Path(path).relative_to(out))
+            with lock:
+                pos[mine.rel] = base[mine.rel]
+
+        def read(self, start, n):
+            with lock:
+                pos[mine.rel] = base[mine.rel] + start
+            return super().read(start, n)
+
+    class Watched(LocalFiles):
+        def read_into(self, file, into, offset, *, what=""):
+            rel = mine.rel
+            with lock:
+                here = pos[rel]
+                lead = max(pos.get(g.relpath, 0) for g in groups[rel]) - here
+                leads.append((lead, rel, (str(file), offset, len(into))))
+            if files[rel].rank == 0:
+                time.sleep(0.002)
+            super().read_into(file, into, offset, what=what)
+
+    monkeypatch.setattr(levels, "SequentialRead", Tracked)
+    monkeypatch.setattr(type(ckpt), "open_bytes", lambda self: Watched(self.root))
+    report = verify(out, ckpt, level="values")
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    asked_by = {}
+    for _, rel, rng in leads:
+        asked_by.setdefault(rng, set()).add(files[rel].rank)
+    assert any(len(r) == tp for r in asked_by.values()), "every rank asks for the rows of a split tensor"
+    header = max(read_shard_header(out / rel, rel).data_start for rel in files)
+    worst = max(leads)
+    assert worst[0] <= window + 2 * block + header, worst
+
+
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096, 3 * 4096 + 7])
 def test_output_files_hash_like_hashlib_through_the_read_ahead_reader(tmp_path, monkeypatch, size: int) -> None:
     """structure's checksums read each output file the way values does (O_DIRECT blocks, read ahead); any size,

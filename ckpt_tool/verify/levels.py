@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
+from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead, sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, OutTensor, Plan, Segment, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment, plan_conversion
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.processes import usable_cpus
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
@@ -44,6 +46,12 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("structure", "values", "numeric")
 VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few copies live at a time)
+# how far (bytes of its own file) one rank's comparison may run ahead of the slowest rank of its group: the source
+# rows the first rank reads must still be in the page cache when the last one asks. One OUT byte of a row-parallel
+# weight is cut from tp source bytes, so at tp 8 up to ~1 GiB of source rows is held between the first and last
+# read — far below the RAM of any machine that verifies (24 GiB here), while 16 blocks of slack let the ranks'
+# threads take turns on the cores without waiting on each other's every block.
+LOCKSTEP_WINDOW = 128 * 1024 * 1024
 
 
 def verify(
@@ -436,26 +444,66 @@ def check_values(
     *,
     workers: int = 1,
     manifest: dict | None = None,
+    window: int | None = None,
 ) -> None:
     """Re-derive every output tensor from the source and compare exactly.
 
     Each output file is read once, sequentially in 8 MiB blocks, and hashed while it is compared; with
     ``manifest`` the digest is checked against it here (check_structure then skipped hashing). The source
     is read with ``pread`` in row blocks and cut with numpy, independently of the writer's gather code.
-    ``workers`` files are verified at once (pread, sha256 and the comparisons release the GIL).
+
+    The ranks' files cut from the same source tensors (:func:`_lockstep_groups`) are compared at once, one thread
+    each, kept within ``window`` (default ``LOCKSTEP_WINDOW``) bytes of their own files of each other
+    (ckpt_tool.checkpoint.lockstep): each rank
+    asks for the source rows it cuts its slice from, and the first rank's read leaves them in the page cache for
+    the others, so the disk serves each source byte once for all the ranks checked. ``workers`` files are compared
+    at once where a group has fewer files than that (pread, sha256 and the comparisons release the GIL).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = [f for f in plan.files if f.relpath in headers]
     progress.stage("values", sum(f.data_bytes for f in jobs))
     outputs = (manifest or {}).get("outputs") or {}
+    groups = _lockstep_groups(jobs)
+    threads = max(1, workers, *(len(g) for g in groups))
+    # each thread holds its file's read-ahead (SequentialRead.DEPTH + 1 blocks) and a few block-sized copies of
+    # source rows and their cut: blocks shrink so that many ranks at once stay within what 8 threads hold
+    block = max(min(VALUE_BLOCK_BYTES, 1 << 20), min(VALUE_BLOCK_BYTES, (8 * VALUE_BLOCK_BYTES // threads) >> 12 << 12))
 
-    def one(f):
-        return _values_of_file(out, f, headers[f.relpath], plan, source, progress)
+    def member(files: list, group: Lockstep, m: int) -> list[tuple[list[str], str | None, str]]:
+        try:
+            done, results = 0, []
+            for f in files:  # a rank's parts one after another: its position runs on across them
+                results.append(
+                    _values_of_file(
+                        out,
+                        f,
+                        headers[f.relpath],
+                        plan,
+                        source,
+                        progress,
+                        block,
+                        lambda pos, done=done: group.advance(m, done + pos),
+                    )
+                )
+                done += headers[f.relpath].file_size
+            return results
+        finally:
+            group.done(m)
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        results = list(pool.map(one, jobs))
-    for f, (bad, first_tensor, digest) in zip(jobs, results):
+    # one pool, the members of a group submitted together: the pool has a thread for every member of the largest
+    # group and takes tasks in order, so a group's members all run once the groups before it are done (a member
+    # waiting for one not yet started is never stuck: that one starts when an earlier group's thread frees)
+    results: dict[str, tuple[list[str], str | None, str]] = {}
+    with ThreadPoolExecutor(threads) as pool:
+        futures = []
+        for g in groups:
+            lockstep = Lockstep(len(g), window or LOCKSTEP_WINDOW)
+            futures += [(files, pool.submit(member, files, lockstep, m)) for m, files in enumerate(g)]
+        for files, fut in futures:
+            results.update(zip((f.relpath for f in files), fut.result()))
+    for f in jobs:
+        bad, first_tensor, digest = results[f.relpath]
         if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
             report.add(
                 Check(
@@ -481,25 +529,70 @@ def check_values(
             report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
 
 
+def _lockstep_groups(files: list[OutFile]) -> list[list[list[OutFile]]]:
+    """The files to compare at once, in lockstep: groups of members, each member the files one thread walks.
+
+    Under tensor parallelism part ``p`` of every rank of a component holds the same tensors in the same order with
+    the same sizes (``plan._pack`` packs each rank's tensors by the position of their first source byte, and a split
+    gives every rank the same shape): the ranks' part ``p`` form a group, one file a member, and their byte
+    positions match. Where they do not (``--moe-parallel ep``: a rank's expert stack sorts by its own first expert,
+    so parts can hold different tensors) the group is the component, a member one rank's parts in order, its
+    position running on across them.
+    """
+    by_comp: dict[str, dict[int, list[OutFile]]] = {}
+    for f in files:
+        by_comp.setdefault(f.component, {}).setdefault(f.rank, []).append(f)
+    groups: list[list[list[OutFile]]] = []
+    for ranks in by_comp.values():
+        members = [sorted(fs, key=lambda f: f.part) for fs in ranks.values()]
+
+        def layout(fs: list[OutFile]) -> list[tuple[int, tuple[tuple[str, int], ...]]]:
+            return [(f.part, tuple((t.name, t.nbytes) for t in f.tensors)) for f in fs]
+
+        if all(layout(m) == layout(members[0]) for m in members):
+            for k in range(len(members[0])):
+                groups.append([[m[k]] for m in members])
+        else:
+            groups.append(members)
+    return groups
+
+
 def _values_of_file(
-    out: Path, f, header: ShardHeader, plan: Plan, src: ByteSource, progress: Progress
+    out: Path,
+    f: OutFile,
+    header: ShardHeader,
+    plan: Plan,
+    src: ByteSource,
+    progress: Progress,
+    block: int = VALUE_BLOCK_BYTES,
+    at: Callable[[int], None] = lambda pos: None,
 ) -> tuple[list[str], str | None, str]:
-    reader = SequentialRead(out / f.relpath, header.file_size, VALUE_BLOCK_BYTES)
+    """Compare one output file (``at(pos)``: called with the file position before each block is worked on)."""
+    reader = SequentialRead(out / f.relpath, header.file_size, block)
     try:
         found: list[tuple[int, str, str]] = []
         order = {t.name: i for i, t in enumerate(f.tensors)}
         for t in sorted(f.tensors, key=lambda t: header.tensors[t.name].start):  # read in file order
-            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, src)
+            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, src, block, at)
             if msg:
                 found.append((order[t.name], msg, t.name))
             progress.advance(t.nbytes, f.relpath)
+        at(header.file_size)
         found.sort()  # report in plan order (a fused weight before its scale)
         return [m for _, m, _ in found], (found[0][2] if found else None), reader.hexdigest()
     finally:
         reader.close()
 
 
-def _compare_tensor(t: OutTensor, got: TensorInfo, reader: SequentialRead, plan: Plan, src: ByteSource) -> str | None:
+def _compare_tensor(
+    t: OutTensor,
+    got: TensorInfo,
+    reader: SequentialRead,
+    plan: Plan,
+    src: ByteSource,
+    block: int = VALUE_BLOCK_BYTES,
+    at: Callable[[int], None] = lambda pos: None,
+) -> str | None:
     import numpy as np
 
     width = _out_width(t)
@@ -510,9 +603,10 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: SequentialRead, plan:
         first_row, out_row = out_row, out_row + seg.rows
         zero = np.frombuffer(conversions.zero_element(seg.convert, t.dtype), np.uint8)
         if seg.src == ZERO:  # the engine's zero padding: nothing to read from the source
-            rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, width * out_eb))
+            rows_per_block = max(1, block // max(1, width * out_eb))
             for r in range(seg.row0, seg.row1, rows_per_block):
                 n = min(rows_per_block, seg.row1 - r)
+                at(pos)
                 actual = reader.read(pos, n * width * out_eb)
                 if len(actual) != n * width * out_eb:
                     return f"{t.name}: output file ended early"
@@ -526,11 +620,12 @@ def _compare_tensor(t: OutTensor, got: TensorInfo, reader: SequentialRead, plan:
         info = plan.sources[seg.src]  # a materialized alias carries the offsets of the tensor it aliases
         src_eb = DTYPE_BITS[info.dtype] // 8
         src_row = (info.numel // info.shape[0] if info.shape else 1) * src_eb
-        rows_per_block = max(1, VALUE_BLOCK_BYTES // max(1, src_row, width * out_eb))
+        rows_per_block = max(1, block // max(1, src_row, width * out_eb))
         whole_rows = seg.col0 == 0 and seg.col1 * src_eb == src_row
         r = seg.row0
         while r < seg.row1:
             n = min(rows_per_block, seg.row1 - r)
+            at(pos)  # (held back here while more than the window ahead of the group's slowest file)
             raw = bytearray(n * src_row)
             src.read_into(info.file, memoryview(raw), info.start + r * src_row, what=f"tensor {info.name!r}")
             raw = bytes(raw)
