@@ -488,8 +488,9 @@ def verify(
             "--workers",
             min=1,
             metavar="K",
-            help="Output files the values level compares (and hashes) at once (default one per CPU, at most 4), and "
-            "tiles the numeric level computes at once (default one per CPU; as many threads again read ahead).",
+            help="Output files the values level compares (and hashes) at once (default one per CPU, at most 4; the "
+            "ranks of one part are always compared together, in lockstep), and tiles the numeric level computes at "
+            "once (default one per CPU; as many threads again read ahead).",
         ),
     ] = None,
     json_out: JsonOpt = False,

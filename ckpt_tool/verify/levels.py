@@ -72,7 +72,8 @@ def verify(
     ``same_files``: ``source`` should be the very files OUT was converted from, unchanged since (their size and
     mtime_ns as the manifest records them); False for a hub source, which its commit pins.
 
-    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4), and
+    ``workers``: output files compared at once by the values level (default: one per CPU, at most 4; the ranks of
+    one part always together, see :func:`check_values`), and
     tiles computed at once by the numeric level (default: one per CPU).
     """
     numeric_workers = workers
