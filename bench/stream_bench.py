@@ -52,7 +52,8 @@ def needed_bytes(src: Path, tp: int) -> tuple[int, dict[str, int]]:
 
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp))
-    return sum(info.nbytes for info in plan.sources.values()), {f: h.file_size for f, h in ckpt.shards.items()}
+    ranges = {(info.file, info.start): info.nbytes for info in plan.sources.values()}  # an alias reads its original
+    return sum(ranges.values()), {f: h.file_size for f, h in ckpt.shards.items()}
 
 
 def server_read(hub, files: list[str]) -> float:
