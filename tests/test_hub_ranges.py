@@ -291,3 +291,25 @@ def test_prefetch_has_several_requests_in_flight_and_the_reads_then_fetch_nothin
         assert reader.stats().requests == 3
     assert hub.peak_inflight >= 2
     assert all([span(r) for r in range_requests(hub, file)] == [(0, 2 * CHUNK)] for file in files)
+
+
+def test_chunks_the_memory_cache_lets_go_are_read_again_from_the_spool_not_the_hub(hub, src, tmp_path) -> None:
+    """A second pass over a file far larger than the memory cache fetches nothing: every chunk evicted waits in the
+    spool, an unnamed file (nothing is left in its folder, even while it is in use); a spool smaller than the file
+    keeps only the most recent chunks."""
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    chunks = math.ceil(size / CHUNK)
+    with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path, spool_bytes=100 * CHUNK) as reader:
+        for _ in range(2):
+            for at in range(0, size, 100_000):
+                assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        stats = reader.stats()
+        assert stats.requests == chunks and stats.bytes_fetched == size  # each byte once, over two passes
+        assert stats.peak_cached_bytes <= 2 * CHUNK and 0 < stats.peak_spooled_bytes <= chunks * CHUNK
+        assert list(tmp_path.iterdir()) == []
+    with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path, spool_bytes=4 * CHUNK) as reader:
+        assert reader.read(BIG, 0, size) == data
+        assert reader.read(BIG, 0, size) == data
+        assert reader.stats().bytes_fetched > size  # the early chunks left the small spool: fetched again
+        assert reader.stats().peak_spooled_bytes == 4 * CHUNK

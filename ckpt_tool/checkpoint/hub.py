@@ -336,6 +336,11 @@ class HubStream:
     def header_bytes(self, file: str) -> bytes:
         return self.headers[file]
 
+    def spool_in(self, folder: Path) -> None:
+        """Readers opened from now on keep the chunks their memory cache lets go in an unlinked file in ``folder``
+        (OUT: its file system has room for OUT), up to ``CKPT_TOOL_HUB_SPOOL_GB`` (docs/hub.md)."""
+        self.options = {**self.options, "spool_dir": folder, "spool_bytes": spool_limit()}
+
     def __call__(self):
         from ckpt_tool.checkpoint.hub_ranges import HubRangeReader
 
@@ -349,28 +354,39 @@ class HubStream:
         return sum(s.bytes_fetched for s in stats), sum(s.requests for s in stats)
 
 
+def _positive(name: str, default: float) -> float:
+    """A positive number from environment variable ``name`` (``default`` when unset)."""
+    import os
+
+    text = os.environ.get(name)
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        raise CheckpointError(f"{name}={text!r}: not a number") from None
+    if value <= 0:
+        raise CheckpointError(f"{name}={text!r}: must be positive")
+    return value
+
+
+def spool_limit() -> int:
+    """Bytes of fetched chunks a streamed conversion may keep on local disk (``CKPT_TOOL_HUB_SPOOL_GB``, default 16):
+    a chunk is read again about one layer's routed experts later (V4-Flash ~5.3 GiB, V4-Pro ~12 GiB)."""
+    return int(_positive("CKPT_TOOL_HUB_SPOOL_GB", 16) * (1 << 30))
+
+
 def stream_settings() -> dict:
     """The range readers' settings: 64 MiB requests (the hub allows some thousands of requests per 5 minutes), two
     of them ahead of the reads, and the retry policy; ``CKPT_TOOL_HUB_CHUNK_MB``, ``CKPT_TOOL_HUB_ATTEMPTS`` and
     ``CKPT_TOOL_HUB_BACKOFF_S`` change them (docs/hub.md)."""
-    import os
-
     from ckpt_tool.checkpoint.hub_ranges import RetryPolicy
 
-    def number(name: str, default: float) -> float:
-        text = os.environ.get(name)
-        try:
-            value = float(text) if text else default
-        except ValueError:
-            raise CheckpointError(f"{name}={text!r}: not a number") from None
-        if value <= 0:
-            raise CheckpointError(f"{name}={text!r}: must be positive")
-        return value
-
+    number = _positive
     backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
-        "readahead": 2,
+        "cache_bytes": 256 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
+        "workers": 2,
+        "readahead": 1,
         "retry": RetryPolicy(
             attempts=int(number("CKPT_TOOL_HUB_ATTEMPTS", 6)), backoff_s=backoff, backoff_max_s=max(30.0, backoff)
         ),

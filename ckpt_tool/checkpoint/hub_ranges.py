@@ -21,13 +21,16 @@ counted; ``http_backoff`` does none of these for a streamed body.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from ckpt_tool import __version__
 from ckpt_tool.checkpoint.hub import HubRef, network_error
@@ -68,6 +71,7 @@ class HubReadStats:
     bytes_fetched: int
     waited_s: float
     peak_cached_bytes: int
+    peak_spooled_bytes: int = 0  # the most the spool file held
 
 
 class _RangeError(Exception):
@@ -96,6 +100,57 @@ class _Pending:
         return self.data
 
 
+class _Spool:
+    """Chunks evicted from the memory cache, kept in one unlinked file on local disk (``folder``: OUT's file system)
+    until ``limit`` bytes, least recently used out first: a chunk is wanted again long after its first reader
+    (a rank's stacked ``w13`` experts are written before its ``w2``, and both come from the same chunks), and a
+    second fetch over the network would cost far more than a local write and read. The file has no name from the
+    start, so nothing is left behind, even by ``kill -9``."""
+
+    def __init__(self, folder: Path, limit: int, chunk: int) -> None:
+        fd, name = tempfile.mkstemp(prefix=".ckpt-tool-spool-", dir=folder)
+        os.unlink(name)
+        self.fd, self.chunk, self.slots_max = fd, chunk, max(1, limit // chunk)
+        self.slots: OrderedDict[tuple[str, int], int] = OrderedDict()  # chunk -> slot
+        self.used = 0  # slots handed out so far
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self.lock:
+            return key in self.slots
+
+    def put(self, key: tuple[str, int], data: bytearray) -> None:
+        with self.lock:
+            if key in self.slots:
+                return
+            if self.used < self.slots_max:
+                slot, self.used = self.used, self.used + 1
+            else:
+                _, slot = self.slots.popitem(last=False)
+            os.pwrite(self.fd, data, slot * self.chunk)  # (under the lock: a reader never sees a half-written slot)
+            self.slots[key] = slot
+            self.peak = max(self.peak, len(self.slots) * self.chunk)
+
+    def get(self, key: tuple[str, int], size: int) -> bytearray | None:
+        with self.lock:
+            slot = self.slots.get(key)
+            if slot is None:
+                return None
+            self.slots.move_to_end(key)
+            data = bytearray(size)
+            view, at = memoryview(data), slot * self.chunk
+            while view:
+                n = os.preadv(self.fd, [view], at)
+                if n <= 0:
+                    raise OSError(f"spool file ended early at byte {at}")
+                view, at = view[n:], at + n
+            return data
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class HubRangeReader:
     """Byte ranges of ``ref``'s files at ``commit``, read over HTTP; a ``ByteSource`` for a hub source.
 
@@ -116,6 +171,8 @@ class HubRangeReader:
         retry: RetryPolicy = RetryPolicy(),
         endpoint: str | None = None,
         readahead: int = 0,
+        spool_dir: Path | None = None,
+        spool_bytes: int = 0,
     ) -> None:
         from huggingface_hub import constants, hf_hub_url
         from huggingface_hub.utils import build_hf_headers
@@ -155,6 +212,8 @@ class HubRangeReader:
         self._waited_s = 0.0
         self._peak_cached_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
+        self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
+        self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
         self._closed = False
 
     # -- the ByteSource API
@@ -178,7 +237,15 @@ class HubRangeReader:
                 with self._lock:
                     data = self._cache_get((file, i))
                     pending = None if data is not None else self._inflight.get((file, i))
-                    claimed = {} if data is not None or pending is not None else self._claim(file, i, last)
+                if data is None and pending is None and self._spool is not None:
+                    data = self._spool.get((file, i), self._chunk_len(file, i))
+                claimed = {}
+                if data is None and pending is None:
+                    with self._lock:
+                        data = self._cache_get((file, i))
+                        pending = None if data is not None else self._inflight.get((file, i))
+                        if data is None and pending is None:
+                            claimed = self._claim(file, i, last)
                 if data is not None:
                     deliver(i, data)
                     i += 1
@@ -239,7 +306,7 @@ class HubRangeReader:
             runs, i = [], first
             while i <= last:
                 key = (file, i)
-                if key in self._cache or key in self._inflight:
+                if key in self._cache or key in self._inflight or (self._spool is not None and key in self._spool):
                     i += 1
                     continue
                 run = self._claim(file, i, last)
@@ -250,7 +317,8 @@ class HubRangeReader:
 
     def stats(self) -> HubReadStats:
         with self._lock:
-            return HubReadStats(self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes)
+            spooled = self._spool.peak if self._spool is not None else 0
+            return HubReadStats(self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes, spooled)
 
     def close(self) -> None:
         """Stop the prefetch threads and drop the cache (huggingface_hub's shared session stays open)."""
@@ -259,6 +327,9 @@ class HubRangeReader:
         with self._lock:
             self._cache.clear()
             self._cached_bytes = 0
+            if self._spool is not None:
+                self._spool.close()
+                self._spool = None
 
     def __enter__(self) -> HubRangeReader:
         return self
@@ -293,22 +364,35 @@ class HubRangeReader:
         """Mark chunks ``first..`` (up to ``last``, stopping at one cached or in flight) as fetched by the caller."""
         claimed: dict[int, _Pending] = {}
         i = first
-        while i <= last and (file, i) not in self._cache and (file, i) not in self._inflight:
+        while (
+            i <= last
+            and (file, i) not in self._cache
+            and (file, i) not in self._inflight
+            and (i == first or self._spool is None or (file, i) not in self._spool)
+        ):
             claimed[i] = self._inflight[(file, i)] = _Pending()
             i += 1
         return claimed
 
     def _publish(self, file: str, i: int, data: bytearray, pending: _Pending) -> None:
+        evicted = []
         with self._lock:
             self._cache[(file, i)] = data
             self._cached_bytes += len(data)
             while self._cached_bytes > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
+                key, old = self._cache.popitem(last=False)
                 self._cached_bytes -= len(old)
+                evicted.append((key, old))
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
             del self._inflight[(file, i)]
         pending.data = data
         pending.done.set()
+        if evicted and self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes:
+            with self._lock:
+                if self._spool is None:
+                    self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
+            for key, old in evicted:
+                self._spool.put(key, old)
 
     def _fail(self, file: str, claimed: dict[int, _Pending], error: _RangeError) -> None:
         with self._lock:

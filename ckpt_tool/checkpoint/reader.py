@@ -64,6 +64,10 @@ class RemoteSource(Protocol):
         """The JSON header of ``file`` as stored (without its 8-byte length)."""
         ...
 
+    def spool_in(self, folder: Path) -> None:
+        """Byte sources opened from now on may keep fetched bytes in an unnamed file in ``folder``."""
+        ...
+
 
 class Scratch:
     """Page-aligned memory a caller reads into again and again (grown as needed); what a read returns from it is

@@ -320,6 +320,8 @@ def convert(
                 continue
             todo.append(f)
 
+        if ckpt.remote is not None:
+            ckpt.remote.spool_in(out)
         files = SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True))
         jlock = threading.Lock()
 

@@ -135,6 +135,8 @@ def verify(
     report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
 
     deep = level in ("values", "numeric")
+    if ckpt.remote is not None:
+        ckpt.remote.spool_in(out)
     headers = check_structure(out, plan, manifest, report, ckpt.root, hash_files=not deep, workers=workers)
     check_engine(plan, headers, report)
     held = manifest.get("ranks")
