@@ -171,28 +171,43 @@ def test_a_branch_moved_during_the_run_does_not_mix_commits(hub, fixture_dir, tm
 def test_kill_9_mid_stream_then_the_same_command_finishes_identically_fetching_no_finished_file_again(
     hub, fixture_dir, tmp_path
 ) -> None:
+    """Killed once the target's files are finished and the draft's are being written: the same command finishes
+    OUT byte-identical, keeps the finished files and fetches only the chunks the draft's files read."""
+    from ckpt_tool.checkpoint.source import open_checkpoint
+
+    src = fixture_dir("fp4")
     out = tmp_path / "out"
     args = [sys.executable, "-m", "ckpt_tool", "convert", REPO_ID, str(out), "--tp", "4", "--stream"]
     env = env_for(tmp_path / "hf", hub.url, {})
     hub.inject(Fault(delay_s=0.3, host="cdn", times=10_000))  # slow enough to be caught mid-way
     proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / ".ckpt-tool-journal.json"
+    model = {f"model/model-rank-{r}-part-0.safetensors" for r in range(4)}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if journal.exists() and json.loads(journal.read_text() or "{}").get("files"):
+        if journal.exists() and model <= set(json.loads(journal.read_text() or "{}").get("files", {})):
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    finished = set(json.loads(journal.read_text())["files"])
-    assert finished, "nothing finished before the kill"
+    assert model <= set(json.loads(journal.read_text())["files"]), "the target's files did not finish first"
     hub.faults.clear()
     hub.clear()
-    res = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([*args, "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["files_skipped"] >= 4
     assert tensor_files(out) == local_conversion(fixture_dir, tmp_path, tp=4)
-    total = sum((fixture_dir("fp4") / f).stat().st_size for f in set(shard_of(fixture_dir("fp4")).values()))
-    assert sum(r.sent for r in shard_reads(hub)) < total  # the finished files' bytes were not all fetched again
+    # what the draft reads: mtp.*, and embed/head where the draft materializes them; chunk by chunk, plus one chunk
+    # read ahead a shard
+    chunk = int(CHUNK_MB * (1 << 20))
+    ckpt = open_checkpoint(src)
+    wanted = [t for n, t in ckpt.tensors.items() if n.startswith("mtp.") or n in ("embed.weight", "head.weight")]
+    chunks = {(t.file, i) for t in wanted for i in range(t.start // chunk, (t.end - 1) // chunk + 1)}
+    reads = shard_reads(hub)
+    heads = [next(r for r in reads if r.file == f) for f in sorted({r.file for r in reads})]
+    body = sum(r.sent for r in reads) - sum(r.sent for r in heads)
+    assert body <= (len(chunks) + len(ckpt.shards)) * chunk
+    assert body < 0.9 * sum(h.file_size for h in ckpt.shards.values())
 
 
 @pytest.mark.parametrize("level", ["values", "numeric"])

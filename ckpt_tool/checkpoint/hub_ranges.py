@@ -239,6 +239,8 @@ class HubRangeReader:
                     pending = None if data is not None else self._inflight.get((file, i))
                 if data is None and pending is None and self._spool is not None:
                     data = self._spool.get((file, i), self._chunk_len(file, i))
+                    if data is not None:  # back in memory: the reads that follow take it from there
+                        self._keep((file, i), data)
                 claimed = {}
                 if data is None and pending is None:
                     with self._lock:
@@ -375,24 +377,31 @@ class HubRangeReader:
         return claimed
 
     def _publish(self, file: str, i: int, data: bytearray, pending: _Pending) -> None:
-        evicted = []
-        with self._lock:
-            self._cache[(file, i)] = data
-            self._cached_bytes += len(data)
-            while self._cached_bytes > self.cache_bytes:
-                key, old = self._cache.popitem(last=False)
-                self._cached_bytes -= len(old)
-                evicted.append((key, old))
-            self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
-            del self._inflight[(file, i)]
+        self._keep((file, i), data, fetched=True)
         pending.data = data
         pending.done.set()
+
+    def _keep(self, key: tuple[str, int], data: bytearray, fetched: bool = False) -> None:
+        """Put a chunk in the memory cache (``fetched``: it was in flight until now); the ones it pushes out go to the
+        spool (where there is one)."""
+        evicted = []
+        with self._lock:
+            if fetched:
+                del self._inflight[key]
+            if key not in self._cache:
+                self._cache[key] = data
+                self._cached_bytes += len(data)
+            while self._cached_bytes > self.cache_bytes:
+                old_key, old = self._cache.popitem(last=False)
+                self._cached_bytes -= len(old)
+                evicted.append((old_key, old))
+            self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
         if evicted and self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes:
             with self._lock:
                 if self._spool is None:
                     self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
-            for key, old in evicted:
-                self._spool.put(key, old)
+            for old_key, old in evicted:
+                self._spool.put(old_key, old)
 
     def _fail(self, file: str, claimed: dict[int, _Pending], error: _RangeError) -> None:
         with self._lock:
