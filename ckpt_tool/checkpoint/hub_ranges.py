@@ -132,20 +132,21 @@ class _Spool:
             self.slots[key] = slot
             self.peak = max(self.peak, len(self.slots) * self.chunk)
 
-    def get(self, key: tuple[str, int], size: int) -> bytearray | None:
+    def read(self, key: tuple[str, int], into: memoryview, at: int) -> bool:
+        """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold it. (Under the lock: the
+        slot cannot be given to another chunk meanwhile.)"""
         with self.lock:
             slot = self.slots.get(key)
             if slot is None:
-                return None
+                return False
             self.slots.move_to_end(key)
-            data = bytearray(size)
-            view, at = memoryview(data), slot * self.chunk
-            while view:
-                n = os.preadv(self.fd, [view], at)
+            pos = slot * self.chunk + at
+            while into:
+                n = os.preadv(self.fd, [into], pos)
                 if n <= 0:
-                    raise OSError(f"spool file ended early at byte {at}")
-                view, at = view[n:], at + n
-            return data
+                    raise OSError(f"spool file ended early at byte {pos}")
+                into, pos = into[n:], pos + n
+            return True
 
     def close(self) -> None:
         os.close(self.fd)
@@ -226,9 +227,18 @@ class HubRangeReader:
             return
         into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
 
+        def part(i: int) -> tuple[int, int]:  # the bytes of chunk i this read wants: [lo, hi) of the file
+            return max(offset, i * self.chunk_bytes), min(end, (i + 1) * self.chunk_bytes)
+
         def deliver(i: int, data: bytearray) -> None:
-            lo, hi = max(offset, i * self.chunk_bytes), min(end, i * self.chunk_bytes + len(data))
+            lo, hi = part(i)
             into[lo - offset : hi - offset] = memoryview(data)[lo - i * self.chunk_bytes : hi - i * self.chunk_bytes]
+
+        def from_spool(i: int) -> bool:  # just the bytes wanted, from the spool file (the page cache, mostly)
+            lo, hi = part(i)
+            return self._spool is not None and self._spool.read(
+                (file, i), into[lo - offset : hi - offset], lo % self.chunk_bytes
+            )
 
         first, last = offset // self.chunk_bytes, (end - 1) // self.chunk_bytes
         i = first
@@ -237,10 +247,9 @@ class HubRangeReader:
                 with self._lock:
                     data = self._cache_get((file, i))
                     pending = None if data is not None else self._inflight.get((file, i))
-                if data is None and pending is None and self._spool is not None:
-                    data = self._spool.get((file, i), self._chunk_len(file, i))
-                    if data is not None:  # back in memory: the reads that follow take it from there
-                        self._keep((file, i), data)
+                if data is None and pending is None and from_spool(i):
+                    i += 1
+                    continue
                 claimed = {}
                 if data is None and pending is None:
                     with self._lock:
