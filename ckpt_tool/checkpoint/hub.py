@@ -384,7 +384,7 @@ def stream_settings() -> dict:
     backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
-        "cache_bytes": 256 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
+        "cache_bytes": 192 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
         "workers": 2,
         "readahead": 1,
         "retry": RetryPolicy(
