@@ -65,6 +65,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+import timing  # noqa: E402
 
 from ckpt_tool.checkpoint import engram  # noqa: E402
 from ckpt_tool.checkpoint.config import V4Config  # noqa: E402
@@ -279,18 +282,11 @@ def safetensors_bytes(path: Path) -> int:
 
 def drop_cache(folders: list[Path], mode: str) -> None:
     """Out of the page cache: every file under ``folders`` (fadvise), or everything (global)."""
-    subprocess.run(["sync"], check=False)
     if mode == "global":
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return
-    for folder in folders:
-        for p in folder.rglob("*"):
-            if p.is_file():
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        timing.drop_caches(*folders)
+    else:
+        subprocess.run(["sync"], check=False)
+        timing.evict(*folders)
 
 
 def timed(cmd: list[str], label: str, cold: list[Path], mode: str, log) -> dict:
