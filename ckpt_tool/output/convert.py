@@ -377,7 +377,7 @@ def convert(
 
 LOCKSTEP_WINDOW = 32 * 1024 * 1024
 """How far (bytes of its own file) a rank's writer may run ahead of the slowest of its group: at tp 8 the group's
-source reads then span about 8 x this, which a streamed source's chunk cache holds (``HubRangeReader``, 512 MiB)."""
+source reads then span about 8 x this, which a streamed source's memory cache and spool hold (``HubRangeReader``)."""
 
 
 def rank_groups(files: Sequence[OutFile], size: int = MAX_DEFAULT_WORKERS) -> list[list[OutFile]]:
