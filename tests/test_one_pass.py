@@ -1,0 +1,121 @@
+"""verify --level numeric in one pass (ckpt_tool.verify.one_pass): a numeric task goes to the workers only after the
+values walk has read its bytes, and the walk never runs more than the window ahead of the released tasks not yet
+answered; nothing waits forever when a worker dies or the workers stop."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ckpt_tool.verify.one_pass import OnePass
+
+FILE = 100  # bytes of each member's file in the synthetic walk
+WINDOW = 40  # line bytes (2 members: 20 bytes of each member's file)
+BLOCKED_S = 0.2  # a thread still waiting after this is held
+
+
+def violations(trace: list, window: int) -> list[str]:
+    """What breaks the two rules in a :class:`OnePass` trace: a task released before every member it needs had
+    passed the end of what it reads there; a walk step more than ``window`` past the earliest released task not
+    answered."""
+    bad = []
+    for event in trace:
+        if event[0] == "release":
+            _, task, needs = event
+            bad += [f"task {task} released at {pos} < {x} (group {g} member {m})" for g, m, x, pos in needs if pos < x]
+        else:
+            _, g, m, at, front = event
+            if front is not None and at > front + window:
+                bad.append(f"group {g} member {m} stepped to {at}, {at - front} past an unanswered task")
+    return bad
+
+
+def two_members(window: int = WINDOW, cls=OnePass) -> tuple[OnePass, list[int]]:
+    """One group of two members (files a and b); task 0 reads a to 10, task 1 a and b to 50, task 2 b to 90."""
+    released: list[int] = []
+    walk = [[[("a", FILE)], [("b", FILE)]]]
+    needs = [{"a": 10}, {"a": 50, "b": 50}, {"b": 90}]
+    return cls(walk, needs, released.append, window, trace=[]), released
+
+
+def advance_in_thread(pace: OnePass, group: int, member: int, pos: int) -> threading.Thread:
+    t = threading.Thread(target=pace.advance, args=(group, member, pos), daemon=True)
+    t.start()
+    t.join(BLOCKED_S)
+    return t
+
+
+def test_a_task_is_released_once_every_member_it_reads_has_passed_its_bytes() -> None:
+    pace, released = two_members()
+    assert released == []
+    pace.advance(0, 0, 10)
+    assert released == [0]
+    pace.answered(0)
+    pace.advance(0, 0, 50)  # task 1 reads member 1 up to 50 as well
+    assert released == [0]
+    pace.advance(0, 1, 49)
+    assert released == [0]
+    pace.advance(0, 1, 50)
+    assert released == [0, 1]
+    pace.done(0, 1)  # a member that ends (or fails) no longer keeps a task back
+    assert released == [0, 1, 2]
+    assert violations(pace.trace, WINDOW) == []
+
+
+def test_the_walk_waits_while_more_than_the_window_ahead_of_an_unanswered_task() -> None:
+    pace, released = two_members()
+    pace.advance(0, 0, 10)  # task 0 released: it ends at line position 20
+    pace.advance(0, 0, 30)  # line 60 = 20 + the window: may go
+    held = advance_in_thread(pace, 0, 0, 31)
+    assert held.is_alive(), "the walk ran more than the window ahead of task 0, which no worker answered"
+    pace.answered(0)
+    held.join(BLOCKED_S)
+    assert not held.is_alive()
+    assert released == [0] and violations(pace.trace, WINDOW) == []
+
+
+def test_the_rules_fail_when_the_throttle_is_broken() -> None:
+    """The trace check above is not vacuous: a walk that does not wait breaks the window rule, and it says so."""
+
+    class NoThrottle(OnePass):
+        def advance(self, group: int, member: int, pos: int) -> None:
+            with self._cond:
+                self._passed(group, member, pos)
+                self.trace.append(("step", group, member, self.line(group, pos), self.frontier()))
+
+    pace, _ = two_members(cls=NoThrottle)
+    pace.advance(0, 0, 10)
+    pace.advance(0, 0, 80)  # task 0 unanswered, 120 line bytes behind
+    assert violations(pace.trace, WINDOW) == ["group 0 member 0 stepped to 160, 140 past an unanswered task"]
+
+
+@pytest.mark.parametrize("how", ["worker gone", "workers stopped"])
+def test_a_dead_or_stopped_worker_releases_the_waiting_walk(how: str) -> None:
+    pace, _ = two_members()
+    pace.advance(0, 0, 10)
+    held = advance_in_thread(pace, 0, 0, 90)
+    assert held.is_alive()
+    pace.worker_gone() if how == "worker gone" else pace.give_up()
+    held.join(BLOCKED_S)
+    assert not held.is_alive()
+
+
+def test_tasks_that_need_nothing_go_at_once_and_release_all_gives_the_rest() -> None:
+    released: list[int] = []
+    pace = OnePass([[[("a", FILE)]]], [{}, {"a": 60}, {"elsewhere": 5}], released.append, WINDOW)
+    assert released == [0, 2]
+    pace.release_all()
+    assert released == [0, 2, 1]
+
+
+def test_groups_lie_one_after_another_on_the_line() -> None:
+    """Later groups start where earlier ones end (members x their longest member); an ep member's parts run on."""
+    walk = [[[("g0a", 10)], [("g0b", 10)]], [[("r0p0", 5), ("r0p1", 7)], [("r1p0", 4)]]]
+    released: list[int] = []
+    pace = OnePass(walk, [{"r0p1": 3}], released.append, WINDOW)
+    assert pace.line(1, 0) == 20 and pace.end == 20 + 12 * 2
+    pace.advance(1, 0, 7)  # 5 bytes of part 0, 2 of part 1
+    assert released == []
+    pace.advance(1, 0, 8)
+    assert released == [0]
