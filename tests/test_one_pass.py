@@ -5,6 +5,7 @@ answered; nothing waits forever when a worker dies or the workers stop."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,41 @@ def test_groups_lie_one_after_another_on_the_line() -> None:
     assert released == []
     pace.advance(1, 0, 8)
     assert released == [0]
+
+
+def test_verify_one_pass_keeps_both_rules_and_the_report(fixture_dir, tmp_path: Path, monkeypatch) -> None:
+    """verify --level numeric, on the forked path, at a window of 64 KiB: every numeric task was released only after
+    the walk passed the OUT bytes it reads, the walk never stepped more than the window past an unanswered task, and
+    the report (checks, messages, coverage) is the serial level's."""
+    from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.output.convert import convert
+    from ckpt_tool.verify import levels, numeric
+    from ckpt_tool.verify.compute_pool import can_fork_workers
+    from ckpt_tool.verify.levels import verify
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    window = 64 * 1024
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=4))
+    traces: list[list] = []
+
+    class Recorded(OnePass):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs, trace=[])
+            traces.append(self.trace)
+
+    monkeypatch.setattr(numeric, "OnePass", Recorded)
+    monkeypatch.setattr(levels, "ONE_PASS_WINDOW", window)
+    report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
+    assert len(traces) == 1
+    trace = traces[0]
+    releases = [e for e in trace if e[0] == "release"]
+    assert releases and all(e[2] for e in releases), "every task reads some OUT bytes"
+    assert sum(1 for e in trace if e[0] == "step" and e[4] is not None) > 0, "the walk was paced"
+    assert violations(trace, window) == []
+    serial = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=1)
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    assert [(c.name, c.ok, c.message) for c in report.checks] == [(c.name, c.ok, c.message) for c in serial.checks]
+    assert report.coverage == serial.coverage and report.coverage["percent"] == 100.0

@@ -206,13 +206,15 @@ class SequentialRead:
 
     The reads are ``direct`` ones (convert wrote OUT with ``O_DIRECT``: it is not in the page cache, and no copy goes
     through it), by a thread that stays ``DEPTH`` blocks ahead, so the disk works while the caller compares.
+    ``direct=False``: through the page cache instead, for a caller that reads the bytes again soon (verify's numeric
+    level in one pass).
     """
 
     DEPTH = 3  # blocks read ahead of the one being compared
 
-    def __init__(self, path: Path, size: int, block: int = SEQUENTIAL_BLOCK) -> None:
+    def __init__(self, path: Path, size: int, block: int = SEQUENTIAL_BLOCK, *, direct: bool = True) -> None:
         self.path, self.size, self.block_bytes, self.hash = path, size, block, hashlib.sha256()
-        self.files = LocalFiles(direct=True)
+        self.files = LocalFiles(direct=direct, sequential=not direct)
         self.free: queue.Queue = queue.Queue()
         self.full: queue.Queue = queue.Queue()
         for _ in range(self.DEPTH + 1):

@@ -57,6 +57,7 @@ from ckpt_tool.verify.compute_pool import (
     fan_out,
     map_tasks,
 )
+from ckpt_tool.verify.one_pass import OnePass, Walk, places
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
@@ -737,15 +738,20 @@ class NumericLevel:
         act: str = "bf16",
         progress: Progress | None = None,
         workers: int | None = None,
+        one_pass: bool = False,
     ) -> None:
         from ckpt_tool.verify.kernels import resolve_backend
         from ckpt_tool.verify.linear_check import TensorCheck
 
         self.cfg, self.plan, self.progress = plan.config, plan, progress
+        self.out, self.headers = out, headers
         self._stack = ExitStack()
         try:
             self.pool = self._stack.enter_context(ComputePool(workers))
             self.device = resolve_device(device)
+            # one pass (verify paces the workers by its values walk, start(walk)): every read goes through the page
+            # cache, where the walk has just left the bytes; alone, the level reads each byte once, directly
+            self.one_pass = one_pass and _may_fork(self.pool, self.device)
             self.run = {
                 "backend": resolve_backend(kernels, self.device),
                 "device": str(self.device),
@@ -754,7 +760,11 @@ class NumericLevel:
             }
             self.has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
             inputs = make_inputs(self.cfg, tokens, seed, self.device) if self.has_mtp else None
-            reader = self._stack.enter_context(RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)))
+            reader = self._stack.enter_context(
+                RowReader(direct_root=None, source=ckpt.open_bytes())
+                if self.one_pass
+                else RowReader(direct_root=out, source=ckpt.open_bytes(direct=True))
+            )
             # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
             # dequantized once per side; everything else by the per-tensor check.
             self.check = TensorCheck(
@@ -807,6 +817,7 @@ class NumericLevel:
         self._forked: ForkedTasks | None = None
         self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (task, answer) from the workers; None: no more
         self._collector: threading.Thread | None = None
+        self.pace: OnePass | None = None
 
     def __enter__(self) -> NumericLevel:
         return self
@@ -814,10 +825,24 @@ class NumericLevel:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Fork the workers, where allowed, and collect their answers on a thread."""
+    def start(self, walk: Walk | None = None, window: int = 0) -> None:
+        """Fork the workers, where allowed, and collect their answers on a thread.
+
+        ``walk`` (the values level's walk, ``levels.values_walk``; with ``one_pass`` only): release each task to the
+        workers once the walk has read its bytes, and hold the walk within ``window`` OUT bytes of the tasks
+        released and not yet answered (:attr:`pace`, which the walk calls; ckpt_tool.verify.one_pass)."""
         if not _may_fork(self.pool, self.device):
             return
+        paced = walk is not None and self.one_pass
+        if paced:  # tasks numbered in walk order, so that a batch of units (a V4-Pro's many) lies in one stretch
+            where = places(walk)
+            self.check.order = sorted(
+                range(len(self.check.jobs)),
+                key=lambda i: max(
+                    ((where[r][0], where[r][2] + end) for r, end in self._unit_needs(*self.check.jobs[i]).items()),
+                    default=(-1, 0),
+                ),
+            )
 
         def run(task: int, child_pool: ComputePool):  # in a forked child
             if task < len(self.sides):
@@ -825,15 +850,57 @@ class NumericLevel:
                 return layer.side_task(which, child_pool)
             return self.check.task(task - len(self.sides), child_pool)
 
-        self._forked = ForkedTasks(len(self.sides) + self.check.tasks, self.pool.workers, run).start()
+        tasks = len(self.sides) + self.check.tasks
+        self._forked = ForkedTasks(tasks, self.pool.workers, run, released=paced).start()
+        if paced:
+            self.pace = OnePass(walk, self._task_needs(), self._forked.release, window)
         self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
         self._collector.start()
 
+    def _unit_needs(self, comp: str, unit) -> dict[str, int]:
+        """OUT files a per-tensor unit reads: relpath -> the end offset of the last of its tensors there."""
+        from ckpt_tool.verify.linear_check import unit_tensors
+
+        sides, needs = self.check.runners[comp].sides, {}
+        for rank in unit.ranks:
+            for name in unit_tensors(unit):
+                try:
+                    path, info = sides.engine_info(rank, name)
+                except CheckpointError:
+                    continue  # the unit fails on it; no byte of the walk to wait for
+                rel = str(path.relative_to(self.out))
+                needs[rel] = max(needs.get(rel, 0), info.end)
+        return needs
+
+    def _task_needs(self) -> list[dict[str, int]]:
+        """Per task (the forward's sides, then the per-tensor batches): relpath -> end offset of what it reads. A
+        side of the forward reads every MTP file (side A the source rows of the same tensors), so it waits for the
+        walk to pass the whole component."""
+        mtp = {
+            f.relpath: self.headers[f.relpath].file_size
+            for f in self.plan.files
+            if f.component == "mtp" and f.relpath in self.headers
+        }
+        needs: list[dict[str, int]] = [dict(mtp) for _ in self.sides]
+        check = self.check
+        for task in range(check.tasks):
+            merged: dict[str, int] = {}
+            for i in check.order[task * check.per : (task + 1) * check.per]:
+                for rel, end in self._unit_needs(*check.jobs[i]).items():
+                    merged[rel] = max(merged.get(rel, 0), end)
+            needs.append(merged)
+        return needs
+
     def _collect(self) -> None:
+        pace = self.pace
         try:
-            for item in self._forked.results():
-                self._answers.put(item)
+            for task, answer in self._forked.results(ended=pace.worker_gone if pace is not None else None):
+                self._answers.put((task, answer))
+                if pace is not None:
+                    pace.answered(task)
         finally:
+            if pace is not None:
+                pace.give_up()
             self._answers.put(None)
 
     def _no_forward_reason(self) -> str:
@@ -856,6 +923,9 @@ class NumericLevel:
     def finish(self, report: VerifyReport) -> None:
         """Wait for the workers' answers, compute what none answered, and add the level's checks to ``report``."""
         self.check.stage()
+        if self.pace is not None:  # the walk is over: whatever it did not release goes now, and the queue ends
+            self.pace.release_all()
+            self._forked.end()
         if not self.has_mtp:
             report.add(skipped_check("numeric:mtp-forward", self._no_forward_reason()))
         while self._collector is not None and (item := self._answers.get()) is not None:
