@@ -836,10 +836,11 @@ class NumericLevel:
         paced = walk is not None and self.one_pass
         if paced:  # tasks numbered in walk order, so that a batch of units (a V4-Pro's many) lies in one stretch
             where = places(walk)
+            unit_needs = [self._unit_needs(comp, unit) for comp, unit in self.check.jobs]
             self.check.order = sorted(
                 range(len(self.check.jobs)),
                 key=lambda i: max(
-                    ((where[r][0], where[r][2] + end) for r, end in self._unit_needs(*self.check.jobs[i]).items()),
+                    ((where[r][0], where[r][2] + end) for r, end in unit_needs[i].items() if r in where),
                     default=(-1, 0),
                 ),
             )
@@ -853,7 +854,7 @@ class NumericLevel:
         tasks = len(self.sides) + self.check.tasks
         self._forked = ForkedTasks(tasks, self.pool.workers, run, released=paced).start()
         if paced:
-            self.pace = OnePass(walk, self._task_needs(), self._forked.release, window)
+            self.pace = OnePass(walk, self._task_needs(unit_needs), self._forked.release, window)
         self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
         self._collector.start()
 
@@ -868,14 +869,13 @@ class NumericLevel:
                     path, info = sides.engine_info(rank, name)
                 except CheckpointError:
                     continue  # the unit fails on it; no byte of the walk to wait for
-                rel = str(path.relative_to(self.out))
-                needs[rel] = max(needs.get(rel, 0), info.end)
-        return needs
+                needs[path] = max(needs.get(path, 0), info.end)
+        return {str(path.relative_to(self.out)): end for path, end in needs.items()}
 
-    def _task_needs(self) -> list[dict[str, int]]:
-        """Per task (the forward's sides, then the per-tensor batches): relpath -> end offset of what it reads. A
-        side of the forward reads every MTP file (side A the source rows of the same tensors), so it waits for the
-        walk to pass the whole component."""
+    def _task_needs(self, unit_needs: list[dict[str, int]]) -> list[dict[str, int]]:
+        """Per task (the forward's sides, then the per-tensor batches; ``unit_needs``: per unit): relpath -> end offset
+        of what it reads. A side of the forward reads every MTP file (side A the source rows of the same tensors), so
+        it waits for the walk to pass the whole component."""
         mtp = {
             f.relpath: self.headers[f.relpath].file_size
             for f in self.plan.files
@@ -886,7 +886,7 @@ class NumericLevel:
         for task in range(check.tasks):
             merged: dict[str, int] = {}
             for i in check.order[task * check.per : (task + 1) * check.per]:
-                for rel, end in self._unit_needs(*check.jobs[i]).items():
+                for rel, end in unit_needs[i].items():
                     merged[rel] = max(merged.get(rel, 0), end)
             needs.append(merged)
         return needs
