@@ -577,9 +577,13 @@ def _lockstep_groups(files: list[OutFile]) -> list[list[list[OutFile]]]:
     positions match. Where they do not (``--moe-parallel ep``: a rank's expert stack sorts by its own first expert,
     so parts can hold different tensors) the group is the component, a member one rank's parts in order, its
     position running on across them.
+
+    The MTP component comes first: the numeric level's forward reads all of it again once the walk has passed it
+    (ckpt_tool.verify.one_pass), and first, with little else read yet, it is still in the page cache then; last, it
+    was partly pushed out by the main model's bytes, which the per-tensor checks had read twice.
     """
     by_comp: dict[str, dict[int, list[OutFile]]] = {}
-    for f in files:
+    for f in sorted(files, key=lambda f: f.component != "mtp"):  # (a stable sort: the plan's order otherwise)
         by_comp.setdefault(f.component, {}).setdefault(f.rank, []).append(f)
     groups: list[list[list[OutFile]]] = []
     for ranks in by_comp.values():
