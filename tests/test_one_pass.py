@@ -124,8 +124,10 @@ def test_groups_lie_one_after_another_on_the_line() -> None:
 
 def test_verify_one_pass_keeps_both_rules_and_the_report(fixture_dir, tmp_path: Path, monkeypatch) -> None:
     """verify --level numeric, on the forked path, at a window of 64 KiB: every numeric task was released only after
-    the walk passed the OUT bytes it reads, the walk never stepped more than the window past an unanswered task, and
-    the report (checks, messages, coverage) is the serial level's."""
+    the walk passed the OUT bytes it reads, the walk never stepped more than the window past an unanswered task, what
+    was dropped from the page cache had been passed by the walk (and no source tensor two components are cut from,
+    which the other's walk reads again), and the report (checks, messages, coverage) is the serial level's."""
+    from ckpt_tool.checkpoint.source import open_checkpoint
     from ckpt_tool.mapping.plan import Options
     from ckpt_tool.output.convert import convert
     from ckpt_tool.verify import levels, numeric
@@ -139,13 +141,26 @@ def test_verify_one_pass_keeps_both_rules_and_the_report(fixture_dir, tmp_path: 
     out = tmp_path / "out"
     convert(src, out, Options(tp=4))
     traces: list[list] = []
+    paces: list[OnePass] = []
+    dropped: list[tuple[Path, int, int, bool]] = []  # (path, start, end, had the walk passed it)
 
     class Recorded(OnePass):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs, trace=[])
             traces.append(self.trace)
+            paces.append(self)
+
+    class RecordedDrops(numeric.DropBehind):
+        def drop(self, path: Path, start: int, end: int) -> None:
+            passed = True
+            if path.is_relative_to(out):
+                g, m, base = paces[0]._where[str(path.relative_to(out))]
+                passed = paces[0]._pos[g][m] >= base + end
+            dropped.append((path, start, end, passed))
+            super().drop(path, start, end)
 
     monkeypatch.setattr(numeric, "OnePass", Recorded)
+    monkeypatch.setattr(numeric, "DropBehind", RecordedDrops)
     monkeypatch.setattr(levels, "ONE_PASS_WINDOW", window)
     report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
     assert len(traces) == 1
@@ -154,6 +169,10 @@ def test_verify_one_pass_keeps_both_rules_and_the_report(fixture_dir, tmp_path: 
     assert releases and all(e[2] for e in releases), "every task reads some OUT bytes"
     assert sum(1 for e in trace if e[0] == "step" and e[4] is not None) > 0, "the walk was paced"
     assert violations(trace, window) == []
+    assert any(p.is_relative_to(out) for p, *_ in dropped) and any(p.is_relative_to(src) for p, *_ in dropped)
+    assert [d for d in dropped if not d[3]] == [], "dropped from the cache before the walk had read it"
+    embed = open_checkpoint(src).tensors["embed.weight"]  # cut into the main model's and the MTP draft's files
+    assert not [d for d in dropped if d[0] == src / embed.file and d[1] == embed.start]
     serial = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=1)
     assert report.ok, [(c.name, c.message) for c in report.failures]
     assert [(c.name, c.ok, c.message) for c in report.checks] == [(c.name, c.ok, c.message) for c in serial.checks]

@@ -43,7 +43,7 @@ import torch
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
-from ckpt_tool.checkpoint.reader import Scratch
+from ckpt_tool.checkpoint.reader import DropBehind, Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
@@ -744,7 +744,7 @@ class NumericLevel:
         from ckpt_tool.verify.linear_check import TensorCheck
 
         self.cfg, self.plan, self.progress = plan.config, plan, progress
-        self.out, self.headers = out, headers
+        self.out, self.headers, self.ckpt = out, headers, ckpt
         self._stack = ExitStack()
         try:
             self.pool = self._stack.enter_context(ComputePool(workers))
@@ -815,6 +815,7 @@ class NumericLevel:
             self._stack.close()
             raise
         self._forked: ForkedTasks | None = None
+        self._drop: DropBehind | None = None
         self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (task, answer) from the workers; None: no more
         self._collector: threading.Thread | None = None
         self.pace: OnePass | None = None
@@ -836,7 +837,8 @@ class NumericLevel:
         paced = walk is not None and self.one_pass
         if paced:  # tasks numbered in walk order, so that a batch of units (a V4-Pro's many) lies in one stretch
             where = places(walk)
-            unit_needs = [self._unit_needs(comp, unit) for comp, unit in self.check.jobs]
+            reads = [self._unit_reads(comp, unit) for comp, unit in self.check.jobs]
+            unit_needs = [self._needs(out) for out, _ in reads]
             self.check.order = sorted(
                 range(len(self.check.jobs)),
                 key=lambda i: max(
@@ -855,22 +857,86 @@ class NumericLevel:
         self._forked = ForkedTasks(tasks, self.pool.workers, run, released=paced).start()
         if paced:
             self.pace = OnePass(walk, self._task_needs(unit_needs), self._forked.release, window)
+            self._plan_drops(reads)
         self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
         self._collector.start()
 
-    def _unit_needs(self, comp: str, unit) -> dict[str, int]:
-        """OUT files a per-tensor unit reads: relpath -> the end offset of the last of its tensors there."""
-        from ckpt_tool.verify.linear_check import unit_tensors
+    def _unit_reads(self, comp: str, unit) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:
+        """The byte ranges a per-tensor unit reads, ``(path, start, end)``: of OUT (a routed expert: its slot of each
+        rank's stack) and of the source."""
+        from ckpt_tool.verify.linear_check import ExactUnit, unit_tensors
 
-        sides, needs = self.check.runners[comp].sides, {}
+        sides, out = self.check.runners[comp].sides, []
+        slots = dict(zip(unit.ranks, unit.local)) if getattr(unit, "expert", None) is not None else {}
         for rank in unit.ranks:
             for name in unit_tensors(unit):
                 try:
                     path, info = sides.engine_info(rank, name)
                 except CheckpointError:
                     continue  # the unit fails on it; no byte of the walk to wait for
-                needs[path] = max(needs.get(path, 0), info.end)
+                start, end = info.start, info.end
+                if rank in slots and info.shape:  # a stacked [experts, rows, cols] tensor: one expert's slot
+                    per = (end - start) // info.shape[0]
+                    start, end = start + slots[rank] * per, start + (slots[rank] + 1) * per
+                out.append((path, start, end))
+        if isinstance(unit, ExactUnit):
+            names = [unit.source]
+        elif unit.kind == "bf16":
+            names = [p.source for p in unit.parts]
+        else:
+            names = [f"{p.source}.{what}" for p in unit.parts for what in ("weight", "scale")]
+        tensors = self.ckpt.tensors
+        src = [(self.ckpt.root / t.file, t.start, t.end) for t in (tensors.get(n) for n in names) if t is not None]
+        return out, src
+
+    def _needs(self, out: list[tuple[Path, int, int]]) -> dict[str, int]:
+        """OUT relpath -> the end of the last byte read there."""
+        needs: dict[Path, int] = {}
+        for path, _, end in out:
+            needs[path] = max(needs.get(path, 0), end)
         return {str(path.relative_to(self.out)): end for path, end in needs.items()}
+
+    def _plan_drops(self, reads: list[tuple[list, list]]) -> None:
+        """What leaves the page cache when a task is answered (ckpt_tool.checkpoint.reader.DropBehind): the OUT and
+        source bytes its units read, which the walk has passed for good. Not a source tensor that more than one
+        component's files are cut from (the embedding and head, read again by the other component's walk), and
+        nothing the MTP forward reads until both its sides have answered (then the MTP files and the source of the
+        MTP units, the routed experts' included)."""
+        from ckpt_tool.mapping.plan import ZERO
+
+        users: dict[tuple[str, int], set[str]] = {}
+        for f in self.plan.files:
+            for t in f.tensors:
+                for seg in t.segments:
+                    if seg.src != ZERO:
+                        info = self.plan.sources[seg.src]
+                        users.setdefault((info.file, info.start), set()).add(f.component)
+        shared = {(self.ckpt.root / file, start) for (file, start), comps in users.items() if len(comps) > 1}
+        self._drop = DropBehind()
+        self._drops: list[list[tuple[Path, int, int]]] = [[] for _ in self.sides]
+        forward: list[tuple[Path, int, int]] = []
+        for task in range(self.check.tasks):
+            mine = []
+            for i in self.check.order[task * self.check.per : (task + 1) * self.check.per]:
+                out, src = reads[i]
+                ranges = out + [r for r in src if (r[0], r[1]) not in shared]
+                (forward if self.sides and self.check.jobs[i][0] == "mtp" else mine).extend(ranges)
+            self._drops.append(mine)
+        if self.sides:
+            forward += [(self.out / rel, 0, end) for rel, end in self._task_needs([])[0].items()]
+            for unit in self.check.coverage.units.get("mtp", []):  # the routed experts: the forward's probes
+                forward += [r for r in self._unit_reads("mtp", unit)[1] if (r[0], r[1]) not in shared]
+        self._forward_drops, self._sides_left = forward, len(self.sides)
+
+    def _dropped(self, task: int) -> None:
+        """Task ``task`` answered: drop what it read, once nothing else will (:meth:`_plan_drops`)."""
+        for path, start, end in self._drops[task]:
+            self._drop.drop(path, start, end)
+        if task < len(self.sides):
+            self._sides_left -= 1
+            if not self._sides_left:
+                for path, start, end in self._forward_drops:
+                    self._drop.drop(path, start, end)
 
     def _task_needs(self, unit_needs: list[dict[str, int]]) -> list[dict[str, int]]:
         """Per task (the forward's sides, then the per-tensor batches; ``unit_needs``: per unit): relpath -> end offset
@@ -883,7 +949,7 @@ class NumericLevel:
         }
         needs: list[dict[str, int]] = [dict(mtp) for _ in self.sides]
         check = self.check
-        for task in range(check.tasks):
+        for task in range(check.tasks if unit_needs else 0):
             merged: dict[str, int] = {}
             for i in check.order[task * check.per : (task + 1) * check.per]:
                 for rel, end in unit_needs[i].items():
@@ -898,6 +964,7 @@ class NumericLevel:
                 self._answers.put((task, answer))
                 if pace is not None:
                     pace.answered(task)
+                    self._dropped(task)
         finally:
             if pace is not None:
                 pace.give_up()
@@ -970,6 +1037,8 @@ class NumericLevel:
             self._collector.join()
             self._forked.close()
             self._forked = None
+        if self._drop is not None:
+            self._drop.close()
         self._stack.close()
 
 
