@@ -177,3 +177,55 @@ def test_verify_one_pass_keeps_both_rules_and_the_report(fixture_dir, tmp_path: 
     assert report.ok, [(c.name, c.message) for c in report.failures]
     assert [(c.name, c.ok, c.message) for c in report.checks] == [(c.name, c.ok, c.message) for c in serial.checks]
     assert report.coverage == serial.coverage and report.coverage["percent"] == 100.0
+
+
+def test_verify_one_pass_finishes_when_a_worker_dies(fixture_dir, tmp_path: Path, monkeypatch) -> None:
+    """A worker dies holding the first per-tensor task (killed in the task; window one byte: the walk waits on every
+    task due, that one too): the walk is freed, the parent computes what no worker answered, and the report is
+    complete and passes (with ``worker_gone`` a no-op the walk waits on that task until the alarm kills the workers,
+    which frees it, and fails the test)."""
+    import os
+    import signal
+
+    from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.output.convert import convert
+    from ckpt_tool.verify import levels, linear_check
+    from ckpt_tool.verify.compute_pool import ForkedTasks, can_fork_workers
+    from ckpt_tool.verify.levels import verify
+
+    if not can_fork_workers():
+        pytest.skip("forked workers are not available here")
+    src = fixture_dir("fp4")
+    out = tmp_path / "out"
+    convert(src, out, Options(tp=2))
+    parent, real_task, real_start, pids = os.getpid(), linear_check.TensorCheck.task, ForkedTasks.start, []
+
+    def start(self):
+        real_start(self)
+        pids.extend(self.pids.values())
+        return self
+
+    def task(self, number: int, pool):
+        if number == 0 and os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dying with the task taken, its answer never sent
+        return real_task(self, number, pool)
+
+    def hung(*_) -> None:
+        for pid in pids:  # every worker gone: nothing holds the walk, so verify can return and the test fail
+            os.kill(pid, signal.SIGKILL)
+        hung.fired = True
+
+    hung.fired = False
+    monkeypatch.setattr(ForkedTasks, "start", start)
+    monkeypatch.setattr(linear_check.TensorCheck, "task", task)
+    monkeypatch.setattr(levels, "ONE_PASS_WINDOW", 1)
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert not hung.fired, "verify did not finish in time: the walk waited on a dead worker's task"
+    assert report.ok, [(c.name, c.message) for c in report.failures]
+    assert report.coverage["percent"] == 100.0
