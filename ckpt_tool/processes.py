@@ -75,24 +75,55 @@ def can_fork(*, daemon_threads: bool = False) -> bool:
 
 
 class TaskQueue:
-    """Task numbers ``0..n-1`` that forked processes take one at a time, each taking the next free one.
+    """Task numbers that forked processes take one at a time, each taking the next free one.
 
-    A pipe filled before the fork: every process reads 2-byte task numbers from the shared read end (the
-    kernel serialises reads, so no two processes get the same number) until it is empty. Work shares
-    itself out by speed, which a fixed split cannot do on a machine where the other core is busy.
+    A pipe: every process reads 2-byte task numbers from the shared read end (the kernel serialises reads, so no
+    two processes get the same number) until it is empty and its write end closed. Work shares itself out by
+    speed, which a fixed split cannot do on a machine where the other core is busy.
+
+    ``TaskQueue(n)``: numbers ``0..n-1``, all written before the fork and the write end closed at once.
+    ``TaskQueue(n, released=True)``: none yet; the parent :meth:`put` s each number when it may be taken (verify's
+    one pass releases a numeric task once the values walk has read its bytes) and :meth:`end` s the queue after the
+    last. Each child calls :meth:`in_child` first: a child holding the write end would never see the queue end.
+    At most ``LIMIT`` numbers in all, so a write never waits for a reader (a pipe holds 64 KiB unread).
     """
 
     LIMIT = 32768  # tasks that fit in a pipe's 64 KiB buffer without a reader
 
-    def __init__(self, tasks: int) -> None:
+    def __init__(self, tasks: int, *, released: bool = False) -> None:
         if tasks > self.LIMIT:
             raise ValueError(f"{tasks} tasks: at most {self.LIMIT} fit in one queue")
+        self.tasks = tasks
         read_end, write_end = os.pipe()
-        try:
-            os.write(write_end, b"".join(i.to_bytes(2, "big") for i in range(tasks)))
-        finally:
-            os.close(write_end)  # an empty queue then reads as end of file
         self._fd: int | None = read_end
+        self._write: int | None = write_end
+        if not released:
+            try:
+                self.put(*range(tasks))
+            finally:
+                self.end()
+
+    def put(self, *tasks: int) -> None:
+        """Make ``tasks`` takeable (never blocks: the pipe holds every number there can be)."""
+        assert self._write is not None, "the queue was ended"
+        data = memoryview(b"".join(i.to_bytes(2, "big") for i in tasks))
+        while data:
+            data = data[os.write(self._write, data) :]
+
+    @property
+    def accepts(self) -> bool:
+        """Whether :meth:`put` may still add numbers (this process holds the write end)."""
+        return self._write is not None
+
+    def end(self) -> None:
+        """No more numbers: once the queue is empty, :meth:`take` returns in every process."""
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+
+    def in_child(self) -> None:
+        """In a forked child: drop the inherited write end (only the parent adds numbers and ends the queue)."""
+        self.end()
 
     def take(self) -> Iterator[int]:
         """The task numbers this process gets, until none are left."""
@@ -103,6 +134,7 @@ class TaskQueue:
             yield int.from_bytes(token, "big")
 
     def close(self) -> None:
+        self.end()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -459,9 +459,9 @@ def _numeric_levels_started(monkeypatch) -> list:
     """The :class:`numeric.NumericLevel` objects ``verify`` starts, in order."""
     started, real = [], numeric.NumericLevel.start
 
-    def start(self) -> None:
+    def start(self, *args, **kwargs) -> None:
         started.append(self)
-        real(self)
+        real(self, *args, **kwargs)
 
     monkeypatch.setattr(numeric.NumericLevel, "start", start)
     return started
@@ -469,9 +469,9 @@ def _numeric_levels_started(monkeypatch) -> list:
 
 def test_numeric_workers_compute_while_the_values_level_runs(fixture_dir, tmp_path, monkeypatch) -> None:
     """verify --level numeric forks the numeric level's workers before the values level starts, and they answer
-    while it runs: the levels share the disk and the cores instead of taking turns. The report is the same."""
-    import time
-
+    while it runs (one pass: each task once the values walk has read its bytes; a window of one byte makes the walk
+    wait for every answer due): the levels share the disk and the cores instead of taking turns. The report, its
+    checks and coverage, are those of the serial level."""
     from ckpt_tool.verify import levels
     from ckpt_tool.verify.compute_pool import can_fork_workers
 
@@ -482,21 +482,19 @@ def test_numeric_workers_compute_while_the_values_level_runs(fixture_dir, tmp_pa
     started, answered_during_values = _numeric_levels_started(monkeypatch), []
     real_values = levels.check_values
 
-    def values_after_a_numeric_answer(*args, **kwargs):
-        deadline = time.monotonic() + 60
-        while started[0]._answers.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        answered_during_values.append(not started[0]._answers.empty())
-        return real_values(*args, **kwargs)
+    def values_then_count_answers(*args, **kwargs):
+        real_values(*args, **kwargs)
+        answered_during_values.append(started[0]._answers.qsize())
 
-    monkeypatch.setattr(levels, "check_values", values_after_a_numeric_answer)
+    monkeypatch.setattr(levels, "check_values", values_then_count_answers)
+    monkeypatch.setattr(levels, "ONE_PASS_WINDOW", 1)
     report = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=2)
-    assert answered_during_values == [True]
-    monkeypatch.undo()  # the serial run forks no worker: nothing would ever answer the wait above
+    assert started[0].pace is not None and answered_during_values[0] > 0
+    monkeypatch.undo()
     assert report.ok, [(c.name, c.message) for c in report.failures]
     assert report.coverage["percent"] == 100.0
     serial = verify(out, src, level="numeric", kernels="torch", device="cpu", workers=1)
-    assert [(c.name, c.ok) for c in report.checks] == [(c.name, c.ok) for c in serial.checks]
+    assert [(c.name, c.ok, c.message) for c in report.checks] == [(c.name, c.ok, c.message) for c in serial.checks]
     assert report.coverage == serial.coverage
 
 
@@ -504,25 +502,37 @@ FORKED_NUMERIC_RUNS = 30
 FORKED_RUN_SECONDS = 60  # one run takes about a quarter of a second here; a stuck worker never answers
 
 
-def test_forked_numeric_workers_answer_every_task_run_after_run(fixture_dir, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("one_pass", [False, True], ids=["alone", "one-pass"])
+def test_forked_numeric_workers_answer_every_task_run_after_run(fixture_dir, tmp_path, monkeypatch, one_pass) -> None:
     """The numeric level's forked path 30 times in a row, each time forked from a thread that has just run a matmul
     on a team of two OpenMP threads (what once left a worker spinning in a matmul): the workers answer every task
     of every run in time (a watchdog kills workers still running at the deadline, which fails the run), and every
-    report passes at full coverage."""
+    report passes at full coverage. ``one-pass``: as verify runs it, the values walk beside the workers releasing
+    their tasks (on a window of one byte: it waits on every answer due), at tp 2 and 4 in turn, ``--moe-parallel
+    ep`` every third run (a member walks a rank's parts in turn); the walk ends too (no deadlock), and its report
+    passes."""
     import threading
 
     from ckpt_tool.verify.compute_pool import ForkedTasks, can_fork_workers
+    from ckpt_tool.verify.levels import check_values, values_walk
+    from ckpt_tool.verify.verdict import NoProgress
 
     assert can_fork_workers(), "the forked numeric path needs Linux and no other thread running"
     src = fixture_dir("fp4")
-    out = do_convert(src, tmp_path / "out", 1)
-    ckpt, plan = _plan_of(out, src)
-    headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
+    outs = (
+        [do_convert(src, tmp_path / "out", 1)]
+        if not one_pass
+        else [
+            do_convert(src, tmp_path / "tp2", 2),
+            do_convert(src, tmp_path / "tp4", 4),
+            do_convert(src, tmp_path / "ep", 2, "ep"),
+        ]
+    )
     forked, answered, real_results = [], [], ForkedTasks.results
 
-    def results(self):
+    def results(self, ended=None):
         forked.append((self, len(self.pids)))
-        for item in real_results(self):
+        for item in real_results(self, ended):
             answered.append(item[0])
             yield item
 
@@ -530,19 +540,40 @@ def test_forked_numeric_workers_answer_every_task_run_after_run(fixture_dir, tmp
     threads, team = torch.get_num_threads(), torch.ones(256, 256)
     try:
         for run in range(FORKED_NUMERIC_RUNS):
+            out = outs[run % len(outs)]
+            ckpt, plan = _plan_of(out, src)
+            headers = {f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files}
             forked.clear()
             answered.clear()
             torch.set_num_threads(2)
             team @ team  # noqa: B018 - a thread team now attached to this thread, which forks the workers
             report = VerifyReport(str(out), str(src), "numeric")
             with numeric.NumericLevel(
-                out, plan, ckpt, headers, kernels="torch", device="cpu", tokens=4, seed=run, workers=2
+                out,
+                plan,
+                ckpt,
+                headers,
+                kernels="torch",
+                device="cpu",
+                tokens=4,
+                seed=run,
+                workers=2,
+                one_pass=one_pass,
             ) as level:
-                level.start()
+                level.start(values_walk(plan, headers), 1) if one_pass else level.start()
                 watchdog = threading.Timer(FORKED_RUN_SECONDS, lambda: forked and forked[0][0].stop())
                 watchdog.daemon = True
                 watchdog.start()
                 try:
+                    if one_pass:
+                        walk = threading.Thread(
+                            target=check_values,
+                            args=(out, plan, ckpt.open_bytes(), headers, report, NoProgress()),
+                            kwargs={"workers": 2, "pace": level.pace},
+                        )
+                        walk.start()
+                        walk.join(FORKED_RUN_SECONDS)
+                        assert not walk.is_alive(), f"run {run}: the values walk did not end (deadlock?)"
                     level.finish(report)
                 finally:
                     watchdog.cancel()
@@ -1222,8 +1253,8 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
     leads: list[tuple[int, str, tuple]] = []  # (how far the group's leader is past the asking rank, file, range)
 
     class Tracked(SequentialRead):
-        def __init__(self, path, size, block_bytes=4096):
-            super().__init__(path, size, block_bytes)
+        def __init__(self, path, size, block_bytes=4096, **how):
+            super().__init__(path, size, block_bytes, **how)
             mine.rel = str(Path(path).relative_to(out))
             with lock:
                 pos[mine.rel] = base[mine.rel]

@@ -218,6 +218,39 @@ class LocalFiles:
         self.close()
 
 
+class DropBehind:
+    """Drops byte ranges of files from the page cache once nothing will read them again (``posix_fadvise``
+    ``DONTNEED``: the kernel drops the pages wholly inside a range; a page shared with bytes still wanted stays).
+    verify's one pass reads every byte twice through the cache, the values walk then a numeric worker: what both
+    have read goes, so what one has read and the other not yet is never pushed out by what neither needs. A no-op
+    where the call is missing or refused."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def drop(self, path: Path, start: int, end: int) -> None:
+        if end <= start or not hasattr(os, "posix_fadvise"):
+            return
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError:
+                    return
+            try:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
 class _DirectRefused(Exception):
     """A direct read the file system refused (EINVAL): the caller retries through the cache."""
 
@@ -228,13 +261,15 @@ class SequentialRead:
 
     The reads are ``direct`` ones (convert wrote OUT with ``O_DIRECT``: it is not in the page cache, and no copy goes
     through it), by a thread that stays ``DEPTH`` blocks ahead, so the disk works while the caller compares.
+    ``direct=False``: through the page cache instead, for a caller that reads the bytes again soon (verify's numeric
+    level in one pass).
     """
 
     DEPTH = 3  # blocks read ahead of the one being compared
 
-    def __init__(self, path: Path, size: int, block: int = SEQUENTIAL_BLOCK) -> None:
+    def __init__(self, path: Path, size: int, block: int = SEQUENTIAL_BLOCK, *, direct: bool = True) -> None:
         self.path, self.size, self.block_bytes, self.hash = path, size, block, hashlib.sha256()
-        self.files = LocalFiles(direct=True)
+        self.files = LocalFiles(direct=direct, sequential=not direct)
         self.free: queue.Queue = queue.Queue()
         self.full: queue.Queue = queue.Queue()
         for _ in range(self.DEPTH + 1):

@@ -137,14 +137,28 @@ class ForkedTasks:
     reading while another computes (``servers=1``: the child's main thread takes them, and ``run`` may map work
     over ``pool``). Tasks a child took and never answered (it died, or was stopped) are simply not yielded: the
     caller runs what is missing itself, so a child never decides an outcome. Fewer children start when the
-    system refuses a fork."""
+    system refuses a fork.
 
-    def __init__(self, tasks: int, processes: int, run: Callable[[int, ComputePool], Any], servers: int = 2) -> None:
+    ``released``: no task may be taken until :meth:`release` names it (in any order, from any one thread), and the
+    children leave once :meth:`end` was called and every released task taken; else every task is takeable at once.
+    """
+
+    def __init__(
+        self,
+        tasks: int,
+        processes: int,
+        run: Callable[[int, ComputePool], Any],
+        servers: int = 2,
+        *,
+        released: bool = False,
+    ) -> None:
         self.tasks, self.processes, self.run, self.servers = tasks, processes, run, servers
         self.pids: dict[int, int] = {}  # read fd -> pid
+        self.queue = TaskQueue(tasks, released=released)
 
     def start(self) -> ForkedTasks:
-        with TaskQueue(self.tasks) as queue:  # closed here once forked: the children hold the read end
+        queue = self.queue
+        try:
             for _ in range(self.processes):
                 read_end, write_end = os.pipe()
                 try:
@@ -155,13 +169,27 @@ class ForkedTasks:
                     break
                 if pid == 0:  # pragma: no cover (the child's coverage is not collected)
                     os.close(read_end)
+                    queue.in_child()
                     _child(queue, write_end, self.run, self.servers)
                 os.close(write_end)
                 self.pids[read_end] = pid
+        finally:
+            if not queue.accepts:  # every task queued: the children hold the read end, the parent needs none
+                queue.close()
         return self
 
-    def results(self) -> Iterator[tuple[int, Any]]:
-        return _collect(self.pids)
+    def release(self, *tasks: int) -> None:
+        """Tasks the children may take now (``released`` only)."""
+        self.queue.put(*tasks)
+
+    def end(self) -> None:
+        """No task is released after this: the children leave once the queue is empty (``released`` only)."""
+        self.queue.end()
+
+    def results(self, ended: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+        """``(task, result)`` as they arrive, until every child has gone; ``ended()`` is called each time one goes
+        (its unanswered tasks, if it took any, are never answered)."""
+        return _collect(self.pids, ended)
 
     def stop(self) -> None:
         for pid in self.pids.values():
@@ -177,10 +205,11 @@ class ForkedTasks:
             os.close(fd)
             os.waitpid(pid, 0)
         self.pids = {}
+        self.queue.close()
 
 
-def _collect(pids: dict[int, int]) -> Iterator[tuple[int, Any]]:
-    """Read ``(task, result)`` frames from every child's pipe until each closes."""
+def _collect(pids: dict[int, int], ended: Callable[[], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """Read ``(task, result)`` frames from every child's pipe until each closes (``ended()`` after each)."""
     buffers = {fd: bytearray() for fd in pids}
     with selectors.DefaultSelector() as sel:
         for fd in pids:
@@ -193,6 +222,8 @@ def _collect(pids: dict[int, int]) -> Iterator[tuple[int, Any]]:
                 if not chunk:
                     sel.unregister(fd)
                     del buffers[fd]
+                    if ended is not None:
+                        ended()
                     continue
                 buf += chunk
                 while len(buf) >= _FRAME and len(buf) >= _FRAME + int.from_bytes(buf[:_FRAME], "big"):

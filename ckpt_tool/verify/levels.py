@@ -14,8 +14,11 @@
    what to run instead.
 
 The levels stack: a level's checks join the report only when the ones before passed. The numeric level's forked
-workers start computing before the values level and run beside it (they share the disk and the cores instead of
-taking turns); their answers are taken only once values passed, else the workers are stopped. They share one record
+workers are started before the values level and run beside it, in one pass over the bytes (ckpt_tool.verify.one_pass):
+the values walk reads OUT and the source through the page cache and releases each numeric task once it has read the
+task's bytes, staying within ``ONE_PASS_WINDOW`` of the tasks not yet answered, so the workers read what the walk
+just left in the cache and the disk serves each byte once; their answers are taken only once values passed, else the
+workers are stopped. They share one record
 (ckpt_tool.verify.verdict: Check, VerifyReport, Progress); numeric never imports this module.
 """
 
@@ -38,6 +41,7 @@ from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment, plan_conversion
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.processes import usable_cpus
+from ckpt_tool.verify.one_pass import OnePass, Walk
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
 
 __all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
@@ -52,6 +56,14 @@ VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few 
 # read — far below the RAM of any machine that verifies (24 GiB here), while 16 blocks of slack let the ranks'
 # threads take turns on the cores without waiting on each other's every block.
 LOCKSTEP_WINDOW = 128 * 1024 * 1024
+# verify --level numeric in one pass (ckpt_tool.verify.one_pass): how far, in OUT bytes, the values walk may run
+# ahead of the numeric tasks it released and no worker answered yet. What a worker reads then was read by the walk at
+# most this many OUT bytes, plus the source rows cut into them (about as many again) and one task (a vocab table, a
+# tenth of this at most), ago: ~5 GiB of page cache at most, far below the RAM of any machine that verifies (24 GiB
+# here) and its other use (the values threads and the workers hold well under 2 GiB), so the bytes are still cached.
+# And far above one layer's stretch of a task (an expert across the ranks: ~13 MiB of V4-Flash OUT), so the workers
+# always have released tasks to take while the walk moves.
+ONE_PASS_WINDOW = 2 * 1024**3
 
 
 def verify(
@@ -159,13 +171,17 @@ def verify(
             seed=seed,
             progress=progress,
             workers=numeric_workers,
+            one_pass=True,
         )
     try:
         if numeric is not None:
-            numeric.start()
+            numeric.start(values_walk(plan, headers), ONE_PASS_WINDOW)
         if deep and report.ok:
+            pace = numeric.pace if numeric is not None else None
             with closing(ckpt.open_bytes()) as source_bytes:
-                check_values(out, plan, source_bytes, headers, report, progress, workers=workers, manifest=manifest)
+                check_values(
+                    out, plan, source_bytes, headers, report, progress, workers=workers, manifest=manifest, pace=pace
+                )
         if level == "numeric" and report.ok:
             if numeric is None:
                 report.add(_numeric_needs_every_rank([int(r) for r in held], opts.tp))
@@ -448,6 +464,7 @@ def check_values(
     workers: int = 1,
     manifest: dict | None = None,
     window: int | None = None,
+    pace: OnePass | None = None,
 ) -> None:
     """Re-derive every output tensor from the source and compare exactly.
 
@@ -461,6 +478,10 @@ def check_values(
     asks for the source rows it cuts its slice from, and the first rank's read leaves them in the page cache for
     the others, so the disk serves each source byte once for all the ranks checked. ``workers`` files are compared
     at once where a group has fewer files than that (pread, sha256 and the comparisons release the GIL).
+
+    ``pace`` (verify --level numeric, ckpt_tool.verify.one_pass): every thread reports its progress to it before each
+    block and may be held there, and OUT is read through the page cache (the numeric workers read it again from
+    there); without it OUT is read with ``O_DIRECT``, as nothing reads it again.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -473,7 +494,12 @@ def check_values(
     # source rows and their cut: blocks shrink so that many ranks at once stay within what 8 threads hold
     block = max(min(VALUE_BLOCK_BYTES, 1 << 20), min(VALUE_BLOCK_BYTES, (8 * VALUE_BLOCK_BYTES // threads) >> 12 << 12))
 
-    def member(files: list, group: Lockstep, m: int) -> list[tuple[list[str], str | None, str]]:
+    def member(files: list, group: Lockstep, g: int, m: int) -> list[tuple[list[str], str | None, str]]:
+        def at(pos: int) -> None:
+            if pace is not None:
+                pace.advance(g, m, pos)
+            group.advance(m, pos)
+
         try:
             done, results = 0, []
             for f in files:  # a rank's parts one after another: its position runs on across them
@@ -486,13 +512,16 @@ def check_values(
                         source,
                         progress,
                         block,
-                        lambda pos, done=done: group.advance(m, done + pos),
+                        lambda pos, done=done: at(done + pos),
+                        direct=pace is None,
                     )
                 )
                 done += headers[f.relpath].file_size
             return results
         finally:
             group.done(m)
+            if pace is not None:
+                pace.done(g, m)
 
     # one pool, the members of a group submitted together: the pool has a thread for every member of the largest
     # group and takes tasks in order, so a group's members all run once the groups before it are done (a member
@@ -500,9 +529,9 @@ def check_values(
     results: dict[str, tuple[list[str], str | None, str]] = {}
     with ThreadPoolExecutor(threads) as pool:
         futures = []
-        for g in groups:
+        for gi, g in enumerate(groups):
             lockstep = Lockstep(len(g), window or LOCKSTEP_WINDOW)
-            futures += [(files, pool.submit(member, files, lockstep, m)) for m, files in enumerate(g)]
+            futures += [(files, pool.submit(member, files, lockstep, gi, m)) for m, files in enumerate(g)]
         for files, fut in futures:
             results.update(zip((f.relpath for f in files), fut.result()))
     for f in jobs:
@@ -532,6 +561,16 @@ def check_values(
             report.add(Check(f"values:{f.relpath}", True, file=f.relpath))
 
 
+def values_walk(plan: Plan, headers: dict[str, ShardHeader]) -> Walk:
+    """The files :func:`check_values` walks, as its threads walk them: groups in order, each a list of members, each
+    the ``(relpath, file size)`` of the files one thread reads in turn."""
+    jobs = [f for f in plan.files if f.relpath in headers]
+    return [
+        [[(f.relpath, headers[f.relpath].file_size) for f in files] for files in group]
+        for group in _lockstep_groups(jobs)
+    ]
+
+
 def _lockstep_groups(files: list[OutFile]) -> list[list[list[OutFile]]]:
     """The files to compare at once, in lockstep: groups of members, each member the files one thread walks.
 
@@ -541,9 +580,13 @@ def _lockstep_groups(files: list[OutFile]) -> list[list[list[OutFile]]]:
     positions match. Where they do not (``--moe-parallel ep``: a rank's expert stack sorts by its own first expert,
     so parts can hold different tensors) the group is the component, a member one rank's parts in order, its
     position running on across them.
+
+    The MTP component comes first: the numeric level's forward reads all of it again once the walk has passed it
+    (ckpt_tool.verify.one_pass), and first, with little else read yet, it is still in the page cache then; last, it
+    was partly pushed out by the main model's bytes, which the per-tensor checks had read twice.
     """
     by_comp: dict[str, dict[int, list[OutFile]]] = {}
-    for f in files:
+    for f in sorted(files, key=lambda f: f.component != "mtp"):  # (a stable sort: the plan's order otherwise)
         by_comp.setdefault(f.component, {}).setdefault(f.rank, []).append(f)
     groups: list[list[list[OutFile]]] = []
     for ranks in by_comp.values():
@@ -569,9 +612,12 @@ def _values_of_file(
     progress: Progress,
     block: int = VALUE_BLOCK_BYTES,
     at: Callable[[int], None] = lambda pos: None,
+    *,
+    direct: bool = True,
 ) -> tuple[list[str], str | None, str]:
-    """Compare one output file (``at(pos)``: called with the file position before each block is worked on)."""
-    reader = SequentialRead(out / f.relpath, header.file_size, block)
+    """Compare one output file (``at(pos)``: called with the file position before each block is worked on; ``direct``:
+    read it with ``O_DIRECT``, else through the page cache)."""
+    reader = SequentialRead(out / f.relpath, header.file_size, block, direct=direct)
     try:
         found: list[tuple[int, str, str]] = []
         order = {t.name: i for i, t in enumerate(f.tensors)}

@@ -43,7 +43,7 @@ import torch
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
-from ckpt_tool.checkpoint.reader import Scratch
+from ckpt_tool.checkpoint.reader import DropBehind, Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
@@ -57,6 +57,7 @@ from ckpt_tool.verify.compute_pool import (
     fan_out,
     map_tasks,
 )
+from ckpt_tool.verify.one_pass import OnePass, Walk, places
 from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, release_freed_memory, source_info
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
@@ -737,15 +738,20 @@ class NumericLevel:
         act: str = "bf16",
         progress: Progress | None = None,
         workers: int | None = None,
+        one_pass: bool = False,
     ) -> None:
         from ckpt_tool.verify.kernels import resolve_backend
         from ckpt_tool.verify.linear_check import TensorCheck
 
         self.cfg, self.plan, self.progress = plan.config, plan, progress
+        self.out, self.headers, self.ckpt = out, headers, ckpt
         self._stack = ExitStack()
         try:
             self.pool = self._stack.enter_context(ComputePool(workers))
             self.device = resolve_device(device)
+            # one pass (verify paces the workers by its values walk, start(walk)): every read goes through the page
+            # cache, where the walk has just left the bytes; alone, the level reads each byte once, directly
+            self.one_pass = one_pass and _may_fork(self.pool, self.device)
             self.run = {
                 "backend": resolve_backend(kernels, self.device),
                 "device": str(self.device),
@@ -754,7 +760,11 @@ class NumericLevel:
             }
             self.has_mtp = plan.options.only != "model" and any(f.component == "mtp" for f in plan.files)
             inputs = make_inputs(self.cfg, tokens, seed, self.device) if self.has_mtp else None
-            reader = self._stack.enter_context(RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)))
+            reader = self._stack.enter_context(
+                RowReader(direct_root=None, source=ckpt.open_bytes())
+                if self.one_pass
+                else RowReader(direct_root=out, source=ckpt.open_bytes(direct=True))
+            )
             # MTP routed experts are checked by probe rows riding on the forward (every expert routed), so each is
             # dequantized once per side; everything else by the per-tensor check.
             self.check = TensorCheck(
@@ -805,8 +815,10 @@ class NumericLevel:
             self._stack.close()
             raise
         self._forked: ForkedTasks | None = None
+        self._drop: DropBehind | None = None
         self._answers: queue.SimpleQueue = queue.SimpleQueue()  # (task, answer) from the workers; None: no more
         self._collector: threading.Thread | None = None
+        self.pace: OnePass | None = None
 
     def __enter__(self) -> NumericLevel:
         return self
@@ -814,10 +826,26 @@ class NumericLevel:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Fork the workers, where allowed, and collect their answers on a thread."""
+    def start(self, walk: Walk | None = None, window: int = 0) -> None:
+        """Fork the workers, where allowed, and collect their answers on a thread.
+
+        ``walk`` (the values level's walk, ``levels.values_walk``; with ``one_pass`` only): release each task to the
+        workers once the walk has read its bytes, and hold the walk within ``window`` OUT bytes of the tasks
+        released and not yet answered (:attr:`pace`, which the walk calls; ckpt_tool.verify.one_pass)."""
         if not _may_fork(self.pool, self.device):
             return
+        paced = walk is not None and self.one_pass
+        if paced:  # tasks numbered in walk order, so that a batch of units (a V4-Pro's many) lies in one stretch
+            where = places(walk)
+            reads = [self._unit_reads(comp, unit) for comp, unit in self.check.jobs]
+            unit_needs = [self._needs(out) for out, _ in reads]
+            self.check.order = sorted(
+                range(len(self.check.jobs)),
+                key=lambda i: max(
+                    ((where[r][0], where[r][2] + end) for r, end in unit_needs[i].items() if r in where),
+                    default=(-1, 0),
+                ),
+            )
 
         def run(task: int, child_pool: ComputePool):  # in a forked child
             if task < len(self.sides):
@@ -825,15 +853,121 @@ class NumericLevel:
                 return layer.side_task(which, child_pool)
             return self.check.task(task - len(self.sides), child_pool)
 
-        self._forked = ForkedTasks(len(self.sides) + self.check.tasks, self.pool.workers, run).start()
+        tasks = len(self.sides) + self.check.tasks
+        self._forked = ForkedTasks(tasks, self.pool.workers, run, released=paced).start()
+        if paced:
+            self.pace = OnePass(walk, self._task_needs(unit_needs), self._forked.release, window)
+            self._plan_drops(reads)
         self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
         self._collector.start()
 
+    def _unit_reads(self, comp: str, unit) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:
+        """The byte ranges a per-tensor unit reads, ``(path, start, end)``: of OUT (a routed expert: its slot of each
+        rank's stack) and of the source."""
+        from ckpt_tool.verify.linear_check import ExactUnit, unit_tensors
+
+        sides, out = self.check.runners[comp].sides, []
+        slots = dict(zip(unit.ranks, unit.local)) if getattr(unit, "expert", None) is not None else {}
+        for rank in unit.ranks:
+            for name in unit_tensors(unit):
+                try:
+                    path, info = sides.engine_info(rank, name)
+                except CheckpointError:
+                    continue  # the unit fails on it; no byte of the walk to wait for
+                start, end = info.start, info.end
+                if rank in slots and info.shape:  # a stacked [experts, rows, cols] tensor: one expert's slot
+                    per = (end - start) // info.shape[0]
+                    start, end = start + slots[rank] * per, start + (slots[rank] + 1) * per
+                out.append((path, start, end))
+        if isinstance(unit, ExactUnit):
+            names = [unit.source]
+        elif unit.kind == "bf16":
+            names = [p.source for p in unit.parts]
+        else:
+            names = [f"{p.source}.{what}" for p in unit.parts for what in ("weight", "scale")]
+        tensors = self.ckpt.tensors
+        src = [(self.ckpt.root / t.file, t.start, t.end) for t in (tensors.get(n) for n in names) if t is not None]
+        return out, src
+
+    def _needs(self, out: list[tuple[Path, int, int]]) -> dict[str, int]:
+        """OUT relpath -> the end of the last byte read there."""
+        needs: dict[Path, int] = {}
+        for path, _, end in out:
+            needs[path] = max(needs.get(path, 0), end)
+        return {str(path.relative_to(self.out)): end for path, end in needs.items()}
+
+    def _plan_drops(self, reads: list[tuple[list, list]]) -> None:
+        """What leaves the page cache when a task is answered (ckpt_tool.checkpoint.reader.DropBehind): the OUT and
+        source bytes its units read, which the walk has passed for good. Not a source tensor that more than one
+        component's files are cut from (the embedding and head, read again by the other component's walk), and
+        nothing the MTP forward reads until both its sides have answered (then the MTP files and the source of the
+        MTP units, the routed experts' included)."""
+        from ckpt_tool.mapping.plan import ZERO
+
+        users: dict[tuple[str, int], set[str]] = {}
+        for f in self.plan.files:
+            for t in f.tensors:
+                for seg in t.segments:
+                    if seg.src != ZERO:
+                        info = self.plan.sources[seg.src]
+                        users.setdefault((info.file, info.start), set()).add(f.component)
+        shared = {(self.ckpt.root / file, start) for (file, start), comps in users.items() if len(comps) > 1}
+        self._drop = DropBehind()
+        self._drops: list[list[tuple[Path, int, int]]] = [[] for _ in self.sides]
+        forward: list[tuple[Path, int, int]] = []
+        for task in range(self.check.tasks):
+            mine = []
+            for i in self.check.order[task * self.check.per : (task + 1) * self.check.per]:
+                out, src = reads[i]
+                ranges = out + [r for r in src if (r[0], r[1]) not in shared]
+                (forward if self.sides and self.check.jobs[i][0] == "mtp" else mine).extend(ranges)
+            self._drops.append(mine)
+        if self.sides:
+            forward += [(self.out / rel, 0, end) for rel, end in self._task_needs([])[0].items()]
+            for unit in self.check.coverage.units.get("mtp", []):  # the routed experts: the forward's probes
+                forward += [r for r in self._unit_reads("mtp", unit)[1] if (r[0], r[1]) not in shared]
+        self._forward_drops, self._sides_left = forward, len(self.sides)
+
+    def _dropped(self, task: int) -> None:
+        """Task ``task`` answered: drop what it read, once nothing else will (:meth:`_plan_drops`)."""
+        for path, start, end in self._drops[task]:
+            self._drop.drop(path, start, end)
+        if task < len(self.sides):
+            self._sides_left -= 1
+            if not self._sides_left:
+                for path, start, end in self._forward_drops:
+                    self._drop.drop(path, start, end)
+
+    def _task_needs(self, unit_needs: list[dict[str, int]]) -> list[dict[str, int]]:
+        """Per task (the forward's sides, then the per-tensor batches; ``unit_needs``: per unit): relpath -> end offset
+        of what it reads. A side of the forward reads every MTP file (side A the source rows of the same tensors), so
+        it waits for the walk to pass the whole component."""
+        mtp = {
+            f.relpath: self.headers[f.relpath].file_size
+            for f in self.plan.files
+            if f.component == "mtp" and f.relpath in self.headers
+        }
+        needs: list[dict[str, int]] = [dict(mtp) for _ in self.sides]
+        check = self.check
+        for task in range(check.tasks if unit_needs else 0):
+            merged: dict[str, int] = {}
+            for i in check.order[task * check.per : (task + 1) * check.per]:
+                for rel, end in unit_needs[i].items():
+                    merged[rel] = max(merged.get(rel, 0), end)
+            needs.append(merged)
+        return needs
+
     def _collect(self) -> None:
+        pace = self.pace
         try:
-            for item in self._forked.results():
-                self._answers.put(item)
+            for task, answer in self._forked.results(ended=pace.worker_gone if pace is not None else None):
+                self._answers.put((task, answer))
+                if pace is not None:
+                    pace.answered(task)
+                    self._dropped(task)
         finally:
+            if pace is not None:
+                pace.give_up()
             self._answers.put(None)
 
     def _no_forward_reason(self) -> str:
@@ -856,6 +990,9 @@ class NumericLevel:
     def finish(self, report: VerifyReport) -> None:
         """Wait for the workers' answers, compute what none answered, and add the level's checks to ``report``."""
         self.check.stage()
+        if self.pace is not None:  # the walk is over: whatever it did not release goes now, and the queue ends
+            self.pace.release_all()
+            self._forked.end()
         if not self.has_mtp:
             report.add(skipped_check("numeric:mtp-forward", self._no_forward_reason()))
         while self._collector is not None and (item := self._answers.get()) is not None:
@@ -900,6 +1037,8 @@ class NumericLevel:
             self._collector.join()
             self._forked.close()
             self._forked = None
+        if self._drop is not None:
+            self._drop.close()
         self._stack.close()
 
 
