@@ -148,7 +148,7 @@ def test_a_branch_moved_during_the_run_does_not_mix_commits(hub, fixture_dir, tm
         data[-1000:] = bytes(1000)  # tensor bytes, not the header: the plan is the same
         (changed / shard).write_bytes(bytes(data))
     first = hub.repos[REPO_ID].refs["main"]
-    hub.inject(Fault(delay_s=0.5, host="cdn", times=10_000))  # every read waits: the push lands mid-run
+    hub.inject(Fault(delay_s=0.1, host="cdn", times=10_000))  # every read waits: the push lands mid-run
 
     def move_once_reading() -> None:  # after the run resolved main and began to read shards
         deadline = time.monotonic() + 60
