@@ -320,12 +320,26 @@ def test_env_and_profiles_say_whether_auto_is_verified_for_the_installed_vllm(ca
     assert doc["auto"] == "vllm-0.33+" and doc["auto_verified"] is True and doc["auto_error"] is None
 
 
-def test_installed_vllm_is_read_from_package_metadata_without_importing_it(monkeypatch) -> None:
+def test_the_installed_vllm_is_found_as_importlib_metadata_finds_it(tmp_path, monkeypatch) -> None:
+    """The fast lookup (a folder name on sys.path, no importlib.metadata import, no vllm import) answers what
+    importlib.metadata answers: the first sys.path folder's vllm-<version>.dist-info, or nothing."""
     import sys
     from importlib import metadata
 
     from ckpt_tool.mapping.target import installed_vllm
 
-    monkeypatch.setattr(metadata, "version", lambda name: "0.33.0" if name == "vllm" else metadata.version(name))
-    assert installed_vllm() == "0.33.0"
-    assert "vllm" not in sys.modules
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, version in ((first, "0.35.1"), (second, "0.33.0")):
+        info = folder / f"vllm-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (first / "vllm_flash_attn-2.0.dist-info").mkdir()  # another distribution whose name starts with vllm
+    monkeypatch.setattr(sys, "path", [str(first), str(second), *sys.path])
+    assert installed_vllm() == metadata.version("vllm") == "0.35.1"
+    assert "vllm" not in sys.modules  # read from the metadata, never imported
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "missing"), *sys.path[2:]])
+    try:
+        expected = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        expected = None
+    assert installed_vllm() == expected
