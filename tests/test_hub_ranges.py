@@ -313,3 +313,16 @@ def test_chunks_the_memory_cache_lets_go_are_read_again_from_the_spool_not_the_h
         assert reader.read(BIG, 0, size) == data
         assert reader.stats().bytes_fetched > size  # the early chunks left the small spool: fetched again
         assert reader.stats().peak_spooled_bytes == 4 * CHUNK
+
+
+def test_a_spool_that_cannot_be_written_is_given_up_and_the_reads_go_on(hub, src, tmp_path, caplog) -> None:
+    """The spool's folder is gone (as a full disk refuses it): a warning, no waiter left hanging, every read right,
+    and chunks wanted again fetched again."""
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path / "gone", spool_bytes=100 * CHUNK) as reader:
+        for _ in range(2):
+            for at in range(0, size, 100_000):
+                assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        assert reader.stats().bytes_fetched > size
+    assert "cannot be written" in caplog.text

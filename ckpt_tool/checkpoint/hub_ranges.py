@@ -386,31 +386,44 @@ class HubRangeReader:
         return claimed
 
     def _publish(self, file: str, i: int, data: bytearray, pending: _Pending) -> None:
-        self._keep((file, i), data, fetched=True)
+        evicted = self._keep((file, i), data)
         pending.data = data
-        pending.done.set()
+        pending.done.set()  # before the spill: a waiter never waits on the local disk
+        self._spill(evicted)
 
-    def _keep(self, key: tuple[str, int], data: bytearray, fetched: bool = False) -> None:
-        """Put a chunk in the memory cache (``fetched``: it was in flight until now); the ones it pushes out go to the
-        spool (where there is one)."""
+    def _keep(self, key: tuple[str, int], data: bytearray) -> list[tuple[tuple[str, int], bytearray]]:
+        """Put a chunk that was in flight in the memory cache; the chunks it pushes out, for :meth:`_spill`."""
         evicted = []
         with self._lock:
-            if fetched:
-                del self._inflight[key]
-            if key not in self._cache:
-                self._cache[key] = data
-                self._cached_bytes += len(data)
+            del self._inflight[key]
+            self._cache[key] = data
+            self._cached_bytes += len(data)
             while self._cached_bytes > self.cache_bytes:
                 old_key, old = self._cache.popitem(last=False)
                 self._cached_bytes -= len(old)
                 evicted.append((old_key, old))
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
-        if evicted and self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes:
+        return evicted
+
+    def _spill(self, evicted: list[tuple[tuple[str, int], bytearray]]) -> None:
+        """Chunks the memory cache let go into the spool, where there is one. A spool that cannot be written (the
+        disk is full) is given up with a warning: chunks wanted again are then fetched again."""
+        if not evicted or self._spool_dir is None or self._spool_bytes < self.chunk_bytes:
+            return
+        try:
             with self._lock:
                 if self._spool is None:
                     self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
-            for old_key, old in evicted:
-                self._spool.put(old_key, old)
+                spool = self._spool
+            for key, old in evicted:
+                spool.put(key, old)
+        except OSError as exc:
+            log.warning(
+                "the spool in %s cannot be written (%s): chunks wanted again will be fetched again",
+                self._spool_dir,
+                exc.strerror or exc,
+            )
+            self._spool_bytes = 0
 
     def _fail(self, file: str, claimed: dict[int, _Pending], error: _RangeError) -> None:
         with self._lock:
