@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import plan as fast
 from ckpt_tool.mapping.profiles import PROFILES

@@ -21,7 +21,8 @@ Conversions work on little-endian bytes with numpy: never torch, so the writer s
 
 from __future__ import annotations
 
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import CheckpointError
 
 BYTEWISE = ("copy", "raw_uint8")  # output bytes are the source bytes

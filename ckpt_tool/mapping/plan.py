@@ -31,8 +31,9 @@ from operator import attrgetter
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.engram import engram_layout
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
+from ckpt_tool.checkpoint.headers import TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, MTP, PROFILES, canonical_name, draft_kind_of, model_class_of
