@@ -843,7 +843,7 @@ def pad_note(size: int, per_rank: int, tp: int) -> str:
 
 def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     """Plan converting ``tensors`` (a checkpoint's headers) under ``opts``. Raises PlanError before any write."""
-    with gc_paused():  # tens of thousands of small objects, none cyclic (see format.gc_paused)
+    with gc_paused():  # tens of thousands of small objects, none cyclic (see checkpoint.headers.gc_paused)
         return _plan_conversion(config, tensors, opts)
 
 
