@@ -5,8 +5,8 @@
     python bench/convert_bench.py --json results.json --keep
 
 In one run, on the same generated skeleton (bench/make_skeleton.py: embed/head/norm/hc_head + the
-MTP layer at real V4-Flash shapes and dtypes, ~5.7 GB), every command runs as a subprocess under
-``/usr/bin/time -v`` (peak RSS = "Maximum resident set size"), after an untimed ``sync`` so that no
+MTP layer at real V4-Flash shapes and dtypes, ~5.7 GB), every command runs as a subprocess timed by
+bench/timing.py (wall and CPU seconds, peak RSS of the largest process), after an untimed ``sync`` so that no
 run pays for the previous one's dirty pages:
 
 - ``cp -r SRC DST && sync DST/*`` — the ceiling (ckpt-tool fsyncs its files, so the copy is synced too);
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -43,10 +42,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import make_skeleton  # noqa: E402
+import timing  # noqa: E402
 
 GiB = 1024**3
 MB = 1e6
-TIME = "/usr/bin/time"
 
 
 def du_bytes(path: Path) -> int:
@@ -55,34 +54,23 @@ def du_bytes(path: Path) -> int:
 
 
 def run_timed(cmd: list[str], label: str, log) -> dict:
-    """Run ``cmd`` under /usr/bin/time -v after an untimed sync; wall seconds, peak RSS, CPU times."""
+    """Run ``cmd`` after an untimed sync (timing.run_timed); wall seconds, peak RSS, CPU times."""
     subprocess.run(["sync"], check=False)
-    tfile = tempfile.NamedTemporaryFile(prefix="time-", suffix=".txt", delete=False)
-    tfile.close()
-    t0 = time.perf_counter()
-    proc = subprocess.run([TIME, "-v", "-o", tfile.name, *cmd], capture_output=True, text=True, cwd=REPO)
-    wall = time.perf_counter() - t0
-    text = Path(tfile.name).read_text()
-    os.unlink(tfile.name)
-    if proc.returncode != 0:
-        raise SystemExit(f"{label}: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
-
-    def field(name: str) -> str:
-        m = re.search(rf"^\s*{re.escape(name)}: (.*)$", text, re.M)
-        return m.group(1).strip() if m else "0"
-
+    t = timing.run_timed(cmd, cwd=REPO)
+    if t.rc != 0:
+        raise SystemExit(f"{label}: {' '.join(cmd)} exited {t.rc}\n{t.stderr[-3000:]}")
     res = {
         "label": label,
-        "cmd": " ".join(cmd),
-        "seconds": wall,
-        "rss_kb": int(field("Maximum resident set size (kbytes)")),
-        "user": float(field("User time (seconds)")),
-        "sys": float(field("System time (seconds)")),
-        "stdout": proc.stdout,
+        "cmd": t.cmd,
+        "seconds": t.seconds,
+        "rss_kb": round(t.peak_rss_mib * 1024),
+        "user": t.user_seconds,
+        "sys": t.sys_seconds,
+        "stdout": t.stdout,
     }
     log(
-        f"  {label:28s} {wall:7.2f} s  peak RSS {res['rss_kb'] / 1024:8.1f} MiB  "
-        f"user {res['user']:.1f} s sys {res['sys']:.1f} s"
+        f"  {label:28s} {t.seconds:7.2f} s  peak RSS {t.peak_rss_mib:8.1f} MiB  "
+        f"user {t.user_seconds:.1f} s sys {t.sys_seconds:.1f} s"
     )
     return res
 

@@ -8,8 +8,8 @@
 
 Builds the skeleton (bench/make_skeleton.py: embed/head/norm/hc_head + the MTP layer with 256 MXFP4 experts at
 real V4-Flash shapes, 5.32 GiB), converts it with ``--only mtp --tp 8`` (``--tp`` to change), then runs
-``ckpt-tool verify OUT --engine --engine-python PY --json`` for each vLLM given, as a subprocess under
-``/usr/bin/time`` (wall seconds; peak RSS of the largest process, ckpt-tool or the vLLM probe it runs), ``--rounds``
+``ckpt-tool verify OUT --engine --engine-python PY --json`` for each vLLM given, as a subprocess timed by
+bench/timing.py (wall seconds; peak RSS of the largest process, ckpt-tool or the vLLM probe it runs), ``--rounds``
 times, reporting the median and the worst. The rank files are far above the real-load limit, so every rank is
 judged from the meta-device build alone: the figure for any OUT too large to load on the CPU. Fails (exit 1) when
 a verify does not pass or exceeds the targets: all ranks in <= 60 s and <= 2 GiB.
@@ -31,24 +31,16 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import make_skeleton  # noqa: E402
+import timing  # noqa: E402
 
-TIME = "/usr/bin/time"
 TARGET_SECONDS = 60.0
 TARGET_RSS_MIB = 2048.0
 
 
 def timed(cmd: list[str], env: dict | None = None) -> dict:
-    """Wall seconds, the largest process's peak RSS (GNU time's %M covers the waited-for process tree), stdout."""
-    with tempfile.NamedTemporaryFile("r", suffix=".txt") as tf:
-        proc = subprocess.run([TIME, "-f", "%e %M", "-o", tf.name, *cmd], capture_output=True, text=True, env=env)
-        wall, rss_kb = tf.read().split()[-2:]
-    return {
-        "rc": proc.returncode,
-        "seconds": float(wall),
-        "peak_rss_mib": int(rss_kb) / 1024,
-        "stdout": proc.stdout,
-        "stderr": proc.stderr,
-    }
+    """Wall seconds, the largest process's peak RSS (timing.run_timed: over the waited-for process tree), output."""
+    t = timing.run_timed(cmd, env=env)
+    return {"rc": t.rc, "seconds": t.seconds, "peak_rss_mib": t.peak_rss_mib, "stdout": t.stdout, "stderr": t.stderr}
 
 
 def site_python(site: Path, folder: Path) -> Path:

@@ -24,8 +24,8 @@ tp 8 is accepted; ``wkv`` [25600, 6144]) on it, one DSpark stage with 4 experts,
 vision tower. Every tensor, not only the tables, is then streamed from the byte patterns (valid FP8 and E8M0 codes;
 convert copies bytes, no value is computed), and the shard holding the layer is ~4.3 GiB + the table.
 
-In one process, ``--rounds`` rounds (the order rotated each round), each command a subprocess under
-``/usr/bin/time`` from a cold page cache (``sync``, then ``posix_fadvise(DONTNEED)`` on every file of the
+In one process, ``--rounds`` rounds (the order rotated each round), each command a subprocess timed by
+bench/timing.py from a cold page cache (``sync``, then ``posix_fadvise(DONTNEED)`` on every file of the
 source; ``--drop-caches global`` writes 3 to /proc/sys/vm/drop_caches instead, where allowed):
 
 - ``dd bs=64M conv=fsync`` of every source shard into the output folder (buffered writes, one fsync per file);
@@ -34,7 +34,7 @@ source; ``--drop-caches global`` writes 3 to /proc/sys/vm/drop_caches instead, w
   heads do not split as vLLM requires is refused before the run).
 
 Reported: bytes read and written, seconds, GiB/s, s/GiB against each dd of the same round, peak RSS, CPU
-seconds, bytes read from the disk (``%I``: shows the cache was cold). After every convert the output headers are
+seconds, bytes read from the disk (the block reads: show the cache was cold). After every convert the output headers are
 read: each rank's ``engram.embed_tokens.weight`` / ``.weight_scale_inv`` must hold exactly the rows
 ``EngramLayout.rank_rows`` gives it, and its first and last rows must be the source's bytes. Then the source is
 rebuilt with tables twice as large (``--flat-factor``) and each convert runs once more: peak RSS must not grow
@@ -75,7 +75,6 @@ from ckpt_tool.checkpoint.headers import expected_nbytes  # noqa: E402
 
 GiB = 1024**3
 MiB = 1024**2
-TIME = "/usr/bin/time"
 CHUNK = 32 * MiB  # bytes per write of a table
 SHIFT = 1 * MiB  # the pattern block is CHUNK + SHIFT bytes; chunk i starts at (i * 4099) % SHIFT
 HEAD_DIM = 256  # V4.1-Flash's engram_head_dim
@@ -292,33 +291,24 @@ def drop_cache(folders: list[Path], mode: str) -> None:
 def timed(cmd: list[str], label: str, cold: list[Path], mode: str, log) -> dict:
     """Wall and CPU seconds, peak RSS, disk reads/writes of ``cmd``, started with ``cold`` out of the page cache."""
     drop_cache(cold, mode)
-    with tempfile.NamedTemporaryFile("r", prefix="engram-time-", suffix=".txt") as tf:
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [TIME, "-f", "%e %U %S %M %I %O", "-o", tf.name, *cmd], capture_output=True, text=True, cwd=REPO
-        )
-        wall = time.perf_counter() - t0
-        fields = tf.read().split()[-6:]
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"{label}: {' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}{proc.stdout[-2000:]}"
-        )
-    _e, user, sys_s, rss_kb, blk_in, blk_out = fields
+    t = timing.run_timed(cmd, cwd=REPO)
+    if t.rc != 0:
+        raise SystemExit(f"{label}: {t.cmd} exited {t.rc}\n{t.stderr[-3000:]}{t.stdout[-2000:]}")
     row = {
         "label": label,
-        "cmd": " ".join(cmd),
-        "seconds": wall,
-        "cpu_seconds": float(user) + float(sys_s),
-        "user_seconds": float(user),
-        "sys_seconds": float(sys_s),
-        "peak_rss_mib": int(rss_kb) / 1024,
-        "disk_read_gib": int(blk_in) * 512 / GiB,
-        "disk_write_gib": int(blk_out) * 512 / GiB,
-        "stdout": proc.stdout,
+        "cmd": t.cmd,
+        "seconds": t.seconds,
+        "cpu_seconds": t.cpu_seconds,
+        "user_seconds": t.user_seconds,
+        "sys_seconds": t.sys_seconds,
+        "peak_rss_mib": t.peak_rss_mib,
+        "disk_read_gib": t.disk_read_bytes / GiB,
+        "disk_write_gib": t.disk_write_bytes / GiB,
+        "stdout": t.stdout,
     }
     log(
-        f"  {label:22s} {wall:7.2f} s  CPU {float(user):5.1f} user + {float(sys_s):5.1f} sys s  "
-        f"peak RSS {row['peak_rss_mib']:7.1f} MiB  "
+        f"  {label:22s} {t.seconds:7.2f} s  CPU {t.user_seconds:5.1f} user + {t.sys_seconds:5.1f} sys s  "
+        f"peak RSS {t.peak_rss_mib:7.1f} MiB  "
         f"read {row['disk_read_gib']:5.2f} GiB from disk"
     )
     return row

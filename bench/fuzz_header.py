@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, expected_nbytes, parse_header, read_shard_header  # noqa: E402
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS  # noqa: E402
+from ckpt_tool.checkpoint.headers import ShardHeader, expected_nbytes, parse_header, read_shard_header  # noqa: E402
 from ckpt_tool.errors import CheckpointError  # noqa: E402
 
 FILE = "fuzz.safetensors"

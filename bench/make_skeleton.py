@@ -34,6 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS  # noqa: E402  (the standard library only: no torch here)
+
 GiB = 1024**3
 MiB = 1024**2
 
@@ -146,8 +151,6 @@ def make_config(num_hidden_layers: int | None = None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Specs (mirror ckpt_tool/fixtures/make.py; --self-check proves it)
 
-DTYPE_SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8}
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -157,7 +160,7 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZE[self.dtype]
+        return math.prod(self.shape) * DTYPE_BITS[self.dtype] // 8
 
 
 def _fp8_linear(prefix: str, out: int, inp: int) -> list[Spec]:
@@ -392,8 +395,7 @@ def make_skeleton(
 
 def self_check() -> int:
     """Compare this module's specs with ckpt_tool.fixtures.make's (monkeypatched to V4-Flash dims)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import ckpt_tool.fixtures.make as fm
+    import ckpt_tool.fixtures.make as fm  # imports torch: only --self-check pays for it
 
     for name in (
         "VOCAB",

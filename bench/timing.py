@@ -3,15 +3,17 @@
     from timing import drop_caches, run_timed
     how = drop_caches(src, out)          # "drop_caches" or "fadvise(DONTNEED) per file (...)"
     t = run_timed([sys.executable, "-m", "ckpt_tool", "verify", ...], cwd=REPO)
-    t.seconds, t.cpu_seconds, t.peak_rss_mib, t.disk_read_bytes
+    t.seconds, t.cpu_seconds, t.peak_rss_mib, t.disk_read_bytes, t.disk_write_bytes
 
 The command runs as a child process reaped with ``wait4``: the kernel hands back that child's resource use,
 its waited-for descendants' included (forked workers), so nothing from earlier commands leaks in (the
 ``RUSAGE_CHILDREN`` maximum of this process would keep the largest RSS of any command run before). What is
 measured:
 
-- CPU seconds: user + system of the tree;
+- CPU seconds: user + system of the tree (and each apart);
 - peak RSS: ``ru_maxrss`` — the largest single process of the tree (not their sum);
+- bytes written to disk: ``ru_oublock`` x 512 — what the tree handed the block layer (direct writes, and dirty
+  pages written back on its behalf, ``fsync`` included);
 - bytes read from disk: ``ru_inblock`` x 512 — what the tree asked the block layer for (direct reads and the
   kernel's read-ahead on its behalf; page-cache hits are not counted). Cross-checked against the growth of this
   process's own ``/proc/self/io`` ``read_bytes``, which absorbs a reaped child's counters
@@ -43,12 +45,18 @@ class Timing:
     cmd: str
     rc: int
     seconds: float
-    cpu_seconds: float
+    user_seconds: float
+    sys_seconds: float
     peak_rss_mib: float
     disk_read_bytes: int
+    disk_write_bytes: int
     io_cross_check_bytes: int | None  # /proc/self/io read_bytes growth over the command (None: no /proc)
     stdout: str
     stderr: str
+
+    @property
+    def cpu_seconds(self) -> float:
+        return self.user_seconds + self.sys_seconds
 
 
 def _self_read_bytes() -> int | None:
@@ -77,9 +85,11 @@ def run_timed(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | 
             cmd=" ".join(map(str, cmd)),
             rc=proc.returncode,
             seconds=seconds,
-            cpu_seconds=usage.ru_utime + usage.ru_stime,
+            user_seconds=usage.ru_utime,
+            sys_seconds=usage.ru_stime,
             peak_rss_mib=usage.ru_maxrss / 1024,  # KiB on Linux
             disk_read_bytes=usage.ru_inblock * 512,
+            disk_write_bytes=usage.ru_oublock * 512,
             io_cross_check_bytes=None if io0 is None or io1 is None else io1 - io0,
             stdout=out.read(),
             stderr=err.read(),

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from ckpt_tool.checkpoint.completeness import require_agreement, require_complete
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import pad_note  # the note's wording; which sizes pad is worked out here

@@ -1,6 +1,6 @@
-"""``verify --engine`` without vLLM: the loader's rules as pure functions (engine_check.judge), and the one-line
-exit 2 when the interpreter has no vLLM or its vLLM cannot be built. (tests/engine/test_engine_check.py runs the
-real releases.)"""
+"""``verify --engine`` without vLLM: the loader's rules as pure functions (``ckpt_tool.verify.engine.judge``), and the
+one-line exit 2 when the interpreter has no vLLM or its vLLM cannot be built. (tests/engine/test_engine_check.py runs
+the real releases.)"""
 
 from __future__ import annotations
 

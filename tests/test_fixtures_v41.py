@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.fixtures.make import (
     BROKEN_VARIANTS,
     DRAFT_BROKEN_VARIANTS,
@@ -41,7 +42,6 @@ from ckpt_tool.fixtures.make import (
 INDEX = "model.safetensors.index.json"
 SHARDS = [f"model-{k:05d}-of-00005.safetensors" for k in range(1, 6)]
 N_HASH_COLS = (V41_ENGRAM_MAX_NGRAM - 1) * V41_ENGRAM_HEADS
-ITEM_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 
 
 def _headers(root: Path) -> dict[str, tuple[str, list[int], str]]:
@@ -128,7 +128,7 @@ def test_v41_structure(fixture_dir) -> None:
     heads = _headers(root)
     index = json.loads((root / INDEX).read_text())
     assert index["weight_map"] == {n: f for n, (_d, _s, f) in heads.items()}
-    assert index["metadata"]["total_size"] == sum(ITEM_BYTES[d] * math.prod(s) for d, s, _f in heads.values())
+    assert index["metadata"]["total_size"] == sum(DTYPE_BITS[d] // 8 * math.prod(s) for d, s, _f in heads.values())
     specs = {s.name: s for g in v41_shard_plan(VARIANTS["v41"]) for s in g}
     assert {n: (d, s) for n, (d, s, _f) in heads.items()} == {n: (s.dtype, list(s.shape)) for n, s in specs.items()}
     assert sum(p.stat().st_size for p in root.iterdir()) < 32 * 2**20  # 8 heads and 16 hash heads: tp 8

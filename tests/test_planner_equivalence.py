@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import plan as fast
 from ckpt_tool.mapping.profiles import PROFILES
@@ -305,7 +306,7 @@ def test_fast_planner_pads_shared_experts_like_the_reference_planner(inter, expe
     opts = dict(tp=tp, moe_parallel=moe, only=None, max_shard_size=5 * 2**30, profile=profile)
     got = outcome(fast, config(d), tensors, opts)
     assert got == outcome(ref, config(d), tensors, opts)
-    if profile == "vllm-0.33+":  # its engine pads; the seed's loader does not, and the split is refused
+    if profile == "vllm-0.33+":  # its engine pads; the seed's loader (vllm-seed) does not: refused
         assert got[0] == "plan" and any("zero-filled" in n for n in got[1][7]), got[:2]
     else:
         assert got[0] == "PlanError" and "shared_experts" in got[1], got

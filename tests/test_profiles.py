@@ -43,7 +43,7 @@ def v033_name(seed_name: str) -> str:
 
 
 def v033_tensor(name: str, t: torch.Tensor, expert_dtype: str) -> torch.Tensor:
-    """The seed output tensor as vLLM 0.33's parameter holds it."""
+    """The seed output tensor (``vllm-seed``, docs/profiles.md#the-seed) as vLLM 0.33's parameter holds it."""
     if name.endswith(".tid2eid"):
         return t.to(torch.int32)
     if expert_dtype == "fp8" and name.endswith(".weight_scale_inv") and t.dtype == torch.float8_e8m0fnu:

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.headers import (
-    DTYPE_BITS,
     MAX_HEADER_SIZE,
     ShardHeader,
     _parse_careful,

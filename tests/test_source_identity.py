@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli, snapshot
 
-from ckpt_tool.checkpoint.headers import DTYPE_BITS
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
 from ckpt_tool.output.layout import JOURNAL, MANIFEST

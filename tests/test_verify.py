@@ -856,8 +856,8 @@ def _swapped_fused_rules(monkeypatch, profile: str = "vllm-0.33+", where: str = 
 def test_broken_rule_table_passes_values_and_fails_numeric(
     fixture_dir, tmp_path, monkeypatch, variant, where, component
 ) -> None:
-    """The brief's proof: a mapping bug (swapped fused parts) that the values level, re-deriving through the
-    same plan, cannot see; the numeric level fails and names the engine tensor."""
+    """Why the numeric level exists: a mapping bug (swapped fused parts) that the values level, re-deriving through
+    the same plan, cannot see; the numeric level fails and names the engine tensor."""
     _swapped_fused_rules(monkeypatch, where=where)
     src = fixture_dir(variant)
     out = do_convert(src, tmp_path / "out", 2)

@@ -26,6 +26,7 @@ from operator import add, itemgetter, sub
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.identity import FileIdentity
 from ckpt_tool.checkpoint.paths import not_a_regular_file
 from ckpt_tool.errors import CheckpointError, HeaderError
@@ -33,32 +34,6 @@ from ckpt_tool.errors import CheckpointError, HeaderError
 MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
 MAX_INT = 2**64 - 1  # shapes and offsets are u64/usize in the reference; bigger numbers are corrupt
 CORRUPT = "the file is corrupt — download it again"  # what to do about a header we cannot trust
-
-# Bits per element of every dtype safetensors 0.8 knows. Sub-byte dtypes pack along the last dim.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-    "C64": 64,
-}
 
 
 class TensorInfo(NamedTuple):

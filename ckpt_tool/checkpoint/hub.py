@@ -118,8 +118,8 @@ def offline() -> bool:
 
 
 class ConversionNeeds(Protocol):
-    """What a conversion needs from a hub repo, as the planner answers it (``ckpt_tool.mapping.plan.hub_needs``):
-    the hub input asks, it never plans itself."""
+    """What a conversion needs from a hub repo, as the planner answers it (the mapping stage's
+    ``HubNeeds``): the hub input asks, it never plans itself."""
 
     @property
     def partial(self) -> bool:

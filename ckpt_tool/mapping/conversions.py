@@ -4,7 +4,8 @@ One place for each conversion's output dtype, its forward bytes (the writer, ver
 and its inverse (unconvert), so a new engine dtype is one entry here and one profile field.
 
 - ``copy``: the stored bytes and dtype.
-- ``raw_uint8``: the same bytes, declared U8 (the seed's ``.view(torch.uint8)`` for fp4 experts).
+- ``raw_uint8``: the same bytes, declared U8 (the seed's ``.view(torch.uint8)`` for fp4 experts;
+  the seed: docs/profiles.md#the-seed).
 - ``e8m0_to_f32``: an E8M0 byte ``b`` becomes float32 ``2^(b-127)`` (a scale landing in a float32
   parameter); a float32 source is copied.
 - ``to_bf16`` / ``to_f32``: a float32 source rounded to bfloat16 (nearest even, as torch casts), a bfloat16
@@ -21,7 +22,8 @@ Conversions work on little-endian bytes with numpy: never torch, so the writer s
 
 from __future__ import annotations
 
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import CheckpointError
 
 BYTEWISE = ("copy", "raw_uint8")  # output bytes are the source bytes

@@ -31,8 +31,9 @@ from operator import attrgetter
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.engram import engram_layout
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo, gc_paused
+from ckpt_tool.checkpoint.headers import TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, MTP, PROFILES, canonical_name, draft_kind_of, model_class_of
@@ -842,7 +843,7 @@ def pad_note(size: int, per_rank: int, tp: int) -> str:
 
 def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     """Plan converting ``tensors`` (a checkpoint's headers) under ``opts``. Raises PlanError before any write."""
-    with gc_paused():  # tens of thousands of small objects, none cyclic (see format.gc_paused)
+    with gc_paused():  # tens of thousands of small objects, none cyclic (see checkpoint.headers.gc_paused)
         return _plan_conversion(config, tensors, opts)
 
 

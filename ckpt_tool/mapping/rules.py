@@ -7,7 +7,8 @@ A rule maps one or more source tensors (DeepSeek's names, with placeholders ``{l
 ``{expert}``, ``{vblock}`` = a vision tower block) to one output tensor (the engine's parameter name,
 with those placeholders and ``{spec}`` = num_hidden_layers + mtp). Patterns compile to anchored regexes
 over whole dot-separated segments, so a rule can never hit a substring of another name (the seed loader's
-``name.replace(".norm.weight", ...)`` style is exactly what this avoids).
+``name.replace(".norm.weight", ...)`` style is exactly what this avoids; "the seed" is the ``vllm-seed`` profile's
+loader, docs/profiles.md#the-seed).
 
 Rule kinds:
 - ``Rename``: one source, one output (plus a TP split).

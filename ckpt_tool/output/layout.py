@@ -1,4 +1,5 @@
-"""The OUT format, in one place: what a conversion leaves in OUT and how to read it back.
+"""The OUT format, in one place: what a conversion leaves in OUT and how to read it back (the name of each rank's
+safetensors files is the plan's: ``OutFile.name`` in :mod:`ckpt_tool.mapping.plan`).
 
     OUT/
       model/  model-rank-{r}-part-{p}.safetensors, index.json, config.json (+ the source's serving files)

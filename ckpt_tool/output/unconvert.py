@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, parse_header, read_shard_header
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, parse_header, read_shard_header
 from ckpt_tool.checkpoint.reader import LocalFiles, sha256_file
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping import conversions

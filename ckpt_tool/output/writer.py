@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ckpt_tool.checkpoint import reader as reads
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.identity import FileIdentity, changed_while_converting
 from ckpt_tool.checkpoint.reader import DIRECT_ALIGN, ByteSource, LocalFiles
 from ckpt_tool.errors import OutputError

@@ -31,7 +31,8 @@ from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
-from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead, sha256_file

@@ -14,22 +14,18 @@ from pathlib import Path
 
 import torch
 
+from ckpt_tool.checkpoint.dtypes import TORCH_NAMES
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.reader import ByteSource, LocalFiles, Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 
+RAW_BYTES = ("F8_E4M3", "F8_E8M0", "I8", "U8")  # read as uint8: the quant functions and kernels take raw bytes
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.uint8,
-    "F8_E8M0": torch.uint8,
-    "I8": torch.uint8,
-    "U8": torch.uint8,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "I32": torch.int32,
+    name: torch.uint8 if name in RAW_BYTES else getattr(torch, TORCH_NAMES[name])
+    for name in (*RAW_BYTES, "BF16", "F16", "F32", "I64", "I32")
 }
+"""The dtypes the numeric level reads, and the torch dtype it reads each as."""
 
 
 def source_info(ckpt: Checkpoint, name: str) -> TensorInfo:

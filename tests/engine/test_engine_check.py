@@ -243,7 +243,8 @@ def test_out_for_another_profile_fails_naming_keys_on_every_rank(engine_site, se
     release = release_of(engine_site)
     for _name, f in failed.items():
         assert f"judged by vLLM {release}" in f["message"]
-        # the seed's routed-expert names: the first keys the loader would meet, named in the message
+        # the seed's routed-expert names (vllm-seed, docs/profiles.md#the-seed): the first keys the loader would meet,
+        # named in the message
         assert ".ffn.experts.w13_weight' in model-rank-" in f["message"] and "not a parameter key" in f["message"], f[
             "message"
         ]

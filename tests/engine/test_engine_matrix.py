@@ -22,6 +22,8 @@ import torch
 from cases import CASES
 from safetensors.torch import load_file
 
+from ckpt_tool.checkpoint.dtypes import TORCH_NAMES
+
 pytestmark = pytest.mark.engine
 
 
@@ -208,15 +210,7 @@ def compare(
     return problems, allowed, warnings_left
 
 
-ST_DTYPE = {
-    "float32": "F32",
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e8m0fnu": "F8_E8M0",
-    "uint8": "U8",
-    "int32": "I32",
-    "int64": "I64",
-}
+ST_DTYPE = {torch_name: name for name, torch_name in TORCH_NAMES.items()}  # vLLM reports torch dtypes by name
 
 
 def engine_table_problems(

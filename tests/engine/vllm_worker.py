@@ -65,18 +65,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SITE = REPO / ".engine-site"
 STUBS_FILE = REPO / "ckpt_tool" / "verify" / "engine" / "vllm_stubs.py"
+DTYPES_FILE = REPO / "ckpt_tool" / "checkpoint" / "dtypes.py"
 
 
-def _load_stubs():
-    """ckpt_tool/verify/engine/vllm_stubs.py by path (it imports only the standard library at module level)."""
-    spec = importlib.util.spec_from_file_location("ckpt_tool_vllm_stubs", STUBS_FILE)
+def _load_by_path(name: str, path: Path):
+    """A module of ckpt_tool by path (``vllm_stubs.py``, ``dtypes.py``: each imports only the standard library at
+    module level), so that this worker needs no ckpt_tool on ``sys.path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-stubs = _load_stubs()
+stubs = _load_by_path("ckpt_tool_vllm_stubs", STUBS_FILE)
+dtypes = _load_by_path("ckpt_tool_dtypes", DTYPES_FILE)
 _REAL_STDOUT = None
 
 
@@ -252,23 +255,6 @@ def _file_headers(folder: str, rank: int) -> dict:
     return held
 
 
-_ST_TO_TORCH = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "I8": "int8",
-    "U8": "uint8",
-    "I16": "int16",
-    "I32": "int32",
-    "I64": "int64",
-    "BOOL": "bool",
-}
-
-
 def _precheck(table: dict, held: dict, aliases: dict) -> dict:
     """The harness's own diff of the files against the engine table (vLLM itself stops at the first problem).
 
@@ -284,7 +270,7 @@ def _precheck(table: dict, held: dict, aliases: dict) -> dict:
         ek = k if k in table else alias_names.get(k)
         if ek is None:
             continue
-        fd, ed = _ST_TO_TORCH.get(held[k]["dtype"], held[k]["dtype"]), table[ek]["dtype"]
+        fd, ed = dtypes.TORCH_NAMES.get(held[k]["dtype"], held[k]["dtype"]), table[ek]["dtype"]
         if fd != ed:
             dtype_diff[k] = {"file": fd, "engine": ed}
         fs, es = held[k]["shape"], table[ek]["shape"]

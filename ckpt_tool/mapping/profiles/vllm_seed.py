@@ -6,6 +6,7 @@ beside it: the parameter names as those modules declare them (``ffn.gate.*``, ``
 ``ffn.experts.w13_weight``, ``attn.mla_attn.compressor.*``), scales and the hash table copied in their
 stored dtypes. It is the base rule table unchanged. No released vLLM's ``sharded_state`` loader takes
 this layout (0.33 and later key the MoE module's aliases): it is kept for engines built from that code.
+That loader is what "the seed" means across the code (docs/profiles.md#the-seed).
 """
 
 from __future__ import annotations

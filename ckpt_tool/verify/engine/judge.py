@@ -18,25 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# safetensors dtype -> the torch dtype safetensors' torch loader gives the tensor
-ST_TO_TORCH = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-}
+from ckpt_tool.checkpoint.dtypes import TORCH_NAMES
 
 CAST_WARNING = "Attempted to load weight "
 SLICE_WARNING = re.compile(r"^loading tensor of shape .* into parameter '(?P<key>[^']+)' of shape ")
@@ -69,7 +51,7 @@ def judge_files(
         problems.append((f"{key!r} in {held[key].file} is not a parameter key: the loader raises KeyError{hint}", key))
     for key in sorted(set(held) & set(table)):
         have, (want_dtype, want_shape) = held[key], table[key]
-        dtype = ST_TO_TORCH.get(have.dtype)
+        dtype = TORCH_NAMES.get(have.dtype)
         if dtype != want_dtype:
             problems.append(
                 (

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.checkpoint.dtypes import DTYPE_BITS, TORCH_NAMES
 from ckpt_tool.checkpoint.headers import (
-    DTYPE_BITS,
     MAX_HEADER_SIZE,
     ShardHeader,
     TensorInfo,
@@ -764,8 +764,27 @@ def test_fnuz_fp8_files_written_by_safetensors_parse(tmp_path: Path) -> None:
     assert {t.dtype for t in h.tensors.values()} == {"F8_E4M3FNUZ", "F8_E5M2FNUZ"}
 
 
+@pytest.mark.parametrize("dtype", sorted(TORCH_NAMES))
+def test_dtype_table_names_the_torch_dtype_safetensors_writes_and_loads(tmp_path: Path, dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    tensor = torch.zeros(2, 4, dtype=getattr(torch, TORCH_NAMES[dtype]))
+    path = tmp_path / "d.safetensors"
+    save_file({"w": tensor}, str(path))
+    info = read_shard_header(path).tensors["w"]
+    assert info.dtype == dtype and tensor.element_size() * 8 == DTYPE_BITS[dtype]
+    assert load_file(str(path))["w"].dtype == tensor.dtype
+
+
 @pytest.mark.parametrize(
-    "module", ["ckpt_tool.checkpoint.headers", "ckpt_tool.checkpoint.source", "ckpt_tool.checkpoint.summary"]
+    "module",
+    [
+        "ckpt_tool.checkpoint.dtypes",
+        "ckpt_tool.checkpoint.headers",
+        "ckpt_tool.checkpoint.source",
+        "ckpt_tool.checkpoint.summary",
+    ],
 )
 def test_header_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"

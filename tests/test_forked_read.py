@@ -1,5 +1,5 @@
-"""Headers read by forked helpers (inspect, open_checkpoint): the same answers as the serial path on
-every input, and the fork helpers themselves.
+"""Headers read by forked helpers (``ckpt_tool.checkpoint.forked_read``, for inspect and open_checkpoint): the same
+answers as the serial path on every input, and the fork helpers themselves.
 
 The fixtures have 4 shards, below the 8 the forked path waits for; these tests lower that floor so the
 path runs on them, and compare it with the serial path (``CKPT_TOOL_NO_FORK=1``) on good fixtures, every
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli
 
-import ckpt_tool.checkpoint.forked_read as fanout
+import ckpt_tool.checkpoint.forked_read as forked_read
 from ckpt_tool.checkpoint.forked_read import index_digest, placement_digest
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.checkpoint.summary import inspect_forked, inspect_local
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def forking(monkeypatch):
     """The forked path for checkpoints of any shard count."""
-    monkeypatch.setattr(fanout, "FORK_MIN_FILES", 1)
+    monkeypatch.setattr(forked_read, "FORK_MIN_FILES", 1)
 
 
 def both_paths(capsys, monkeypatch, src: Path, *args: str) -> tuple[tuple, tuple]:
@@ -164,7 +164,7 @@ def test_forked_path_declines_a_tensor_stored_in_two_shards(forking, fixture_cop
 def test_forked_path_is_not_used_with_a_fixed_hash_seed(forking, fixture_dir, monkeypatch, seed: str) -> None:
     """The placement digest relies on str hashes keyed by a secret no input can be built against."""
     flags = types.SimpleNamespace(hash_randomization=int(seed != "0"), ignore_environment=0)
-    monkeypatch.setattr(fanout, "sys", types.SimpleNamespace(flags=flags))
+    monkeypatch.setattr(forked_read, "sys", types.SimpleNamespace(flags=flags))
     monkeypatch.setenv("PYTHONHASHSEED", seed)
     assert inspect_forked(str(fixture_dir("fp4"))) is None
 
