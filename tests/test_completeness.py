@@ -24,7 +24,8 @@ from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import MTP_MISSING_MESSAGE, CheckpointError, PlanError
 from ckpt_tool.fixtures.broken import S3, drop_tensors
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS, VISION_VARIANTS
-from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import NO_MTP_NOTE, plan_conversion
 
 
 @pytest.mark.parametrize("variant", GOOD_VARIANTS + VISION_VARIANTS)

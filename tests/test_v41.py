@@ -21,7 +21,8 @@ from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.broken import patch_bytes, tensor_offset
 from ckpt_tool.mapping.engine_table import engine_params
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.verify.linear_check import ExactUnit, LinearUnit, TensorCheck, tensor_units, unit_tensors
 from ckpt_tool.verify.numeric import check_numeric
 from ckpt_tool.verify.rows import RowReader

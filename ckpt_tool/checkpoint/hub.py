@@ -118,7 +118,7 @@ def offline() -> bool:
 
 
 class ConversionNeeds(Protocol):
-    """What a conversion needs from a hub repo, as the planner answers it (``ckpt_tool.mapping.plan.hub_needs``):
+    """What a conversion needs from a hub repo, as the planner answers it (``ckpt_tool.mapping.hub_needs.HubNeeds``):
     the hub input asks, it never plans itself."""
 
     @property
