@@ -91,67 +91,113 @@ def group_sources(
     pos = {name: i for i, name in enumerate(sources)}
     groups: dict[tuple[str, tuple], SourceGroup] = {}
     dropped: list[tuple[int, str, str]] = []
+    found = _bind_by_table(rules, sources, cfg, pos, groups, dropped) if indexable(rules) else []
+    unknown = _bind_by_regex(rules, _unclaimed(sources, found), sources, pos, groups, dropped)
+    dropped.sort()
+    return sorted(groups.values(), key=lambda g: g.first), {n: note for _p, n, note in dropped}, unknown
+
+
+Groups = dict[tuple[str, tuple], SourceGroup]  # (rule id, sorted binding) -> its group
+Parts = dict[tuple[int, int | None], TensorInfo]  # (source idx, expert) -> info
+
+
+def _bind_by_table(
+    rules: list[Rule],
+    sources: dict[str, TensorInfo],
+    cfg: V4Config,
+    pos: dict[str, int],
+    groups: Groups,
+    dropped: list[tuple[int, str, str]],
+) -> list[list[str]]:
+    """Bind the sources the config implies (every rule instance expanded) into ``groups`` and ``dropped``;
+    returns the names bound, per rule instance."""
     found: list[list[str]] = []
-    claimed = 0
-    if indexable(rules):
-        get = sources.get
-        expert_keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for rule in rules:
-            experts = range(getattr(cfg, rule.experts_key) or 0)
-            for bind in _binds(rule, cfg):
-                per_idx = [_expand(p, bind, experts) for p in rule.sources]
-                if rule.kind == "drop":
-                    hits = [n for n in per_idx[0] if n in pos]
-                    dropped += [(pos[n], n, rule.note) for n in hits]
-                    found.append(hits)
-                    claimed += len(hits)
-                    continue
-                parts: dict[tuple[int, int | None], TensorInfo] = {}
-                complete = True
-                have: list[str] = []
-                per_idx_infos = []
-                for idx, names in enumerate(per_idx):
-                    lacking = False
-                    try:
-                        infos = list(map(sources.__getitem__, names))
-                    except KeyError:  # (``None in infos`` would call TensorInfo.__eq__ per element)
-                        infos, lacking = list(map(get, names)), True
-                    per_idx_infos.append(infos)
-                    if len(names) == 1 and "{expert}" not in rule.sources[idx]:
-                        keys: Sequence = ((idx, None),)
-                    else:
-                        ek = (idx, len(experts))
-                        keys = expert_keys.get(ek) or expert_keys.setdefault(ek, [(idx, j) for j in experts])
-                    if lacking:
-                        complete = False
-                        hit = [(k, n, i) for k, n, i in zip(keys, names, infos) if i is not None]
-                        parts.update((k, i) for k, _n, i in hit)
-                        have += [n for _k, n, _i in hit]
-                    else:
-                        parts.update(zip(keys, infos))
-                        have += names
-                if not parts:
-                    continue
-                key = (rule.id, tuple(sorted(bind.items())))
-                if key in groups:  # two rules with one id (never in the shipped tables): merge, old-style
-                    g = groups[key]
-                    g.parts.update(parts)
-                    g.first = min(g.first, min(map(pos.__getitem__, have)))
-                    g.names = g.infos = None
-                else:
-                    first = min(map(pos.__getitem__, have))
-                    groups[key] = SourceGroup(
-                        rule, dict(bind), parts, first, *((per_idx, per_idx_infos) if complete else (None, None))
-                    )
-                found.append(have)
-                claimed += len(have)
-    rest: Sequence[str] = sources
-    if claimed:
-        if claimed == len(sources):
-            rest = ()
+    expert_keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rule in rules:
+        experts = range(getattr(cfg, rule.experts_key) or 0)
+        for bind in _binds(rule, cfg):
+            per_idx = [_expand(p, bind, experts) for p in rule.sources]
+            if rule.kind == "drop":
+                hits = [n for n in per_idx[0] if n in pos]
+                dropped += [(pos[n], n, rule.note) for n in hits]
+                found.append(hits)
+                continue
+            parts, have, per_idx_infos = _instance_parts(rule, per_idx, sources, experts, expert_keys)
+            if not parts:
+                continue
+            key = (rule.id, tuple(sorted(bind.items())))
+            if key in groups:  # two rules with one id (never in the shipped tables): merge, old-style
+                g = groups[key]
+                g.parts.update(parts)
+                g.first = min(g.first, min(map(pos.__getitem__, have)))
+                g.names = g.infos = None
+            else:
+                first = min(map(pos.__getitem__, have))
+                complete = per_idx_infos is not None
+                groups[key] = SourceGroup(
+                    rule, dict(bind), parts, first, *((per_idx, per_idx_infos) if complete else (None, None))
+                )
+            found.append(have)
+    return found
+
+
+def _instance_parts(
+    rule: Rule,
+    per_idx: list[list[str]],
+    sources: dict[str, TensorInfo],
+    experts: range,
+    expert_keys: dict[tuple[int, int], list[tuple[int, int]]],
+) -> tuple[Parts, list[str], list[list[TensorInfo]] | None]:
+    """The parts of one rule instance the checkpoint holds, their names, and per source idx its infos (None when
+    some name the config implies is missing)."""
+    get = sources.get
+    parts: Parts = {}
+    complete = True
+    have: list[str] = []
+    per_idx_infos = []
+    for idx, names in enumerate(per_idx):
+        lacking = False
+        try:
+            infos = list(map(sources.__getitem__, names))
+        except KeyError:  # (``None in infos`` would call TensorInfo.__eq__ per element)
+            infos, lacking = list(map(get, names)), True
+        per_idx_infos.append(infos)
+        if len(names) == 1 and "{expert}" not in rule.sources[idx]:
+            keys: Sequence = ((idx, None),)
         else:
-            taken = set(chain.from_iterable(found))
-            rest = [n for n in sources if n not in taken]
+            ek = (idx, len(experts))
+            keys = expert_keys.get(ek) or expert_keys.setdefault(ek, [(idx, j) for j in experts])
+        if lacking:
+            complete = False
+            hit = [(k, n, i) for k, n, i in zip(keys, names, infos) if i is not None]
+            parts.update((k, i) for k, _n, i in hit)
+            have += [n for _k, n, _i in hit]
+        else:
+            parts.update(zip(keys, infos))
+            have += names
+    return parts, have, per_idx_infos if complete else None
+
+
+def _unclaimed(sources: dict[str, TensorInfo], found: list[list[str]]) -> Sequence[str]:
+    """The source names, in checkpoint order, that no expanded rule instance bound."""
+    claimed = sum(map(len, found))
+    if not claimed:
+        return sources  # type: ignore[return-value]
+    if claimed == len(sources):
+        return ()
+    taken = set(chain.from_iterable(found))
+    return [n for n in sources if n not in taken]
+
+
+def _bind_by_regex(
+    rules: list[Rule],
+    rest: Sequence[str],
+    sources: dict[str, TensorInfo],
+    pos: dict[str, int],
+    groups: Groups,
+    dropped: list[tuple[int, str, str]],
+) -> list[str]:
+    """Bind ``rest`` by matching each name against the rule regexes in table order; returns the names none match."""
     unknown: list[str] = []
     for name in rest:
         hit = match_rule(rules, name)
@@ -170,8 +216,7 @@ def group_sources(
         g.parts[(idx, expert)] = sources[name]
         g.first = min(g.first, pos[name])
         g.names = g.infos = None
-    dropped.sort()
-    return sorted(groups.values(), key=lambda g: g.first), {n: note for _p, n, note in dropped}, unknown
+    return unknown
 
 
 def group_ok(g: SourceGroup, cfg: V4Config) -> bool:

@@ -24,7 +24,14 @@ from ckpt_tool.checkpoint.headers import TensorInfo, gc_paused
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.aliases import materialize
-from ckpt_tool.mapping.grouping import check_group, find_uniform_stacks, group_ok, group_sources, in_source_order
+from ckpt_tool.mapping.grouping import (
+    SourceGroup,
+    check_group,
+    find_uniform_stacks,
+    group_ok,
+    group_sources,
+    in_source_order,
+)
 from ckpt_tool.mapping.packing import pack_files, require_one_source
 from ckpt_tool.mapping.plan import Options, OutTensor, Plan, Segments, out_tensor, selects
 from ckpt_tool.mapping.profiles import MTP, PROFILES, draft_kind_of, model_class_of
@@ -51,12 +58,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 
 
 def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
-    if opts.tp < 1:
-        raise PlanError(f"--tp must be >= 1, got {opts.tp}")
-    if opts.moe_parallel not in ("tp", "ep"):
-        raise PlanError(f"--moe-parallel must be 'tp' or 'ep', got {opts.moe_parallel!r}")
-    if opts.profile not in PROFILES:
-        raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
+    _require_options(opts)
     profile = PROFILES[opts.profile]
     draft = profile.draft_of(config) if opts.only != "model" else draft_kind_of(config)
     series = profile.draft_series(draft, opts.vllm_series) if opts.only != "model" else None
@@ -66,9 +68,47 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
-    layout = engram_layout(config) if selects(opts.only, "model") else None
-    if layout is not None:
-        layout.require(opts.tp)  # vLLM's own refusal of this tp, before any other split is looked at
+    engram = engram_layout(config) if selects(opts.only, "model") else None
+    if engram is not None:
+        engram.require(opts.tp)  # vLLM's own refusal of this tp, before any other split is looked at
+    _refuse_extra_draft_layers(config, tensors, draft)
+
+    sources = dict(tensors)
+    materialized = materialize(config, tensors, sources, draft, series) if opts.only != "model" else {}
+
+    groups, dropped, unknown = group_sources(rules, sources, config)
+    if unknown:
+        _refuse_unknown(unknown, sources, opts.profile)
+    outputs, unused_by_selection, padded = _plan_outputs(groups, config, opts, sources)
+    require_one_source(outputs)
+    files = pack_files(outputs, opts)
+    deviations, notes = _deviations_and_notes(config, tensors, opts, draft, series, materialized)
+    if complete.mtp_waived:
+        notes.insert(0, NO_MTP_NOTE)
+    return Plan(
+        options=opts,
+        config=config,
+        sources=sources,
+        files=files,
+        dropped=dropped,
+        materialized=materialized,
+        deviations=tuple(deviations),
+        unused_by_selection=tuple(sorted(unused_by_selection)),
+        notes=tuple(notes) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
+    )
+
+
+def _require_options(opts: Options) -> None:
+    if opts.tp < 1:
+        raise PlanError(f"--tp must be >= 1, got {opts.tp}")
+    if opts.moe_parallel not in ("tp", "ep"):
+        raise PlanError(f"--moe-parallel must be 'tp' or 'ep', got {opts.moe_parallel!r}")
+    if opts.profile not in PROFILES:
+        raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
+
+
+def _refuse_extra_draft_layers(config: V4Config, tensors: dict[str, TensorInfo], draft) -> None:
+    """Draft layers in the checkpoint past the count config.json gives are an error, not silently dropped."""
     mtp_present = set(count_by_index(tensors, "mtp."))
     extra_mtp = sorted(i for i in mtp_present if i >= config.draft_layers)
     if extra_mtp:
@@ -78,26 +118,33 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             f"{config.draft_layers}; fix the config or remove the extra tensors"
         )
 
-    sources = dict(tensors)
-    materialized = materialize(config, tensors, sources, draft, series) if opts.only != "model" else {}
 
-    groups, dropped, unknown = group_sources(rules, sources, config)
-    if unknown:
-        unknown.sort()
-        first, rest = unknown[0], unknown[1:]
-        also = ""
-        if rest:
-            shown = ", ".join(f"{n!r} (in {sources[n].file})" for n in rest[:5])
-            also = f" (nor do {len(rest)} more: {shown}{', ...' if len(rest) > 5 else ''})"
-        raise PlanError(
-            f"{sources[first].file}: tensor {first!r}: matches no rule of profile {opts.profile!r}{also}; is this a "
-            "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra "
-            "tensors"
-        )
+def _refuse_unknown(unknown: list[str], sources: dict[str, TensorInfo], profile: str) -> None:
+    """Source tensors no rule of ``profile`` matches: an error naming the first and up to five more."""
+    unknown.sort()
+    first, rest = unknown[0], unknown[1:]
+    also = ""
+    if rest:
+        shown = ", ".join(f"{n!r} (in {sources[n].file})" for n in rest[:5])
+        also = f" (nor do {len(rest)} more: {shown}{', ...' if len(rest) > 5 else ''})"
+    raise PlanError(
+        f"{sources[first].file}: tensor {first!r}: matches no rule of profile {profile!r}{also}; is this a "
+        "DeepSeek V4 checkpoint in DeepSeek's own names? Convert the original checkpoint, or remove the extra "
+        "tensors"
+    )
 
+
+Outputs = dict[tuple[str, int], list[tuple[tuple, OutTensor]]]  # (component, rank) -> (sort key, tensor)s
+
+
+def _plan_outputs(
+    groups: list[SourceGroup], config: V4Config, opts: Options, sources: dict[str, TensorInfo]
+) -> tuple[Outputs, list[str], set[tuple[int, int]]]:
+    """Every rank's output tensors of every group (checked first), the sources a component ``--only`` skips
+    would have consumed, and (size, per-rank size) of every weight split zero-padded."""
     uniform_stacks = find_uniform_stacks(groups)
-    padded: set[tuple[int, int]] = set()  # (size, per-rank size) of every weight split zero-padded
-    outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]] = defaultdict(list)
+    padded: set[tuple[int, int]] = set()
+    outputs: Outputs = defaultdict(list)
     unused_by_selection: list[str] = []
     for g in groups:
         if not group_ok(g, config):
@@ -123,11 +170,15 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             outputs[(rule.component, rank)].append(
                 ((info.file, info.start, target), out_tensor(target, dtype, shape, segs, rule.id, read, zeros))
             )
+    return outputs, unused_by_selection, padded
 
-    require_one_source(outputs)
-    files = pack_files(outputs, opts)
-    deviations = []
-    notes: list[str] = [NO_MTP_NOTE] if complete.mtp_waived else []
+
+def _deviations_and_notes(
+    config: V4Config, tensors: dict[str, TensorInfo], opts: Options, draft, series, materialized: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """What the plan does differently from vLLM's stock loaders (deviations), and what the user should know."""
+    deviations: list[str] = []
+    notes: list[str] = []
     if materialized and draft is MTP:
         deviations.append(
             "materialized "
@@ -145,17 +196,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
             "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store "
             "the raw byte b as a number: vLLM #51946, #43416)"
         )
-    return Plan(
-        options=opts,
-        config=config,
-        sources=sources,
-        files=files,
-        dropped=dropped,
-        materialized=materialized,
-        deviations=tuple(deviations),
-        unused_by_selection=tuple(sorted(unused_by_selection)),
-        notes=tuple(notes) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
-    )
+    return deviations, notes
 
 
 def series_note(draft, series: str, covers: tuple[str, ...]) -> str:

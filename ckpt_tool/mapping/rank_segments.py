@@ -16,6 +16,9 @@ from ckpt_tool.mapping.plan import ZERO, Bounds, Options, Segment, Segments
 from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.mapping.splits import check_experts, check_mxfp4_rows, check_piece, engine_pad, rows_cols
 
+# per rank: output shape, segments, the first source read (for ordering), elements of zero padding
+RankTensor = tuple[tuple[int, ...], Sequence[Segment], str, int]
+
 
 def _bounds(info: TensorInfo, split_dim: int | None, tp: int, rank: int) -> Bounds:
     rows, cols = rows_cols(info)
@@ -36,7 +39,7 @@ def plan_group(
     srcs: tuple[str, ...],
     uniform_stacks: dict,
     padded: set[tuple[int, int]],
-) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+) -> list[RankTensor]:
     """Per rank: output shape, segments, the first source read (for ordering) and the elements of zero
     padding of one rule instance.
 
@@ -50,41 +53,21 @@ def plan_group(
         split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
         return _plan_repeated(infos, split_dim, tp, conv_of(infos[0], rule), rule.repeat)
     if rule.kind in ("rename", "fuse"):
-        split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
-        if rule.replicate_unless and getattr(cfg, rule.replicate_unless) % tp:
-            split_dim = None  # the engine holds this tensor whole on every rank at this tp
-        infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
-        if rule.sections > 1 and split_dim == 0 and tp > 1:
-            return _plan_sections(infos[0], rule.sections, tp, conv_of(infos[0], rule))
-        first = infos[0]
-        conv = conversions.effective(first.dtype, rule.convert)
-        if rule.pad and split_dim is not None and tp > 1:
-            pads = [engine_pad(info, split_dim, tp, sources) for info in infos]
-            if any(pads):
-                return _plan_padded(infos, pads, split_dim, tp, conv, sources, padded)
-        for info in infos:
-            check_piece(info, split_dim, tp, sources, cfg.weight_block_size[split_dim or 0])
-        names = tuple(i.name for i in infos)
-        tail = list(first.shape[1:])
-        if split_dim == 1:
-            tail[0] //= tp
-        if split_dim is None or tp == 1:  # every rank reads the same: one Segments for all
-            bounds = tuple(_bounds(i, None, 1, 0) for i in infos)
-            rows = sum(b[1] for b in bounds)
-            return [((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0)] * tp
-        out = []
-        sizes = list(map(rows_cols, infos))
-        for rank in range(tp):
-            if split_dim == 0:
-                bounds = tuple((rank * (r // tp), (rank + 1) * (r // tp), 0, c) for r, c in sizes)
-            else:
-                bounds = tuple((0, r, rank * (c // tp), (rank + 1) * (c // tp)) for r, c in sizes)
-            rows = sum(b[1] - b[0] for b in bounds)
-            out.append(((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0))
-        return out
+        return _plan_linear(g, cfg, tp, sources, padded)
+    return _plan_stack(g, cfg, opts, sources, srcs, uniform_stacks)
 
-    # StackExperts: [E_local, rows, cols]; every expert's parts share one shape (checked), so one period
-    # (routed experts are never padded: a split that does not divide at block granularity is refused)
+
+def _plan_stack(
+    g: SourceGroup,
+    cfg: V4Config,
+    opts: Options,
+    sources: dict[str, TensorInfo],
+    srcs: tuple[str, ...],
+    uniform_stacks: dict,
+) -> list[RankTensor]:
+    """Per rank of StackExperts: [E_local, rows, cols]; every expert's parts share one shape (checked), so one
+    period (routed experts are never padded: a split that does not divide at block granularity is refused)."""
+    rule, tp = g.rule, opts.tp
     E = getattr(cfg, rule.experts_key)
     conv = conversions.effective(g.parts[(0, 0)].dtype, rule.convert)
     nsrc = len(rule.sources)
@@ -113,9 +96,46 @@ def plan_group(
     return out
 
 
-def _plan_repeated(
-    infos: list[TensorInfo], split_dim: int | None, tp: int, conv: str, repeat: int
-) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+def _plan_linear(
+    g: SourceGroup, cfg: V4Config, tp: int, sources: dict[str, TensorInfo], padded: set[tuple[int, int]]
+) -> list[RankTensor]:
+    """Per rank of a rename or fuse: replicated, or split by rows or columns (fused sections, engine padding)."""
+    rule = g.rule
+    split_dim = {Split.REPLICATE: None, Split.DIM0: 0, Split.DIM1: 1}[rule.split]
+    if rule.replicate_unless and getattr(cfg, rule.replicate_unless) % tp:
+        split_dim = None  # the engine holds this tensor whole on every rank at this tp
+    infos = [g.parts[k] for k in sorted(g.parts, key=lambda k: (k[1] or 0, k[0]))]
+    if rule.sections > 1 and split_dim == 0 and tp > 1:
+        return _plan_sections(infos[0], rule.sections, tp, conv_of(infos[0], rule))
+    first = infos[0]
+    conv = conversions.effective(first.dtype, rule.convert)
+    if rule.pad and split_dim is not None and tp > 1:
+        pads = [engine_pad(info, split_dim, tp, sources) for info in infos]
+        if any(pads):
+            return _plan_padded(infos, pads, split_dim, tp, conv, sources, padded)
+    for info in infos:
+        check_piece(info, split_dim, tp, sources, cfg.weight_block_size[split_dim or 0])
+    names = tuple(i.name for i in infos)
+    tail = list(first.shape[1:])
+    if split_dim == 1:
+        tail[0] //= tp
+    if split_dim is None or tp == 1:  # every rank reads the same: one Segments for all
+        bounds = tuple(_bounds(i, None, 1, 0) for i in infos)
+        rows = sum(b[1] for b in bounds)
+        return [((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0)] * tp
+    out = []
+    sizes = list(map(rows_cols, infos))
+    for rank in range(tp):
+        if split_dim == 0:
+            bounds = tuple((rank * (r // tp), (rank + 1) * (r // tp), 0, c) for r, c in sizes)
+        else:
+            bounds = tuple((0, r, rank * (c // tp), (rank + 1) * (c // tp)) for r, c in sizes)
+        rows = sum(b[1] - b[0] for b in bounds)
+        out.append(((rows, *tail) if first.shape else (), Segments(names, bounds, conv), names[0], 0))
+    return out
+
+
+def _plan_repeated(infos: list[TensorInfo], split_dim: int | None, tp: int, conv: str, repeat: int) -> list[RankTensor]:
     """Per rank of a scale whose rows the engine repeats ``repeat`` times before its TP split (an MXFP8 scale:
     vLLM's KMxfp8Static loader, vllm/model_executor/layers/quantization/modelopt.py, repeat_interleaves the
     checkpoint's [out/32, in/32] to [out, in/32]); each fused part is expanded on its own, as the engine loads
@@ -168,7 +188,7 @@ def _repeated_rows(name: str, lo: int, hi: int, cols: int, conv: str, repeat: in
     return segs
 
 
-def _plan_engram(g: SourceGroup, cfg: V4Config, tp: int) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+def _plan_engram(g: SourceGroup, cfg: V4Config, tp: int) -> list[RankTensor]:
     """Per rank of an Engram table (or its scale): the rows of the rank's hash heads, uneven across ranks
     (:mod:`ckpt_tool.checkpoint.engram`), read in one run of whole rows."""
     layout = engram_layout(cfg)
@@ -193,9 +213,7 @@ def conv_of(info: TensorInfo, rule: Rule) -> str:
     return conversions.effective(info.dtype, rule.convert)
 
 
-def _plan_sections(
-    info: TensorInfo, sections: int, tp: int, conv: str
-) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+def _plan_sections(info: TensorInfo, sections: int, tp: int, conv: str) -> list[RankTensor]:
     """Per rank of one tensor fused on disk from ``sections`` equal row blocks: rank r holds chunk r of every
     section, in section order (see Rule.sections)."""
     rows, cols = rows_cols(info)
@@ -222,7 +240,7 @@ def _plan_padded(
     conv: str,
     sources: dict[str, TensorInfo],
     padded: set[tuple[int, int]],
-) -> list[tuple[tuple[int, ...], Sequence[Segment], str, int]]:
+) -> list[RankTensor]:
     """Per rank of a rename/fuse whose split the engine zero-pads (see :func:`engine_pad`): a padded part
     gives each rank ``per_rank`` rows (dim 0) or columns (dim 1), its share of the source first, then
     zeros; a rank past the source's end holds zeros only. Parts that need no pad split evenly as usual.
