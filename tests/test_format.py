@@ -21,10 +21,9 @@ from ckpt_tool.checkpoint.headers import (
     ShardHeader,
     TensorInfo,
     parse_header,
-    read_index,
     read_shard_header,
-    safe_relative_name,
 )
+from ckpt_tool.checkpoint.index import read_index, safe_relative_name
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.fixtures.make import write_safetensors

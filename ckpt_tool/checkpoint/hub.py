@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import TensorInfo, read_index, read_shard_header
+from ckpt_tool.checkpoint.headers import TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.index import read_index
 from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError
 

@@ -26,7 +26,8 @@ from ckpt_tool.checkpoint.completeness import (
 )
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
-from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
 
 

@@ -160,7 +160,7 @@ def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | No
     from dataclasses import replace
     from pathlib import Path
 
-    from ckpt_tool.checkpoint.headers import gc_paused
+    from ckpt_tool.checkpoint.gc_pause import gc_paused
     from ckpt_tool.checkpoint.source import open_checkpoint
     from ckpt_tool.mapping.planner import plan_conversion
 

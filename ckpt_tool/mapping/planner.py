@@ -20,7 +20,8 @@ from itertools import chain
 from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import engram_layout
-from ckpt_tool.checkpoint.headers import TensorInfo, gc_paused
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.aliases import materialize
@@ -53,7 +54,7 @@ NO_MTP_NOTE = (
 
 def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     """Plan converting ``tensors`` (a checkpoint's headers) under ``opts``. Raises PlanError before any write."""
-    with gc_paused():  # tens of thousands of small objects, none cyclic (see headers.gc_paused)
+    with gc_paused():  # tens of thousands of small objects, none cyclic (see checkpoint.gc_pause)
         return _plan_conversion(config, tensors, opts)
 
 
