@@ -22,7 +22,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ckpt_tool.checkpoint.completeness import require_agreement, require_complete
+from ckpt_tool.checkpoint.agreement import require_agreement
+from ckpt_tool.checkpoint.completeness import require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import DTYPE_BITS, TensorInfo
 from ckpt_tool.errors import PlanError

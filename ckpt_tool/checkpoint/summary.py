@@ -10,19 +10,21 @@ from operator import itemgetter, not_
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_tool.checkpoint.completeness import (
+from ckpt_tool.checkpoint.agreement import (
     STORED_FORMAT,
-    Completeness,
     Disagreement,
     DtypeShape,
+    config_disagreement,
+    kinds_agree,
+    shape_kinds,
+)
+from ckpt_tool.checkpoint.completeness import (
+    Completeness,
     absent_draft_layer,
     check_completeness,
-    config_disagreement,
     count_by_index,
-    kinds_agree,
     layer_indices,
     name_lines,
-    shape_kinds,
 )
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
@@ -104,7 +106,7 @@ class ShardTally(NamedTuple):
     first_expert_weight: dict[str, str]  # dtype -> its first routed-expert weight (what a quant problem cites)
     layers: list[int]  # main layers with any tensor here
     mtp: dict[int, int]  # MTP index -> tensors
-    shape_kinds: set[tuple[str, str, tuple[int, ...]]]  # see completeness.shape_kinds
+    shape_kinds: set[tuple[str, str, tuple[int, ...]]]  # see agreement.shape_kinds
 
 
 _EXPERTS = ".ffn.experts."
@@ -120,7 +122,7 @@ def tally_file(
     kind_of: Callable[[Any], DtypeShape] | None = None,
 ) -> ShardTally:
     """The :class:`ShardTally` of one file's tensor ``names`` and ``dtypes`` (``totals``: its per-dtype sums;
-    ``kinds`` and ``kind_of``: their shapes, as :func:`ckpt_tool.checkpoint.completeness.shape_kinds` takes them).
+    ``kinds`` and ``kind_of``: their shapes, as :func:`ckpt_tool.checkpoint.agreement.shape_kinds` takes them).
 
     Routed experts are 96 % of a V4 checkpoint's names, so the passes over every name are C-level
     (suffix tests feeding a Counter of dtypes); only the few other names get a Python loop, and the
@@ -223,7 +225,7 @@ def summarize(
 ) -> InspectReport:
     """The report from per-file tallies (in file order) and every tensor name (for completeness, unless
     ``completeness`` already holds the verdict on those names). ``disagreement``: how the headers disagree
-    with config.json, if they do (:func:`ckpt_tool.checkpoint.completeness.config_disagreement`)."""
+    with config.json, if they do (:func:`ckpt_tool.checkpoint.agreement.config_disagreement`)."""
     file_count: Counter[str] = Counter()
     file_bytes: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()

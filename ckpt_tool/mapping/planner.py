@@ -2,7 +2,7 @@
 :class:`~ckpt_tool.mapping.plan.Plan` out, or a PlanError before any byte is written.
 
 Everything that can be checked without reading tensor bytes is checked here: shapes and dtypes that agree with what
-config.json implies (:mod:`ckpt_tool.checkpoint.completeness`), every source tensor matched by exactly one rule
+config.json implies (:mod:`ckpt_tool.checkpoint.agreement`), every source tensor matched by exactly one rule
 (unknown names are an error listing them; :mod:`.grouping`), fused parts that agree, complete expert sets, TP splits
 that divide at block granularity or that the profile's engine zero-pads (:mod:`.splits`), and every MTP layer present.
 Each rule instance's per-rank segments come from :mod:`.rank_segments`, the output files from :mod:`.packing`.
@@ -17,7 +17,8 @@ from collections import defaultdict
 from dataclasses import replace
 from itertools import chain
 
-from ckpt_tool.checkpoint.completeness import count_by_index, require_agreement, require_complete
+from ckpt_tool.checkpoint.agreement import require_agreement
+from ckpt_tool.checkpoint.completeness import count_by_index, require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import engram_layout
 from ckpt_tool.checkpoint.gc_pause import gc_paused
