@@ -25,7 +25,7 @@ a wrong rank slice) makes the two sides disagree.
 
 Work and memory: weights are read with ``pread`` a tile of rows at a time (``rows.read_tile_rows``,
 4 MiB of weight bytes) on both sides and dequantized in smaller tiles that stay in cache
-(``quant.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
+(``tiled_matmul.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
 multiplied once and compared with every rank's piece of it. Units run in ``verify --workers`` forked
 processes (``verify.compute_pool.fan_out``; threads of one :class:`~ckpt_tool.verify.compute_pool.ComputePool` where
 forking is not safe), each computing one tile at a time while a second thread reads its next.
@@ -58,7 +58,7 @@ from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
@@ -764,11 +764,11 @@ class LinearRunner:
             if kind == "bf16":
                 return x @ w.float().T
             if kind == "mxfp4":
-                return quant.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
+                return tiled_matmul.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
             if kind == "mxfp8":  # the checkpoint's 32x32 blocks; fp8 activations in the block's 32-input groups
                 block = quant.MXFP8_BLOCK
-                return quant.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
-            return quant.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
+                return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
+            return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
     def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
         from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
