@@ -332,7 +332,7 @@ def test_every_known_dtype_parses_with_its_bit_width(tmp_path: Path, dtype: str)
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout of the data buffer
+# Specs of the data buffer
 
 
 def test_gap_between_tensors_is_rejected(tmp_path: Path) -> None:

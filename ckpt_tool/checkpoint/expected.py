@@ -1,12 +1,12 @@
 """What config.json implies for each source tensor: its name, shape and dtype family, derived once from the config
 (the engine builds its parameters the same way), grouped by layer; and from that the names the engine needs.
 
-Layout (DeepSeek-V4's inference/model.py): compress ratio 0 → sliding-window only; ratio > 0 → a compressor;
+The blocks (DeepSeek-V4's inference/model.py): compress ratio 0 → sliding-window only; ratio > 0 → a compressor;
 ratio 4 → also the indexer (with its own compressor). Hash layers (``L < num_hash_layers``) route
 through ``ffn.gate.tid2eid`` and have no gate bias; the others carry ``ffn.gate.bias`` (noaux_tc).
 MTP blocks never compress and always carry the bias; so do DSpark stages, which replace the MTP layers when
-config.json names ``dspark_target_layer_ids`` (:func:`dspark_layout`). The vision model (``vision_n_layers > 0``) adds
-``ffn.gate.bias_vl`` to every block, ``ffn.gate.bias`` to hash layers too, and its tower (:func:`vision_layout`).
+config.json names ``dspark_target_layer_ids`` (:func:`dspark_specs`). The vision model (``vision_n_layers > 0``) adds
+``ffn.gate.bias_vl`` to every block, ``ffn.gate.bias`` to hash layers too, and its tower (:func:`vision_specs`).
 An MTP layer's own embedding/head are optional:
 the plan materializes them from ``embed.weight`` / ``head.weight`` when absent.
 """
@@ -113,7 +113,7 @@ BLOCK_KEY = "quantization_config.weight_block_size"
 RATIO_KEY = "compress_ratios"
 EXPERT_ROLE = ".ffn.experts.*."  # a routed expert's index, in a role (see tensor_roles)
 
-Layout = tuple[tuple[str, Expected], ...]  # (name suffix, what config.json implies for it), in required order
+Specs = tuple[tuple[str, Expected], ...]  # (name suffix, what config.json implies for it), in required order
 
 
 def _dim(config: V4Config, key: str) -> Dim:
@@ -180,7 +180,7 @@ def _block_start(config: V4Config) -> tuple[tuple[Dim, ...], list[tuple[str, Exp
 
 
 @functools.lru_cache(maxsize=16)
-def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout, Layout]:
+def block_specs(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Specs, Specs]:
     """One decoder block (a main layer or an MTP block): its tensors after ``{prefix}.``, and one routed
     expert's after ``{prefix}.ffn.experts.{j}.`` (every expert alike), with what config.json implies for each.
 
@@ -230,7 +230,7 @@ def block_layout(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Layout
 
 
 @functools.lru_cache(maxsize=4)
-def global_layout(config: V4Config) -> Layout:
+def global_specs(config: V4Config) -> Specs:
     """The tensors outside every layer: embedding, head, final norm and hc_head."""
     D, V, hc = _dim(config, "hidden_size"), _dim(config, "vocab_size"), _dim(config, "hc_mult")
     return (
@@ -244,7 +244,7 @@ def global_layout(config: V4Config) -> Layout:
 
 
 @functools.lru_cache(maxsize=4)
-def mtp_layout(config: V4Config) -> tuple[Layout, Layout, Layout]:
+def mtp_specs(config: V4Config) -> tuple[Specs, Specs, Specs]:
     """An MTP layer's tensors besides its decoder block, after ``mtp.{i}.``: (before the block, after it,
     optional: its own embedding and head, which the plan materializes from the main ones when absent)."""
     D, V, hc = _dim(config, "hidden_size"), _dim(config, "vocab_size"), _dim(config, "hc_mult")
@@ -273,7 +273,7 @@ TARGETS_KEY = "dspark_target_layer_ids"
 
 
 @functools.lru_cache(maxsize=4)
-def dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
+def dspark_specs(config: V4Config) -> tuple[Specs, Specs]:
     """A DSpark draft's tensors besides its stages' decoder blocks: (the first stage's, after ``mtp.0.``; the last
     stage's, after ``mtp.{n-1}.``). ``main_proj`` is a block-FP8 [H, H·len(dspark_target_layer_ids)] (ReplicatedLinear
     with the target's quant config); ``markov_w1`` [V, r] and ``markov_w2`` [draft_vocab, r] (DSparkMarkovHead,
@@ -313,8 +313,8 @@ def _mx8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple
 
 
 @functools.lru_cache(maxsize=64)
-def v41_block_layout(config: V4Config, layer: int | None) -> tuple[Layout, Layout]:
-    """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert, as :func:`block_layout`."""
+def v41_block_specs(config: V4Config, layer: int | None) -> tuple[Specs, Specs]:
+    """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert, as :func:`block_specs`."""
     d = functools.partial(_dim, config)
     (D, H, Dh, Qr, G, Or, hc), fixed = _block_start(config)
     for lin, out, inp in (("wq_a", Qr, D), ("wq_b", H * Dh, Qr), ("wkv", Dh, D), ("wo_a", G * Or, H * Dh // G),
@@ -369,7 +369,7 @@ def v41_block_layout(config: V4Config, layer: int | None) -> tuple[Layout, Layou
 
 
 @functools.lru_cache(maxsize=4)
-def v41_dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
+def v41_dspark_specs(config: V4Config) -> tuple[Specs, Specs]:
     """The V4.1 DSpark draft's first-stage and last-stage tensors besides their blocks (MXFP8 main_proj; the
     Markov head as markov_head.embed / .head; no hc_head)."""
     D, V = _dim(config, "hidden_size"), _dim(config, "vocab_size")
@@ -387,7 +387,7 @@ def v41_dspark_layout(config: V4Config) -> tuple[Layout, Layout]:
 
 
 @functools.lru_cache(maxsize=4)
-def v41_global_layout(config: V4Config) -> Layout:
+def v41_global_specs(config: V4Config) -> Specs:
     D, V = _dim(config, "hidden_size"), _dim(config, "vocab_size")
     return (("embed.weight", _spec(BF16, V, D)), ("head.weight", _spec(BF16, V, D)), ("norm.weight", _spec(BF16, D)))
 
@@ -400,7 +400,7 @@ VISION_GROUP = "vision"
 
 
 @functools.lru_cache(maxsize=4)
-def vision_layout(config: V4Config) -> tuple[Layout, Layout]:
+def vision_specs(config: V4Config) -> tuple[Specs, Specs]:
     """The vision model's own tensors: (outside the tower blocks, one block's after ``vision.blocks.{b}.``).
 
     Shapes as vLLM's common/vision.py builds them (0.33.0, 0.34.0): patch embedding [D, 3·P²], per block a fused
@@ -435,7 +435,7 @@ def vision_layout(config: V4Config) -> tuple[Layout, Layout]:
     return outside, block
 
 
-def _suffixes(layout: Layout) -> list[str]:
+def _suffixes(layout: Specs) -> list[str]:
     return [suffix for suffix, _ in layout]
 
 
@@ -445,10 +445,10 @@ def block_tensors(
     """Source names of one decoder block (a main layer or an MTP block) under ``prefix``; ``v41_layer``: a V4.1
     block, of main layer ``v41_layer`` (None: a DSpark stage)."""
     if v41_layer is not False:
-        fixed, expert = v41_block_layout(config, v41_layer)
+        fixed, expert = v41_block_specs(config, v41_layer)
         experts = config.n_routed_experts if v41_layer is not None else (config.dspark_n_routed_experts or 0)
     else:
-        fixed, expert = block_layout(config, ratio, hash_layer)
+        fixed, expert = block_specs(config, ratio, hash_layer)
         experts = config.n_routed_experts
     names = list(map(f"{prefix}.".__add__, _suffixes(fixed)))
     # 6 names per routed expert, 66k in a V4 checkpoint: the same suffixes for every block, joined by concatenation
@@ -464,7 +464,7 @@ def _expert_suffixes(experts: int, per_expert: tuple[str, ...]) -> tuple[str, ..
 def mtp_tensors(i: int, config: V4Config) -> list[str]:
     """Source names MTP layer ``i`` must hold (its own embedding/head are optional: materialized)."""
     p = f"mtp.{i}"
-    before, after, _optional = mtp_layout(config)
+    before, after, _optional = mtp_specs(config)
     names = list(map(f"{p}.".__add__, _suffixes(before)))
     names += block_tensors(p, config, ratio=0, hash_layer=False)
     names += map(f"{p}.".__add__, _suffixes(after))
@@ -474,7 +474,7 @@ def mtp_tensors(i: int, config: V4Config) -> list[str]:
 def dspark_tensors(i: int, config: V4Config) -> list[str]:
     """Source names DSpark stage ``i`` must hold."""
     p = f"mtp.{i}"
-    first, last = v41_dspark_layout(config) if config.is_v41 else dspark_layout(config)
+    first, last = v41_dspark_specs(config) if config.is_v41 else dspark_specs(config)
     names = list(map(f"{p}.".__add__, _suffixes(first))) if i == 0 else []
     names += block_tensors(p, config, ratio=0, hash_layer=False, v41_layer=None if config.is_v41 else False)
     if i == config.draft_layers - 1:
@@ -492,17 +492,17 @@ def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, l
     components = set(components)
     groups: dict[str, list[str]] = {}
     if "model" in components and config.is_v41:
-        groups[GLOBAL_GROUP] = _suffixes(v41_global_layout(config))
+        groups[GLOBAL_GROUP] = _suffixes(v41_global_specs(config))
         for layer in range(config.num_hidden_layers):
             groups[f"layers.{layer}"] = block_tensors(
                 f"layers.{layer}", config, ratio=0, hash_layer=False, v41_layer=layer
             )
-        outside, block = vision_layout(config)
+        outside, block = vision_specs(config)
         groups[VISION_GROUP] = [n for n in _suffixes(outside) if n != "image_pad"]  # V4.1's wrapper has no image_pad
         for b in range(config.vision_n_layers):
             groups[f"vision.blocks.{b}"] = [f"vision.blocks.{b}.{suffix}" for suffix in _suffixes(block)]
     elif "model" in components:
-        groups[GLOBAL_GROUP] = _suffixes(global_layout(config))
+        groups[GLOBAL_GROUP] = _suffixes(global_specs(config))
         for layer in range(config.num_hidden_layers):
             groups[f"layers.{layer}"] = block_tensors(
                 f"layers.{layer}",
@@ -511,7 +511,7 @@ def required_tensors(config: V4Config, components: Iterable[str]) -> dict[str, l
                 hash_layer=layer < config.num_hash_layers,
             )
         if config.is_vision:
-            outside, block = vision_layout(config)
+            outside, block = vision_specs(config)
             groups[VISION_GROUP] = _suffixes(outside)
             for b in range(config.vision_n_layers):
                 groups[f"vision.blocks.{b}"] = [f"vision.blocks.{b}.{suffix}" for suffix in _suffixes(block)]
@@ -527,27 +527,27 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
     it, for every tensor the engine needs and the optional MTP embedding/head."""
     if config.is_v41:
         return _v41_expected_shapes(config)
-    roles = dict(global_layout(config))
+    roles = dict(global_specs(config))
 
     def block(prefix: str, ratio: int, hash_layer: bool) -> None:
-        fixed, expert = block_layout(config, ratio, hash_layer)
+        fixed, expert = block_specs(config, ratio, hash_layer)
         roles.update((f"{prefix}.{suffix}", e) for suffix, e in fixed)
         roles.update((f"{prefix}{EXPERT_ROLE}{suffix}", e) for suffix, e in expert)
 
     for layer in range(config.num_hidden_layers):
         block(f"layers.{layer}", config.compress_ratio(layer), layer < config.num_hash_layers)
     if config.is_vision:
-        outside, vblock = vision_layout(config)
+        outside, vblock = vision_specs(config)
         roles.update(outside)
         for b in range(config.vision_n_layers):
             roles.update((f"vision.blocks.{b}.{suffix}", e) for suffix, e in vblock)
     if config.is_dspark:
-        first, last = dspark_layout(config)
+        first, last = dspark_specs(config)
         for i in range(config.draft_layers):
             roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*first, *last))  # any stage may hold them
             block(f"mtp.{i}", 0, False)
         return roles
-    before, after, optional = mtp_layout(config)
+    before, after, optional = mtp_specs(config)
     for i in range(config.num_nextn_predict_layers):
         roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*before, *after, *optional))
         block(f"mtp.{i}", 0, False)
@@ -555,20 +555,20 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
 
 
 def _v41_expected_shapes(config: V4Config) -> dict[str, Expected]:
-    roles = dict(v41_global_layout(config))
+    roles = dict(v41_global_specs(config))
 
     def block(prefix: str, layer: int | None) -> None:
-        fixed, expert = v41_block_layout(config, layer)
+        fixed, expert = v41_block_specs(config, layer)
         roles.update((f"{prefix}.{suffix}", e) for suffix, e in fixed)
         roles.update((f"{prefix}{EXPERT_ROLE}{suffix}", e) for suffix, e in expert)
 
     for layer in range(config.num_hidden_layers):
         block(f"layers.{layer}", layer)
-    outside, vblock = vision_layout(config)
+    outside, vblock = vision_specs(config)
     roles.update(outside)
     for b in range(config.vision_n_layers):
         roles.update((f"vision.blocks.{b}.{suffix}", e) for suffix, e in vblock)
-    first, last = v41_dspark_layout(config)
+    first, last = v41_dspark_specs(config)
     for i in range(config.draft_layers):
         roles.update((f"mtp.{i}.{suffix}", e) for suffix, e in (*first, *last))
         block(f"mtp.{i}", None)

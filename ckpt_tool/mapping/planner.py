@@ -20,7 +20,7 @@ from itertools import chain
 from ckpt_tool.checkpoint.agreement import require_agreement
 from ckpt_tool.checkpoint.completeness import count_by_index, require_complete
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import engram_layout
+from ckpt_tool.checkpoint.engram import engram_split
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
@@ -70,7 +70,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
 
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
-    engram = engram_layout(config) if selects(opts.only, "model") else None
+    engram = engram_split(config) if selects(opts.only, "model") else None
     if engram is not None:
         engram.require(opts.tp)  # vLLM's own refusal of this tp, before any other split is looked at
     _refuse_extra_draft_layers(config, tensors, draft)

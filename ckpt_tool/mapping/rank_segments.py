@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import engram_layout
+from ckpt_tool.checkpoint.engram import engram_split
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
@@ -191,12 +191,12 @@ def _repeated_rows(name: str, lo: int, hi: int, cols: int, conv: str, repeat: in
 def _plan_engram(g: SourceGroup, cfg: V4Config, tp: int) -> list[RankTensor]:
     """Per rank of an Engram table (or its scale): the rows of the rank's hash heads, uneven across ranks
     (:mod:`ckpt_tool.checkpoint.engram`), read in one run of whole rows."""
-    layout = engram_layout(cfg)
-    assert layout is not None and "layer" in g.bind, g.rule.id
-    layout.require(tp)
+    split = engram_split(cfg)
+    assert split is not None and "layer" in g.bind, g.rule.id
+    split.require(tp)
     (info,) = [g.parts[k] for k in g.parts]
     rows, cols = rows_cols(info)
-    want = layout.num_embeddings[layout.layer_ids.index(g.bind["layer"])]
+    want = split.num_embeddings[split.layer_ids.index(g.bind["layer"])]
     if rows != want:
         raise PlanError(
             f"{info.file}: tensor {info.name!r} has {rows} rows, config.json engram_num_embeddings says {want}; "
@@ -204,7 +204,7 @@ def _plan_engram(g: SourceGroup, cfg: V4Config, tp: int) -> list[RankTensor]:
         )
     conv = conv_of(info, g.rule)
     out = []
-    for lo, hi in layout.rank_rows(g.bind["layer"], tp):
+    for lo, hi in split.rank_rows(g.bind["layer"], tp):
         out.append(((hi - lo, *info.shape[1:]), (Segment(info.name, lo, hi, 0, cols, conv),), info.name, 0))
     return out
 

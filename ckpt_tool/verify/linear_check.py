@@ -16,7 +16,7 @@ DeepSeek V4.1 (``DeepseekV41ForCausalLM`` and its DSpark draft): its MXFP8 linea
 source with its checkpoint's 32x32 E8M0 blocks in torch and each rank through the kernel with the scale as vLLM
 holds it, one row a weight row (1x32 blocks), so a scale row expanded to the wrong weight rows fails; its routed
 experts as V4's MXFP4; each Engram table and its per-row scale byte for byte, each rank against the source rows of
-its hash heads (``EngramLayout.rank_rows``: uneven), a tile of rows at a time.
+its hash heads (``EngramSplit.rank_rows``: uneven), a tile of rows at a time.
 
 Independence: the engine side is named from :mod:`ckpt_tool.mapping.engine_table` (the engine's parameter table,
 tested against vLLM itself) and the source side from DeepSeek's names written out below; the rule
@@ -50,7 +50,7 @@ import torch
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import EngramLayout, engram_layout
+from ckpt_tool.checkpoint.engram import EngramSplit, engram_split
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
 from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
@@ -349,7 +349,7 @@ class _Builder:
         self.mxfp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
         self.routed(p, sp, experts, "mxfp4")
 
-    def engram(self, p: str, sp: str, layer: int, layout: EngramLayout) -> None:
+    def engram(self, p: str, sp: str, layer: int, layout: EngramSplit) -> None:
         """The Engram of layer ``layer`` (vllm/models/deepseek_v41/common/engram.py): its FP8 table and per-row E8M0
         scale, each rank the rows of its hash heads (uneven), byte for byte; the MXFP8 ``wkv`` column-parallel; the
         bf16 ``q_weight`` / ``k_weight`` whole."""
@@ -474,7 +474,7 @@ def _v41_target_units(b: _Builder, cfg: V4Config) -> None:
     """DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the text model under ``language_model.``
     (no hc_head), every layer's block and Engram, the vision tower as V4's without image_pad."""
     D, V = cfg.hidden_size, cfg.vocab_size
-    layout = engram_layout(cfg)
+    layout = engram_split(cfg)
     b.group = "embed/head"
     b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
     b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
