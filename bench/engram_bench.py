@@ -36,7 +36,7 @@ source; ``--drop-caches global`` writes 3 to /proc/sys/vm/drop_caches instead, w
 Reported: bytes read and written, seconds, GiB/s, s/GiB against each dd of the same round, peak RSS, CPU
 seconds, bytes read from the disk (the block reads: show the cache was cold). After every convert the output headers are
 read: each rank's ``engram.embed_tokens.weight`` / ``.weight_scale_inv`` must hold exactly the rows
-``EngramLayout.rank_rows`` gives it, and its first and last rows must be the source's bytes. Then the source is
+``EngramSplit.rank_rows`` gives it, and its first and last rows must be the source's bytes. Then the source is
 rebuilt with tables twice as large (``--flat-factor``) and each convert runs once more: peak RSS must not grow
 with the table (the writer streams it through a fixed ring of buffers). The projection to V4.1-Flash's two
 tables uses the measured s/GiB. Every file goes under a fresh folder (``--workdir``, default /tmp), removed at
@@ -215,12 +215,10 @@ def write_checkpoint(dst: Path, vocab: int, seed: int, log, *, full_width: bool 
     for name, text in make.serving_files().items():
         (dst / name).write_text(text)
     # ckpt-tool's own reading of that config must agree with make.py's sums of primes
-    layout = engram.EngramLayout.from_config(V4Config.load(dst / "config.json"))
+    layout = engram.EngramSplit.from_config(V4Config.load(dst / "config.json"))
     got = [sum(s) for s in layout.head_sizes]
     if got != config["text_config"]["engram_num_embeddings"]:
-        raise SystemExit(
-            f"engram_num_embeddings {config['text_config']['engram_num_embeddings']} != EngramLayout {got}"
-        )
+        raise SystemExit(f"engram_num_embeddings {config['text_config']['engram_num_embeddings']} != EngramSplit {got}")
     n = len(groups)
     weight_map: dict[str, str] = {}
     total = table_bytes = 0
@@ -335,9 +333,9 @@ RANK_FILE = re.compile(r"model-rank-(\d+)-part-\d+\.safetensors$")
 
 
 def check_rank_rows(out: Path, src: Path, tp: int) -> dict:
-    """Each rank's Engram rows (weight and scale) against EngramLayout.rank_rows, and its first and last rows
+    """Each rank's Engram rows (weight and scale) against EngramSplit.rank_rows, and its first and last rows
     against the source's bytes. Raises SystemExit on a mismatch."""
-    layout = engram.EngramLayout.from_config(V4Config.load(src / "config.json"))
+    layout = engram.EngramSplit.from_config(V4Config.load(src / "config.json"))
     srcs = source_tensors(src)
     found: dict[tuple[int, str, int], int] = {}
     for f in sorted(out.rglob("*.safetensors")):
@@ -357,7 +355,7 @@ def check_rank_rows(out: Path, src: Path, tp: int) -> dict:
             lo, hi = layout.rank_rows(layer, tp)[rank]
             if (rows, width) != (hi - lo, smeta["shape"][1]):
                 raise SystemExit(
-                    f"{f}: {name} is {meta['shape']}, EngramLayout says rows {lo}..{hi} of {smeta['shape']}"
+                    f"{f}: {name} is {meta['shape']}, EngramSplit says rows {lo}..{hi} of {smeta['shape']}"
                 )
             row_bytes = width  # 1-byte dtypes
             with open(f, "rb") as a, open(sfile, "rb") as b:
@@ -402,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     if full:
         use_full_width()
 
-    probe = engram.EngramLayout(layer_ids=(0,), num_embeddings=(0,), head_sizes=((1,) * hash_heads(),))
+    probe = engram.EngramSplit(layer_ids=(0,), num_embeddings=(0,), head_sizes=((1,) * hash_heads(),))
     refused = [t for t in tps if not probe.accepts(t)]
     if refused:
         ap.error(f"--tp {refused}: {hash_heads()} hash heads; vLLM accepts {probe.accepted_tps(16)}")
@@ -570,7 +568,7 @@ def report(res: dict, tps: list[int], log) -> None:
     res["summary"] = summary
     for t in tps:
         rr = next(r["rank_rows"] for r in rows if r["label"] == f"convert tp{t}")
-        log(f"tp {t}: Engram rows a rank, per layer (= EngramLayout.rank_rows, first/last rows = source): {rr}")
+        log(f"tp {t}: Engram rows a rank, per layer (= EngramSplit.rank_rows, first/last rows = source): {rr}")
 
     large = res.get("checkpoint_large")
     if large:

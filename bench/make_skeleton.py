@@ -439,7 +439,7 @@ def self_check() -> int:
 
 def agrees_with_its_config() -> bool:
     """Whether every tensor of the full skeleton has the shape and dtype ckpt-tool derives from its config.json."""
-    from ckpt_tool.checkpoint.completeness import config_disagreement
+    from ckpt_tool.checkpoint.agreement import config_disagreement
     from ckpt_tool.checkpoint.config import V4Config
     from ckpt_tool.checkpoint.headers import TensorInfo
 

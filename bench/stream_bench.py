@@ -48,7 +48,8 @@ REPO_ID = "bench/skeleton"
 def needed_bytes(src: Path, tp: int) -> tuple[int, dict[str, int]]:
     """Bytes of the source tensors the plan reads, and every shard's size."""
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import Options, plan_conversion
+    from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.mapping.planner import plan_conversion
 
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp))

@@ -129,7 +129,8 @@ def source_reads(out: Path, src: Path) -> tuple[int, int]:
     asks for: each segment's source rows whole, once per rank (``levels._compare_tensor`` cuts a rank's columns out
     of whole rows; with the ranks of a part in lockstep, all but the first are served by the page cache)."""
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import ZERO, plan_conversion
+    from ckpt_tool.mapping.plan import ZERO
+    from ckpt_tool.mapping.planner import plan_conversion
     from ckpt_tool.output.layout import options_from_manifest, read_manifest
 
     ckpt = open_checkpoint(src)

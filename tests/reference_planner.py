@@ -1,4 +1,5 @@
-"""Reference planner for tests: ``ckpt_tool/mapping/plan.py`` as it was before the planner was made fast.
+"""Reference planner for tests: the planner (``ckpt_tool/mapping/planner.py``, then ``plan.py``) as it was before it
+was made fast.
 
 Straightforward on purpose: every name tried against the rule regexes, every segment built eagerly,
 every check per tensor and per rank. ``tests/test_planner_equivalence.py`` compares the real planner
@@ -21,15 +22,16 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ckpt_tool.checkpoint.completeness import require_agreement, require_complete
+from ckpt_tool.checkpoint.agreement import require_agreement
+from ckpt_tool.checkpoint.completeness import require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import pad_note  # the note's wording; which sizes pad is worked out here
 from ckpt_tool.mapping.profiles import DEFAULT_PROFILE, PROFILES
 from ckpt_tool.mapping.rules import MATERIALIZE, Rule, Split
+from ckpt_tool.mapping.splits import pad_note  # the note's wording; which sizes pad is worked out here
 
 GiB = 1024**3
 FP8_BLOCK = 128

@@ -8,23 +8,22 @@ import shutil
 import pytest
 from cli_helpers import run_cli, snapshot
 
-from ckpt_tool.checkpoint.completeness import (
-    check_completeness,
+from ckpt_tool.checkpoint.agreement import (
     config_disagreement,
-    describe_missing,
-    expected_shapes,
     kinds_agree,
     require_agreement,
-    required_tensors,
     shape_kinds,
     tensor_roles,
 )
+from ckpt_tool.checkpoint.completeness import check_completeness, describe_missing
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expected import expected_shapes, required_tensors
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import MTP_MISSING_MESSAGE, CheckpointError, PlanError
 from ckpt_tool.fixtures.broken import S3, drop_tensors
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, PAD_VARIANTS, VISION_VARIANTS
-from ckpt_tool.mapping.plan import NO_MTP_NOTE, Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import NO_MTP_NOTE, plan_conversion
 
 
 @pytest.mark.parametrize("variant", GOOD_VARIANTS + VISION_VARIANTS)

@@ -2,7 +2,7 @@
 
 The expectation below is written directly from the layout docs/output-format.md documents (names, tensor
 parallelism, dtype rules) with plain torch on the source tensors (read with ``safetensors.safe_open``); it
-deliberately does not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.plan``, so a wrong rule table
+deliberately does not import ``ckpt_tool.mapping.rules`` or ``ckpt_tool.mapping.planner``, so a wrong rule table
 cannot agree with itself.
 """
 
@@ -622,7 +622,8 @@ def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(f
     """--dry-run says where each tensor comes from: under --moe-parallel ep rank r's stack is built from experts
     [r*E/tp, (r+1)*E/tp) only (it listed all E before); under tp every rank reads a slice of every expert."""
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import Options, plan_conversion
+    from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.mapping.planner import plan_conversion
 
     ck = open_checkpoint(fixture_dir("fp4"))
     cfg = ck.require_config()

@@ -194,7 +194,8 @@ def test_a_hub_only_mtp_conversion_fetches_the_stages_and_the_tensors_the_draft_
     """--only mtp from the hub fetches only what the plan reads: every mtp.* tensor, and embed/head, which the DSpark
     draft holds as the target's own shards."""
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import Options, needed_sources
+    from ckpt_tool.mapping.hub_needs import needed_sources
+    from ckpt_tool.mapping.plan import Options
 
     ck = open_checkpoint(fixture_dir("dspark-fp4"))
     need = needed_sources(set(ck.tensors), ck.config, Options(only="mtp", profile="vllm-0.33+"))

@@ -1,5 +1,5 @@
 """DeepSeek V4.1's Engram layout (ckpt_tool.checkpoint.engram): the prime buckets and each rank's rows, against the
-fixture generator's own derivation of vLLM's EngramLayout / ParallelEngramEmbedding (written separately, in
+fixture generator's own derivation of vLLM's EngramSplit / ParallelEngramEmbedding (written separately, in
 ckpt_tool/fixtures/make.py), and vLLM's refusal of a tp that leaves a rank without a hash head."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import EngramLayout, is_prime
+from ckpt_tool.checkpoint.engram import EngramSplit, is_prime
 from ckpt_tool.errors import PlanError
 from ckpt_tool.fixtures.make import VARIANTS, make_config, v41_engram_head_sizes, v41_engram_rank_rows
 
@@ -25,7 +25,7 @@ def test_is_prime_agrees_with_trial_division_far_past_the_bases() -> None:
 
 
 def test_bucket_sizes_are_the_fixtures_primes() -> None:
-    layout = EngramLayout.from_config(v41_config())
+    layout = EngramSplit.from_config(v41_config())
     assert [list(s) for s in layout.head_sizes] == v41_engram_head_sizes()
     assert list(layout.num_embeddings) == [sum(s) for s in layout.head_sizes]
 
@@ -33,7 +33,7 @@ def test_bucket_sizes_are_the_fixtures_primes() -> None:
 @pytest.mark.parametrize("tp", range(1, 11))
 def test_rank_rows_are_the_fixtures_and_tps_are_refused_as_vllm_refuses_them(tp: int) -> None:
     cfg = v41_config()
-    layout = EngramLayout.from_config(cfg)
+    layout = EngramSplit.from_config(cfg)
     want = v41_engram_rank_rows(tp)
     assert layout.accepts(tp) == (want is not None)
     if want is None:
@@ -48,6 +48,6 @@ def test_rank_rows_are_the_fixtures_and_tps_are_refused_as_vllm_refuses_them(tp:
 
 
 def test_ranks_hold_different_row_counts_at_tp_4() -> None:
-    layout = EngramLayout.from_config(v41_config())
+    layout = EngramSplit.from_config(v41_config())
     counts = {hi - lo for lo, hi in layout.rank_rows(layout.layer_ids[0], 4)}
     assert len(counts) > 1

@@ -296,7 +296,8 @@ def test_pad_variants_split_everywhere_but_at_their_shared_experts(fixture_dir, 
     engine that does not pad refuses them there), every other split dim divides; fp8's 128-block routed
     experts split only with --moe-parallel ep."""
     from ckpt_tool.errors import PlanError
-    from ckpt_tool.mapping.plan import Options, plan_conversion
+    from ckpt_tool.mapping.plan import Options
+    from ckpt_tool.mapping.planner import plan_conversion
 
     for variant, moe in (("fp4-pad", "ep"), ("fp8-e8m0-pad", "ep")):
         ck = open_checkpoint(fixture_dir(variant))

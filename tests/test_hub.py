@@ -24,7 +24,8 @@ from hub_server import HubServer, Request
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.hub import allow_patterns, needed_files, parse_hub_ref
 from ckpt_tool.checkpoint.source import INDEX_NAME
-from ckpt_tool.mapping.plan import HubNeeds, Options
+from ckpt_tool.mapping.hub_needs import HubNeeds
+from ckpt_tool.mapping.plan import Options
 from ckpt_tool.output.convert import convert
 
 REPO = Path(__file__).resolve().parents[1]

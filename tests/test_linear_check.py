@@ -13,7 +13,8 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.make import EXPERTS
 from ckpt_tool.mapping.engine_table import ENGINES, engine_params
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.convert import convert
 from ckpt_tool.verify import numeric, quant, reference
 from ckpt_tool.verify.kernels import fp8_block_gemm

@@ -19,7 +19,8 @@ from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import PlanError
 from ckpt_tool.fixtures.make import HIDDEN
-from ckpt_tool.mapping.plan import ZERO, Options, OutFile, OutTensor, Segment, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, Options, OutFile, OutTensor, Segment
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.writer import CHUNK, SourceFiles, write_output_file
 
 SHARED = "model.layers.0.ffn.experts._shared_experts._layer."

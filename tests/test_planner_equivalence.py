@@ -11,6 +11,7 @@ and 8 (with fp4 experts, or with ep), rank by rank all-real, part-real or all-ze
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import reference_planner as ref
@@ -21,8 +22,11 @@ from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import CkptToolError
-from ckpt_tool.mapping import plan as fast
+from ckpt_tool.mapping.plan import Options, Segment, Segments
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
+
+fast = SimpleNamespace(plan_conversion=plan_conversion, Options=Options)  # the planner under test, shaped like ref
 
 HC = 4
 MIX = (2 + HC) * HC
@@ -314,10 +318,10 @@ def test_fast_planner_pads_shared_experts_like_the_reference_planner(inter, expe
 
 def test_segments_behave_like_the_tuple_of_their_segments() -> None:
     names = ("a.0.w1", "a.0.w3", "a.1.w1", "a.1.w3")
-    segs = fast.Segments(names, ((0, 2, 0, 8), (4, 6, 0, 8)), "copy")
-    as_tuple = tuple(fast.Segment(n, *b, "copy") for n, b in zip(names, [(0, 2, 0, 8), (4, 6, 0, 8)] * 2))
+    segs = Segments(names, ((0, 2, 0, 8), (4, 6, 0, 8)), "copy")
+    as_tuple = tuple(Segment(n, *b, "copy") for n, b in zip(names, [(0, 2, 0, 8), (4, 6, 0, 8)] * 2))
     assert len(segs) == 4 and tuple(segs) == as_tuple and segs == as_tuple and list(segs) == list(as_tuple)
     assert segs[0] == as_tuple[0] and segs[-1] == as_tuple[-1] and segs[1:3] == as_tuple[1:3]
-    assert hash(segs) == hash(as_tuple) and segs == fast.Segments(names, ((0, 2, 0, 8), (4, 6, 0, 8)) * 2, "copy")
+    assert hash(segs) == hash(as_tuple) and segs == Segments(names, ((0, 2, 0, 8), (4, 6, 0, 8)) * 2, "copy")
     with pytest.raises(IndexError):
         segs[4]

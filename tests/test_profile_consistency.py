@@ -14,7 +14,8 @@ import pytest
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.make import GOOD_VARIANTS, VISION_VARIANTS
 from ckpt_tool.mapping.engine_table import ENGINES, engine_params
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.mapping.profiles import (
     ALIASES,
     DEFAULT_PROFILE,

@@ -32,7 +32,8 @@ from ckpt_tool.checkpoint.headers import (
 )
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.mapping.plan import ZERO, Options, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.convert import convert
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

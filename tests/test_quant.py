@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_tool.errors import CheckpointError
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import quant, tiled_matmul
 
 
 def _assert_equal_blocks(actual: torch.Tensor, expected: torch.Tensor, block: tuple[int, int], what: str) -> None:
@@ -382,7 +382,7 @@ def test_decode_scratch_reuse_gives_the_same_tiles() -> None:
 def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int) -> None:
     """fp8_block_matmul (128x128, 32x32 and 1x32 blocks) / mxfp4_matmul / bf16_matmul, many tiles each (a
     4096-element tile), equal x @ W.T with W dequantized whole, up to float32 summation order."""
-    monkeypatch.setattr(quant, "MATMUL_TILE_ELEMENTS", 4096)
+    monkeypatch.setattr(tiled_matmul, "MATMUL_TILE_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(n * k + m)
     x = torch.randn(m, k, generator=gen)
     bits = torch.randint(0, 126, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
@@ -392,34 +392,34 @@ def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.Monkey
     ):
         want = x @ quant.fp8_block_dequant(bits, scale).T
         torch.testing.assert_close(
-            quant.fp8_block_matmul(x, bits, scale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+            tiled_matmul.fp8_block_matmul(x, bits, scale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
         )
     packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
     mscale = torch.randint(118, 136, (n, -(-k // 32)), generator=gen, dtype=torch.int32).to(torch.uint8)
     want = x @ quant.mxfp4_dequant(packed, mscale).T
     torch.testing.assert_close(
-        quant.mxfp4_matmul(x, packed, mscale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+        tiled_matmul.mxfp4_matmul(x, packed, mscale), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
     )
     for block in (quant.MXFP8_BLOCK, quant.MXFP8_ROW_BLOCK):
         bn = block[0]
         mx = torch.randint(118, 136, (-(-n // bn), -(-k // 32)), generator=gen, dtype=torch.int32).to(torch.uint8)
         want = x @ quant.fp8_block_dequant(bits, mx, block).T
         torch.testing.assert_close(
-            quant.fp8_block_matmul(x, bits, mx, block), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+            tiled_matmul.fp8_block_matmul(x, bits, mx, block), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
         )
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     want = x @ w.float().T
-    torch.testing.assert_close(quant.bf16_matmul(x, w), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(tiled_matmul.bf16_matmul(x, w), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_tiled_matmuls_reject_what_the_dequantizers_reject() -> None:
     x = torch.randn(2, 128)
     nan = torch.full((1, 1), 0xFF, dtype=torch.uint8)
     with pytest.raises(CheckpointError, match=r"layers\.0\.w scale.*NaN"):
-        quant.fp8_block_matmul(x, torch.zeros(128, 128, dtype=torch.uint8), nan, what="layers.0.w")
+        tiled_matmul.fp8_block_matmul(x, torch.zeros(128, 128, dtype=torch.uint8), nan, what="layers.0.w")
     with pytest.raises(CheckpointError, match=r"experts\.1\.w1 scale.*NaN"):
-        quant.mxfp4_matmul(
+        tiled_matmul.mxfp4_matmul(
             x, torch.zeros(1, 64, dtype=torch.uint8), torch.full((1, 4), 0xFF, dtype=torch.uint8), what="experts.1.w1"
         )
     with pytest.raises(CheckpointError, match="does not match"):
-        quant.mxfp4_matmul(x, torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 3, dtype=torch.uint8))
+        tiled_matmul.mxfp4_matmul(x, torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 3, dtype=torch.uint8))

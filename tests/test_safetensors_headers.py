@@ -21,10 +21,9 @@ from ckpt_tool.checkpoint.headers import (
     ShardHeader,
     TensorInfo,
     parse_header,
-    read_index,
     read_shard_header,
-    safe_relative_name,
 )
+from ckpt_tool.checkpoint.index import read_index, safe_relative_name
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError, HeaderError
 from ckpt_tool.fixtures.make import write_safetensors
@@ -333,7 +332,7 @@ def test_every_known_dtype_parses_with_its_bit_width(tmp_path: Path, dtype: str)
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout of the data buffer
+# Specs of the data buffer
 
 
 def test_gap_between_tensors_is_rejected(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from cli_helpers import run_cli
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.cli.entry import main
 from ckpt_tool.errors import UsageError
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.convert import convert, parse_ranks, select_files
 from ckpt_tool.verify.levels import verify
 

@@ -19,7 +19,8 @@ from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.source import open_checkpoint
-from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
+from ckpt_tool.mapping.plan import Options, OutFile, Plan
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import JOURNAL, MANIFEST
 from ckpt_tool.output.writer import file_size, files_fed
 

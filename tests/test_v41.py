@@ -16,12 +16,13 @@ from cli_helpers import run_cli, snapshot
 from safetensors import safe_open
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import EngramLayout
+from ckpt_tool.checkpoint.engram import EngramSplit
 from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.broken import patch_bytes, tensor_offset
 from ckpt_tool.mapping.engine_table import engine_params
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.verify.linear_check import ExactUnit, LinearUnit, TensorCheck, tensor_units, unit_tensors
 from ckpt_tool.verify.numeric import check_numeric
 from ckpt_tool.verify.rows import RowReader
@@ -80,7 +81,7 @@ def test_every_rank_holds_the_engine_table(tp, ep, fixture_dir, tmp_path, capsys
             got["language_model.model.layers.0.attn.wq_b.weight_scale"],
         )
         assert s[0] == "U8" and s[1][0] == w[1][0] and s[1][1] == w[1][1] // 32
-    layout = EngramLayout.from_config(cfg)
+    layout = EngramSplit.from_config(cfg)
     rows = [rank_keys(out, r)["language_model.model.layers.1.engram.embed_tokens.weight"][1][0] for r in range(tp)]
     assert rows == [hi - lo for lo, hi in layout.rank_rows(1, tp)]
 

@@ -50,7 +50,8 @@ from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.cli.render import coverage_text, github_annotations, github_summary, render_verify, write_junit
 from ckpt_tool.fixtures.make import EXPERTS, GOOD_VARIANTS, MAIN_LAYERS, O_GROUPS, O_LORA, Q_LORA
-from ckpt_tool.mapping.plan import Options, plan_conversion
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
 from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.output.convert import convert

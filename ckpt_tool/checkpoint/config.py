@@ -316,7 +316,7 @@ class V4Config:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
-            from ckpt_tool.checkpoint.headers import json_problem
+            from ckpt_tool.checkpoint.strict_json import json_problem
 
             raise CheckpointError(
                 f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json"

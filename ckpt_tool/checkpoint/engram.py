@@ -2,10 +2,11 @@
 
 Facts from vLLM 0.33.0 / 0.34.0, ``vllm/models/deepseek_v41/common/engram.py`` (the same in both):
 
-- ``EngramLayout``: a position is hashed as ``engram_max_ngram_size - 1`` n-grams, each over ``engram_n_heads``
-  heads; every (n-gram, head) pair owns a prime-sized bucket range of its layer's table. The primes are drawn
-  layer by layer, n-gram by n-gram, head by head: each the smallest prime above the previous one (starting from
-  ``engram_vocab_size - 1`` for every n-gram) that no earlier pair took (one set across all layers).
+- ``EngramLayout`` (vLLM's; :class:`EngramSplit` here): a position is hashed as ``engram_max_ngram_size - 1``
+  n-grams, each over ``engram_n_heads`` heads; every (n-gram, head) pair owns a prime-sized bucket range of its
+  layer's table. The primes are drawn layer by layer, n-gram by n-gram, head by head: each the smallest prime above
+  the previous one (starting from ``engram_vocab_size - 1`` for every n-gram) that no earlier pair took (one set
+  across all layers).
 - ``ParallelEngramEmbedding``: the table is split over TP ranks by hash head, not by rows: with
   ``n = (max_ngram_size - 1) * n_heads`` heads and ``p = ceil(n / tp)``, rank ``r`` holds heads
   ``[r*p, min((r+1)*p, n))``, i.e. rows ``[sum(sizes[:r*p]), sum(sizes[:(r+1)*p]))`` of the checkpoint table
@@ -51,7 +52,7 @@ def is_prime(n: int) -> bool:
 
 
 @dataclass(frozen=True)
-class EngramLayout:
+class EngramSplit:
     """Every Engram layer's hash-head bucket sizes (in table rows), from config.json."""
 
     layer_ids: tuple[int, ...]
@@ -59,8 +60,8 @@ class EngramLayout:
     head_sizes: tuple[tuple[int, ...], ...]  # per Engram layer, per hash head (n-gram major): its bucket rows
 
     @classmethod
-    def from_config(cls, config) -> EngramLayout | None:
-        """The layout of ``config`` (a V4Config); None without ``engram_layer_ids``."""
+    def from_config(cls, config) -> EngramSplit | None:
+        """The split of ``config`` (a V4Config); None without ``engram_layer_ids``."""
         if not config.engram_layer_ids:
             return None
         seen: set[int] = set()
@@ -117,6 +118,6 @@ class EngramLayout:
 
 
 @functools.lru_cache(maxsize=8)
-def engram_layout(config) -> EngramLayout | None:
-    """:meth:`EngramLayout.from_config`, computed once per config (the prime search walks ~10^3 candidates a head)."""
-    return EngramLayout.from_config(config)
+def engram_split(config) -> EngramSplit | None:
+    """:meth:`EngramSplit.from_config`, computed once per config (the prime search walks ~10^3 candidates a head)."""
+    return EngramSplit.from_config(config)

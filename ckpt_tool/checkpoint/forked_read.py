@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import read_index
+from ckpt_tool.checkpoint.index import read_index
 from ckpt_tool.checkpoint.paths import load_config, resolve_layout
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.processes import TaskQueue, can_fork, helpers, usable_cpus

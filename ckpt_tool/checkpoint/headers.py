@@ -1,4 +1,5 @@
-"""The safetensors file format: header parsing and validation, without touching tensor bytes.
+"""A safetensors header: what it says (:class:`TensorInfo`, :class:`ShardHeader`) and how it is read and validated,
+without touching tensor bytes. (The index is :mod:`ckpt_tool.checkpoint.index`.)
 
 A safetensors file is ``u64 little-endian N`` + ``N`` bytes of UTF-8 JSON + a byte buffer. The JSON
 maps tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
@@ -11,24 +12,24 @@ This module imports neither torch nor numpy: inspect and planning stay fast.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
 import struct
 from collections import Counter
 from collections.abc import Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain, count, repeat
 from operator import add, itemgetter, sub
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
+from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.identity import FileIdentity
 from ckpt_tool.checkpoint.paths import not_a_regular_file
+from ckpt_tool.checkpoint.strict_json import DuplicateKey, FloatInJSON, json_problem, no_float, reject_duplicates
 from ckpt_tool.errors import CheckpointError, HeaderError
 
 MAX_HEADER_SIZE = 100_000_000  # the Rust reference's MAX_HEADER_SIZE
@@ -138,43 +139,10 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
-def json_problem(exc: BaseException) -> str:
-    """Why ``json.loads`` failed, in words for a user (not Python's advice to raise interpreter limits)."""
-    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
-        return str(exc)
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return "a number has too many digits"  # ValueError from int(): more than sys.get_int_max_str_digits()
-
-
-def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    seen = dict(pairs)  # C speed; the slow search below runs only when a key repeats
-    if len(seen) != len(pairs):
-        keys: set[str] = set()
-        for key, _ in pairs:
-            if key in keys:
-                raise _DuplicateKey(key)
-            keys.add(key)
-    return seen
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-class _Float(Exception):
-    pass
-
-
-def _no_float(text: str) -> float:
-    raise _Float
-
-
 def _loads(text: str, file: str, parse_float=None) -> object:
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_float=parse_float)
-    except _DuplicateKey as dup:
+        return json.loads(text, object_pairs_hook=reject_duplicates, parse_float=parse_float)
+    except DuplicateKey as dup:
         raise HeaderError(
             file,
             f"key appears twice in a header object; tensor names and entry fields must be unique; {CORRUPT}",
@@ -182,45 +150,6 @@ def _loads(text: str, file: str, parse_float=None) -> object:
         ) from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, and ints over sys.get_int_max_str_digits()
         raise HeaderError(file, f"header is not valid JSON ({json_problem(exc)}); {CORRUPT}") from None
-
-
-_UNPROVEN = object()
-
-
-_LEAVES = {str, int, float, bool, type(None)}
-
-
-def _members(obj: object) -> int:
-    """Members of every JSON object in ``obj`` (what the text's ``:`` count must equal)."""
-    if type(obj) is dict:
-        if set(map(type, obj.values())) <= _LEAVES:  # a flat map (an index's 69k-entry weight_map): at C speed
-            return len(obj)
-        return len(obj) + sum(_members(v) for v in obj.values() if type(v) is dict or type(v) is list)
-    if type(obj) is list:
-        return sum(_members(v) for v in obj if type(v) is dict or type(v) is list)
-    return 0
-
-
-def _loads_unique(text: str) -> object:
-    """``json.loads`` at C speed when the text provably repeats no key, else ``_UNPROVEN`` (then parse with
-    :func:`_reject_duplicates`, which names the repeat). A repeat hides a member, so the parsed members
-    fall short of the text's colons; a ``:`` inside a string also makes them differ (slow path, no harm)."""
-    doc = json.loads(text)
-    return doc if text.count(":") == _members(doc) else _UNPROVEN
-
-
-@contextmanager
-def gc_paused():
-    """No cyclic garbage collection inside: reading 69k header entries allocates ~300k containers, and
-    the collector's passes over the growing heap took longer than parsing them (2-3x). Nothing built
-    here is cyclic; collection resumes (if it was on) when the block ends."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None = None) -> ShardHeader:
@@ -275,7 +204,7 @@ def _quick_tensors(
         text = raw.decode("utf-8")
         if not text.lstrip(" ").startswith("{"):
             return None
-        doc = json.loads(text, parse_float=_no_float)
+        doc = json.loads(text, parse_float=no_float)
         if type(doc) is not dict:
             return None
         metadata = doc.pop("__metadata__", None)
@@ -320,7 +249,7 @@ def _quick_tensors(
             have, size = totals.get(dtypes[i], (0, 0))
             totals[dtypes[i]] = (have + n, size + n * nbytes[i])
         return dict(metadata or {}), names, dtypes, columns, totals
-    except (ValueError, TypeError, KeyError, RecursionError, _Float, HeaderError):
+    except (ValueError, TypeError, KeyError, RecursionError, FloatInJSON, HeaderError):
         return None
 
 
@@ -328,6 +257,32 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
     """:func:`parse_header`'s exact checks, one tensor at a time, each violation worded."""
     import hashlib
 
+    text = _careful_text(raw, file)
+    doc, floats = _careful_doc(text, file)
+    metadata = _careful_metadata(doc, file)
+    data_start = 8 + header_len
+    infos = _careful_entries(doc, file, data_start, floats or "true" in text or "false" in text)
+    _require_tiling(infos, file, file_size, data_start)
+    return ShardHeader(
+        file=file,
+        header_len=header_len,
+        file_size=file_size,
+        metadata=dict(metadata),
+        names=[t.name for t in infos],
+        dtypes=[t.dtype for t in infos],
+        columns=Columns(
+            list(range(len(infos))),
+            {i: t.shape for i, t in enumerate(infos)},
+            [t.start - data_start for t in infos],
+            [t.end - data_start for t in infos],
+        ),
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+        dtype_totals=dtype_totals(infos),
+    )
+
+
+def _careful_text(raw: bytes, file: str) -> str:
+    """The header's text: UTF-8 that starts (after spaces) with ``{``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -337,32 +292,41 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
             file,
             "header is not a JSON object (does not start with '{'); the file is not safetensors — download it again",
         )
+    return text
+
+
+def _careful_doc(text: str, file: str) -> tuple[dict, bool]:
+    """The header's JSON object, and whether it holds a float (parsed as one, so the field checks word it)."""
     try:
         with gc_paused():
-            doc = _loads(text, file, parse_float=_no_float)
-    except _Float:  # never valid in a header; parsed again as floats so the field checks word the complaint
+            doc = _loads(text, file, parse_float=no_float)
+    except FloatInJSON:  # never valid in a header; parsed again as floats so the field checks word the complaint
         doc = _loads(text, file, parse_float=None)
         floats = True
     else:
         floats = False
     if not isinstance(doc, dict):
         raise HeaderError(file, f"header is a JSON {type(doc).__name__}, expected an object; {CORRUPT}")
+    return doc, floats
 
+
+def _careful_metadata(doc: dict, file: str) -> dict[str, str]:
+    """``__metadata__`` taken out of ``doc``: a string → string map (empty when absent)."""
     metadata = doc.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise HeaderError(file, f"__metadata__ must map strings to strings; {CORRUPT}")
+    return metadata
 
-    data_start = 8 + header_len
-    buffer_len = file_size - data_start
+
+def _careful_entries(doc: dict, file: str, data_start: int, every_entry: bool) -> list[TensorInfo]:
+    """Every entry of ``doc`` checked (``every_entry``: with the full checks each, else once per dtype and shape)."""
     # (dtype, *shape) -> (shape tuple, nbytes) once validated: a V4 shard has a few dozen distinct ones
     # among ~1500 tensors. JSON true/false and floats equal ints as keys, so a header with those takes the
     # full checks for every tensor.
-    sizes: dict[tuple, tuple[tuple[int, ...], int]] | None = (
-        None if (floats or "true" in text or "false" in text) else {}
-    )
+    sizes: dict[tuple, tuple[tuple[int, ...], int]] | None = None if every_entry else {}
     infos: list[TensorInfo] = []
     append = infos.append
     with gc_paused():
@@ -392,7 +356,12 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
                     append(info)
                     continue
             append(_tensor_entry(file, name, entry, data_start))
+    return infos
 
+
+def _require_tiling(infos: list[TensorInfo], file: str, file_size: int, data_start: int) -> None:
+    """The tensors' bytes tile the data buffer exactly (``infos`` sorted by offset where they were not)."""
+    buffer_len = file_size - data_start
     # Contiguous from 0, no gaps, no overlap, buffer used exactly (trailing bytes are rejected too).
     # Writers emit tensors in offset order: one pass confirms it; otherwise sort and say where it breaks.
     cursor = data_start
@@ -430,22 +399,6 @@ def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> Sh
             f"{buffer_len - used} trailing bytes after the last tensor; the file is not a clean safetensors file — "
             "download it again",
         )
-    return ShardHeader(
-        file=file,
-        header_len=header_len,
-        file_size=file_size,
-        metadata=dict(metadata),
-        names=[t.name for t in infos],
-        dtypes=[t.dtype for t in infos],
-        columns=Columns(
-            list(range(len(infos))),
-            {i: t.shape for i, t in enumerate(infos)},
-            [t.start - data_start for t in infos],
-            [t.end - data_start for t in infos],
-        ),
-        header_sha256=hashlib.sha256(raw).hexdigest(),
-        dtype_totals=dtype_totals(infos),
-    )
 
 
 def dtype_totals(infos: Iterable[TensorInfo]) -> dict[str, tuple[int, int]]:
@@ -547,59 +500,3 @@ def read_shard_header(path: Path, file: str | None = None) -> ShardHeader:
             f"{file}: cannot read {path} ({exc.strerror or exc}); check the file or fetch it again"
         ) from None
     return replace(parse_header(raw, file, size, header_len), identity=FileIdentity.of_stat(st))
-
-
-def safe_relative_name(name: object, where: str) -> str:
-    """Check that an index entry names a file inside the checkpoint folder; return it normalised."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{where}: shard file name {name!r} is not a non-empty string")
-    if "\\" in name or "\x00" in name or name.startswith("/") or PurePosixPath(name).is_absolute():
-        raise CheckpointError(
-            f"{where}: shard file {name!r} is an absolute or unsafe path; it must lie inside the checkpoint folder — "
-            "fix the index or download it again"
-        )
-    parts = PurePosixPath(name).parts
-    if not parts or any(p in ("..", ".") for p in parts) or ":" in parts[0]:
-        raise CheckpointError(
-            f"{where}: shard file {name!r} points outside the checkpoint folder; refusing it — fix the index or "
-            "download it again"
-        )
-    return "/".join(parts)
-
-
-def read_index(path: Path) -> dict[str, str]:
-    """Read ``model.safetensors.index.json``: the tensor → shard file map, with every file name checked."""
-    where = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        doc = _loads_unique(text)
-        if doc is _UNPROVEN:
-            doc = json.loads(text, object_pairs_hook=_reject_duplicates)
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}: index file not found") from None
-    except OSError as exc:
-        raise CheckpointError(f"{where}: cannot read the index ({exc.strerror or exc})") from None
-    except _DuplicateKey as dup:
-        raise CheckpointError(f"{where}: tensor {dup.key!r} appears twice in the index") from None
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
-        raise CheckpointError(f"{where}: not valid JSON ({json_problem(exc)}); download the index again") from None
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(
-            f"{where}: no 'weight_map' object; this is not a safetensors index — download the index again"
-        )
-    # 69k entries name ~46 files: validate each distinct file name once (this dominated inspect time).
-    try:
-        clean = all(type(f) is str and safe_relative_name(f, where) == f for f in set(weight_map.values()))
-    except (TypeError, CheckpointError):  # unhashable or unsafe: the loop below names the tensor
-        clean = False
-    if clean:
-        return weight_map  # every value already a clean relative name (keys are JSON strings)
-    checked: dict[object, str] = {}
-    result: dict[str, str] = {}
-    for name, file in weight_map.items():
-        key = file if isinstance(file, str) else repr(file)
-        if key not in checked:
-            checked[key] = safe_relative_name(file, f"{where}: tensor {name!r}")
-        result[str(name)] = checked[key]
-    return result

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import TensorInfo, read_index, read_shard_header
+from ckpt_tool.checkpoint.headers import TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.index import read_index
 from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError
 
@@ -118,8 +119,8 @@ def offline() -> bool:
 
 
 class ConversionNeeds(Protocol):
-    """What a conversion needs from a hub repo, as the planner answers it (the mapping stage's
-    ``HubNeeds``): the hub input asks, it never plans itself."""
+    """What a conversion needs from a hub repo, as the planner answers it (``ckpt_tool.mapping.hub_needs.HubNeeds``):
+    the hub input asks, it never plans itself."""
 
     @property
     def partial(self) -> bool:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
-from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, gc_paused, read_index, read_shard_header
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.index import read_index
 from ckpt_tool.checkpoint.paths import INDEX_NAME, load_config, not_a_regular_file, resolve_layout
 from ckpt_tool.checkpoint.reader import ByteSource, LocalFiles, RemoteSource
 from ckpt_tool.errors import CheckpointError

@@ -10,23 +10,26 @@ from operator import itemgetter, not_
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_tool.checkpoint.completeness import (
+from ckpt_tool.checkpoint.agreement import (
     STORED_FORMAT,
-    Completeness,
     Disagreement,
     DtypeShape,
+    config_disagreement,
+    kinds_agree,
+    shape_kinds,
+)
+from ckpt_tool.checkpoint.completeness import (
+    Completeness,
     absent_draft_layer,
     check_completeness,
-    config_disagreement,
     count_by_index,
-    kinds_agree,
     layer_indices,
     name_lines,
-    shape_kinds,
 )
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
-from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, gc_paused, read_shard_header
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
 
 
@@ -103,7 +106,7 @@ class ShardTally(NamedTuple):
     first_expert_weight: dict[str, str]  # dtype -> its first routed-expert weight (what a quant problem cites)
     layers: list[int]  # main layers with any tensor here
     mtp: dict[int, int]  # MTP index -> tensors
-    shape_kinds: set[tuple[str, str, tuple[int, ...]]]  # see completeness.shape_kinds
+    shape_kinds: set[tuple[str, str, tuple[int, ...]]]  # see agreement.shape_kinds
 
 
 _EXPERTS = ".ffn.experts."
@@ -119,7 +122,7 @@ def tally_file(
     kind_of: Callable[[Any], DtypeShape] | None = None,
 ) -> ShardTally:
     """The :class:`ShardTally` of one file's tensor ``names`` and ``dtypes`` (``totals``: its per-dtype sums;
-    ``kinds`` and ``kind_of``: their shapes, as :func:`ckpt_tool.checkpoint.completeness.shape_kinds` takes them).
+    ``kinds`` and ``kind_of``: their shapes, as :func:`ckpt_tool.checkpoint.agreement.shape_kinds` takes them).
 
     Routed experts are 96 % of a V4 checkpoint's names, so the passes over every name are C-level
     (suffix tests feeding a Counter of dtypes); only the few other names get a Python loop, and the
@@ -222,75 +225,29 @@ def summarize(
 ) -> InspectReport:
     """The report from per-file tallies (in file order) and every tensor name (for completeness, unless
     ``completeness`` already holds the verdict on those names). ``disagreement``: how the headers disagree
-    with config.json, if they do (:func:`ckpt_tool.checkpoint.completeness.config_disagreement`)."""
-    file_count: Counter[str] = Counter()
-    file_bytes: Counter[str] = Counter()
-    dtypes: Counter[str] = Counter()
-    dtype_bytes: Counter[str] = Counter()
-    quant_counts: dict[str, Counter[str]] = {k: Counter() for k in _QUANT_FIELDS}
-    first_expert_weight: dict[str, tuple[str, str]] = {}  # dtype -> (file, name) of its first routed-expert weight
-    main_layers: set[int] = set()
-    mtp_counts: Counter[int] = Counter()
-    for t in tallies:
-        for dtype, (count, size) in t.dtype_totals.items():
-            file_count[t.file] += count
-            file_bytes[t.file] += size
-            dtypes[dtype] += count
-            dtype_bytes[dtype] += size
-        for key, counts in quant_counts.items():
-            counts.update(getattr(t, key))
-        for dtype, name in t.first_expert_weight.items():
-            first_expert_weight.setdefault(dtype, (t.file, name))
-        main_layers.update(t.layers)
-        mtp_counts.update(t.mtp)
-
-    expert_dtype = _most_common(quant_counts["expert_weights"])
-    expert_format = STORED_FORMAT.get(expert_dtype or "", None)
-    quant = QuantScheme(
-        linear_weight_dtype="F8_E4M3" if quant_counts["linear_weights"]["F8_E4M3"] else None,
-        linear_scale_dtype=_most_common(quant_counts["linear_scales"]),
-        expert_weight_dtype=expert_dtype,
-        expert_scale_dtype=_most_common(quant_counts["expert_scales"]),
-        expert_format=expert_format,
-        config_expert_dtype=config.expert_dtype if config else None,
-    )
-
+    with config.json, if they do (:func:`ckpt_tool.checkpoint.agreement.config_disagreement`)."""
+    sums = _sum_tallies(tallies)
+    quant = _quant_scheme(sums.quant_counts, config)
     expected = list(range(config.draft_layers)) if config else []
-    missing = [i for i in expected if i not in mtp_counts]
-
-    problems: list[str] = []
+    missing = [i for i in expected if i not in sums.mtp_counts]
+    problems: list[str] = [config_error] if config_error else []
     missing_tensors: dict[str, list[str]] = {}
-    if config_error:
-        problems.append(config_error)
     if config is not None:
-        # convert's verdicts, in its order. With a config.json that disagrees with the weights, what else it
-        # implies (tensors missing, another expert format) follows from that one cause: one line, not three
-        if disagreement is not None:
-            problems.append(disagreement.message(config))
+        if whole and completeness is None:  # convert's verdict (both components)
+            completeness = check_completeness(config, names, mtp_present=set(sums.mtp_counts))
+        problems += _config_problems(config, sums, quant, missing, completeness if whole else None, disagreement)
         if whole:
-            if completeness is None:  # convert's verdict (both components)
-                completeness = check_completeness(config, names, mtp_present=set(mtp_counts))
-            if not completeness.complete and disagreement is None:
-                problems.append(completeness.message(config))
-            missing_tensors = completeness.missing_groups
-        elif disagreement is None:  # one shard of several: only say which MTP layers it lacks
-            problems += [absent_draft_layer(config, i) for i in missing]
-        if not quant.consistent and disagreement is None:
-            file, name = first_expert_weight[expert_dtype]
-            problems.append(
-                f"{file}: tensor {name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
-                f"experts are stored as {expert_dtype} ({expert_format}); fix config.json or use the matching "
-                "checkpoint"
-            )
+            missing_tensors = completeness.missing_groups  # type: ignore[union-attr]
+    file_count, dtype_bytes, mtp_counts = sums.file_count, sums.dtype_bytes, sums.mtp_counts
     return InspectReport(
         source=source,
-        files=[FileSummary(f, file_count[f], file_bytes[f]) for f in sorted(file_count)],
+        files=[FileSummary(f, file_count[f], sums.file_bytes[f]) for f in sorted(file_count)],
         tensor_count=sum(file_count.values()),
         total_bytes=sum(dtype_bytes.values()),
-        dtypes=dict(sorted(dtypes.items())),
+        dtypes=dict(sorted(sums.dtypes.items())),
         dtype_bytes=dict(sorted(dtype_bytes.items())),
         quant=quant,
-        main_layers=sorted(main_layers),
+        main_layers=sorted(sums.main_layers),
         mtp_expected=expected,
         mtp_present=sorted(mtp_counts),
         mtp_missing=missing,
@@ -300,6 +257,79 @@ def summarize(
         missing_tensors=missing_tensors,
         problems=problems,
     )
+
+
+@dataclass
+class _Sums:
+    """The per-file tallies added up."""
+
+    file_count: Counter[str] = field(default_factory=Counter)
+    file_bytes: Counter[str] = field(default_factory=Counter)
+    dtypes: Counter[str] = field(default_factory=Counter)
+    dtype_bytes: Counter[str] = field(default_factory=Counter)
+    quant_counts: dict[str, Counter[str]] = field(default_factory=lambda: {k: Counter() for k in _QUANT_FIELDS})
+    first_expert_weight: dict[str, tuple[str, str]] = field(default_factory=dict)  # dtype -> (file, name)
+    main_layers: set[int] = field(default_factory=set)
+    mtp_counts: Counter[int] = field(default_factory=Counter)
+
+
+def _sum_tallies(tallies: list[ShardTally]) -> _Sums:
+    sums = _Sums()
+    for t in tallies:
+        for dtype, (count, size) in t.dtype_totals.items():
+            sums.file_count[t.file] += count
+            sums.file_bytes[t.file] += size
+            sums.dtypes[dtype] += count
+            sums.dtype_bytes[dtype] += size
+        for key, counts in sums.quant_counts.items():
+            counts.update(getattr(t, key))
+        for dtype, name in t.first_expert_weight.items():  # each dtype's first routed-expert weight
+            sums.first_expert_weight.setdefault(dtype, (t.file, name))
+        sums.main_layers.update(t.layers)
+        sums.mtp_counts.update(t.mtp)
+    return sums
+
+
+def _quant_scheme(quant_counts: dict[str, Counter[str]], config: V4Config | None) -> QuantScheme:
+    expert_dtype = _most_common(quant_counts["expert_weights"])
+    return QuantScheme(
+        linear_weight_dtype="F8_E4M3" if quant_counts["linear_weights"]["F8_E4M3"] else None,
+        linear_scale_dtype=_most_common(quant_counts["linear_scales"]),
+        expert_weight_dtype=expert_dtype,
+        expert_scale_dtype=_most_common(quant_counts["expert_scales"]),
+        expert_format=STORED_FORMAT.get(expert_dtype or "", None),
+        config_expert_dtype=config.expert_dtype if config else None,
+    )
+
+
+def _config_problems(
+    config: V4Config,
+    sums: _Sums,
+    quant: QuantScheme,
+    missing: list[int],
+    completeness: Completeness | None,
+    disagreement: Disagreement | None,
+) -> list[str]:
+    """Convert's verdicts against config.json, in its order (``completeness`` None: one shard of several, which
+    is only told the draft layers it lacks). With a config.json that disagrees with the weights, what else it
+    implies (tensors missing, another expert format) follows from that one cause: one line, not three."""
+    problems: list[str] = []
+    if disagreement is not None:
+        problems.append(disagreement.message(config))
+    if completeness is not None:
+        if not completeness.complete and disagreement is None:
+            problems.append(completeness.message(config))
+    elif disagreement is None:
+        problems += [absent_draft_layer(config, i) for i in missing]
+    if not quant.consistent and disagreement is None:
+        expert_dtype = quant.expert_weight_dtype
+        file, name = sums.first_expert_weight[expert_dtype]  # type: ignore[index]
+        problems.append(
+            f"{file}: tensor {name!r}: config.json says expert_dtype {config.expert_dtype!r} but routed "
+            f"experts are stored as {expert_dtype} ({quant.expert_format}); fix config.json or use the matching "
+            "checkpoint"
+        )
+    return problems
 
 
 def _model_of(config: V4Config | None) -> dict | None:

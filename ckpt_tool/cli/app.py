@@ -380,7 +380,7 @@ def convert(
             vllm_series=vllm or chosen.vllm,
         )
         from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
-        from ckpt_tool.mapping.plan import HubNeeds
+        from ckpt_tool.mapping.hub_needs import HubNeeds
         from ckpt_tool.output.convert import parse_ranks
 
         rank_list = parse_ranks(ranks) if ranks is not None else None

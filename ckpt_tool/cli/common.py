@@ -160,9 +160,9 @@ def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | No
     from dataclasses import replace
     from pathlib import Path
 
-    from ckpt_tool.checkpoint.headers import gc_paused
+    from ckpt_tool.checkpoint.gc_pause import gc_paused
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import plan_conversion
+    from ckpt_tool.mapping.planner import plan_conversion
 
     # headers, plan and its JSON are ~10^6 objects, none cyclic, alive until the command ends: one pause for the
     # whole command, not one per step (each resumption had the collector walk the heap built so far)
@@ -198,7 +198,8 @@ def run_dry_run(src: str, out: str, *, tp: int, moe_parallel: str, only: str | N
 
     from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
     from ckpt_tool.errors import CkptToolError
-    from ckpt_tool.mapping.plan import HubNeeds, Options
+    from ckpt_tool.mapping.hub_needs import HubNeeds
+    from ckpt_tool.mapping.plan import Options
     from ckpt_tool.mapping.target import resolve_target
 
     try:

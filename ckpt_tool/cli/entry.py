@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: list[str], plain: dict | None, dry_run: dict | None) -> int:
     try:
         if plain is not None or dry_run is not None:
-            from ckpt_tool.checkpoint.headers import gc_paused
+            from ckpt_tool.checkpoint.gc_pause import gc_paused
 
             apply_global_flags()
             # headers, plan and output are ~10^6 objects, none cyclic: the collector stays off until they are

@@ -127,7 +127,7 @@ def _tensor_json(t) -> dict:
 def plan_json(plan) -> dict:
     """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations;
     a tensor holding the engine's zero padding also lists its segments (kind ``source`` or ``zero``)."""
-    from ckpt_tool.checkpoint.headers import gc_paused
+    from ckpt_tool.checkpoint.gc_pause import gc_paused
 
     with gc_paused():  # ~35k small dicts on top of a heap of plan and headers: GC passes cost 5x the building
         return _plan_json(plan)

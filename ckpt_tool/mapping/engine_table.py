@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import engram_layout
+from ckpt_tool.checkpoint.engram import engram_split
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames, draft_kind_of, get_profile, model_class_of
 
 
@@ -224,7 +224,7 @@ def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
     every router's bias_vl, the Engram of its layers, no hc_head; the vision tower and aligner as V4's, image_start /
     image_end / image_newline (no image_pad)."""
     D, V, T, hc = cfg.hidden_size, cfg.vocab_size, t.tp, cfg.hc_mult
-    layout = engram_layout(cfg)
+    layout = engram_split(cfg)
     t.add("model.embed_tokens.weight", (V // T, D), "BF16")
     t.add("lm_head.weight", (V // T, D), "BF16")
     t.add("model.norm.weight", (D,), "BF16")

@@ -162,13 +162,17 @@ def _compiled(rule: Rule) -> Rule:
 
 def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_compressor: bool) -> list[Rule]:
     """Rules of one decoder block: ``src`` / ``dst`` are the block prefixes (with placeholders)."""
-    fp4 = expert_dtype == "fp4"
-    # fp4 experts: uint8 params holding raw bytes (seed: `.view(torch.uint8)`), `.weight_scale`.
-    # fp8 experts: block-FP8 params with float32 `.weight_scale_inv`; E8M0 scales become 2^(b-127).
-    expert_w = "raw_uint8" if fp4 else "copy"
-    expert_s = "raw_uint8" if fp4 else "e8m0_to_f32"
-    escale = "weight_scale" if fp4 else "weight_scale_inv"
     c = dict(component=component)
+    return (
+        _norm_rules(src, dst, c)
+        + _attention_rules(src, dst, c)
+        + (_compressor_rules(src, dst, c) if with_compressor else [])
+        + _ffn_rules(src, dst, expert_dtype, c)
+    )
+
+
+def _norm_rules(src: str, dst: str, c: dict) -> list[Rule]:
+    """A block's norms and hyper-connection parameters."""
     r = [
         Rename(f"{src}.attn_norm.weight", f"{dst}.attn_norm.weight", **c),
         Rename(f"{src}.ffn_norm.weight", f"{dst}.ffn_norm.weight", note="seed profile keeps ffn_norm", **c),
@@ -176,8 +180,13 @@ def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_
     for part in ("attn", "ffn"):
         for t in ("fn", "base", "scale"):
             r.append(Rename(f"{src}.hc_{part}_{t}", f"{dst}.hc_{part}_{t}", **c))
+    return r
+
+
+def _attention_rules(src: str, dst: str, c: dict) -> list[Rule]:
+    """A block's attention projections, norms and sink."""
     a, da = f"{src}.attn", f"{dst}.attn"
-    r += [
+    return [
         # stacked_params_mapping: ("attn.fused_wqa_wkv", "attn.wq_a", 0), (.., "attn.wkv", 1); disable_tp=True
         Fuse((f"{a}.wq_a.weight", f"{a}.wkv.weight"), f"{da}.fused_wqa_wkv.weight", **c),
         Fuse((f"{a}.wq_a.scale", f"{a}.wkv.scale"), f"{da}.fused_wqa_wkv.weight_scale_inv", **c),
@@ -191,28 +200,42 @@ def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_
         Rename(f"{a}.wo_b.scale", f"{da}.wo_b.weight_scale_inv", Split.DIM1, **c),
         Rename(f"{a}.attn_sink", f"{da}.attn_sink", Split.DIM0, note="heads [r*H/T, (r+1)*H/T), no -inf padding", **c),
     ]
-    if with_compressor:
-        # deepseek_v4.py WeightsMapper: `.attn.compressor.` → `.attn.mla_attn.compressor.`; stacked wkv|wgate
-        cm, dcm = f"{a}.compressor", f"{da}.mla_attn.compressor"
-        ix, dix = f"{a}.indexer", f"{da}.indexer"
-        r += [
-            Fuse((f"{cm}.wkv.weight", f"{cm}.wgate.weight"), f"{dcm}.fused_wkv_wgate.weight", **c),
-            Rename(f"{cm}.ape", f"{dcm}.ape", **c),
-            Rename(f"{cm}.norm.weight", f"{dcm}.norm.weight", **c),
-            Rename(f"{ix}.wq_b.weight", f"{dix}.wq_b.weight", note="ReplicatedLinear", **c),
-            Rename(f"{ix}.wq_b.scale", f"{dix}.wq_b.weight_scale_inv", **c),
-            Rename(f"{ix}.weights_proj.weight", f"{dix}.weights_proj.weight", **c),
-            # the substr rule only matches `.attn.compressor.`, so the indexer's stays un-prefixed
-            Fuse(
-                (f"{ix}.compressor.wkv.weight", f"{ix}.compressor.wgate.weight"),
-                f"{dix}.compressor.fused_wkv_wgate.weight",
-                **c,
-            ),
-            Rename(f"{ix}.compressor.ape", f"{dix}.compressor.ape", **c),
-            Rename(f"{ix}.compressor.norm.weight", f"{dix}.compressor.norm.weight", **c),
-        ]
+
+
+def _compressor_rules(src: str, dst: str, c: dict) -> list[Rule]:
+    """A compressed-attention block's compressor and indexer."""
+    a, da = f"{src}.attn", f"{dst}.attn"
+    # deepseek_v4.py WeightsMapper: `.attn.compressor.` → `.attn.mla_attn.compressor.`; stacked wkv|wgate
+    cm, dcm = f"{a}.compressor", f"{da}.mla_attn.compressor"
+    ix, dix = f"{a}.indexer", f"{da}.indexer"
+    return [
+        Fuse((f"{cm}.wkv.weight", f"{cm}.wgate.weight"), f"{dcm}.fused_wkv_wgate.weight", **c),
+        Rename(f"{cm}.ape", f"{dcm}.ape", **c),
+        Rename(f"{cm}.norm.weight", f"{dcm}.norm.weight", **c),
+        Rename(f"{ix}.wq_b.weight", f"{dix}.wq_b.weight", note="ReplicatedLinear", **c),
+        Rename(f"{ix}.wq_b.scale", f"{dix}.wq_b.weight_scale_inv", **c),
+        Rename(f"{ix}.weights_proj.weight", f"{dix}.weights_proj.weight", **c),
+        # the substr rule only matches `.attn.compressor.`, so the indexer's stays un-prefixed
+        Fuse(
+            (f"{ix}.compressor.wkv.weight", f"{ix}.compressor.wgate.weight"),
+            f"{dix}.compressor.fused_wkv_wgate.weight",
+            **c,
+        ),
+        Rename(f"{ix}.compressor.ape", f"{dix}.compressor.ape", **c),
+        Rename(f"{ix}.compressor.norm.weight", f"{dix}.compressor.norm.weight", **c),
+    ]
+
+
+def _ffn_rules(src: str, dst: str, expert_dtype: str, c: dict) -> list[Rule]:
+    """A block's router, shared experts and routed experts (stacked)."""
+    fp4 = expert_dtype == "fp4"
+    # fp4 experts: uint8 params holding raw bytes (seed: `.view(torch.uint8)`), `.weight_scale`.
+    # fp8 experts: block-FP8 params with float32 `.weight_scale_inv`; E8M0 scales become 2^(b-127).
+    expert_w = "raw_uint8" if fp4 else "copy"
+    expert_s = "raw_uint8" if fp4 else "e8m0_to_f32"
+    escale = "weight_scale" if fp4 else "weight_scale_inv"
     f, df = f"{src}.ffn", f"{dst}.ffn"
-    r += [
+    return [
         Rename(f"{f}.gate.weight", f"{df}.gate.weight", **c),
         Rename(f"{f}.gate.bias", f"{df}.gate.e_score_correction_bias", note="noaux_tc bias", **c),
         Rename(f"{f}.gate.tid2eid", f"{df}.gate.tid2eid", note="hash layers; stored dtype kept", **c),
@@ -257,7 +280,6 @@ def _block_rules(src: str, dst: str, expert_dtype: str, component: str, *, with_
         ),
         StackExperts((f"{f}.experts.{{expert}}.w2.scale",), f"{df}.experts.w2_{escale}", expert_s, 1, **c),
     ]
-    return r
 
 
 def vllm_seed_rules(expert_dtype: str) -> list[Rule]:

@@ -35,7 +35,8 @@ from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError, OutputError, UsageError
-from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
+from ckpt_tool.mapping.plan import Options, OutFile, Plan
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import (
     COMPONENTS,
     JOURNAL_RE,

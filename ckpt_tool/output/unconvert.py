@@ -35,7 +35,9 @@ from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, parse_header, 
 from ckpt_tool.checkpoint.reader import LocalFiles, sha256_file
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources, plan_conversion
+from ckpt_tool.mapping.hub_needs import needed_sources
+from ckpt_tool.mapping.plan import ZERO, Plan
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import (
     COMPONENTS,
     MANIFEST,

@@ -39,7 +39,8 @@ from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead, sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.processes import usable_cpus
 from ckpt_tool.verify.one_pass import OnePass, Walk
@@ -740,7 +741,7 @@ def hub_source_for_verify(ref, out: Path, *, stream: bool = False) -> Path | Che
     """
     from ckpt_tool.checkpoint.hub import open_hub_source
     from ckpt_tool.errors import CheckpointError
-    from ckpt_tool.mapping.plan import HubNeeds
+    from ckpt_tool.mapping.hub_needs import HubNeeds
     from ckpt_tool.output.layout import read_manifest
 
     manifest = read_manifest(out)

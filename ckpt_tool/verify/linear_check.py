@@ -16,7 +16,7 @@ DeepSeek V4.1 (``DeepseekV41ForCausalLM`` and its DSpark draft): its MXFP8 linea
 source with its checkpoint's 32x32 E8M0 blocks in torch and each rank through the kernel with the scale as vLLM
 holds it, one row a weight row (1x32 blocks), so a scale row expanded to the wrong weight rows fails; its routed
 experts as V4's MXFP4; each Engram table and its per-row scale byte for byte, each rank against the source rows of
-its hash heads (``EngramLayout.rank_rows``: uneven), a tile of rows at a time.
+its hash heads (``EngramSplit.rank_rows``: uneven), a tile of rows at a time.
 
 Independence: the engine side is named from :mod:`ckpt_tool.mapping.engine_table` (the engine's parameter table,
 tested against vLLM itself) and the source side from DeepSeek's names written out below; the rule
@@ -25,7 +25,7 @@ a wrong rank slice) makes the two sides disagree.
 
 Work and memory: weights are read with ``pread`` a tile of rows at a time (``rows.read_tile_rows``,
 4 MiB of weight bytes) on both sides and dequantized in smaller tiles that stay in cache
-(``quant.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
+(``tiled_matmul.dequant_matmul``), so the peak does not grow with hidden size or expert count. Each source tile is
 multiplied once and compared with every rank's piece of it. Units run in ``verify --workers`` forked
 processes (``verify.compute_pool.fan_out``; threads of one :class:`~ckpt_tool.verify.compute_pool.ComputePool` where
 forking is not safe), each computing one tile at a time while a second thread reads its next.
@@ -50,7 +50,7 @@ import torch
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import EngramLayout, engram_layout
+from ckpt_tool.checkpoint.engram import EngramSplit, engram_split
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
 from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
@@ -58,7 +58,7 @@ from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
@@ -349,7 +349,7 @@ class _Builder:
         self.mxfp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
         self.routed(p, sp, experts, "mxfp4")
 
-    def engram(self, p: str, sp: str, layer: int, layout: EngramLayout) -> None:
+    def engram(self, p: str, sp: str, layer: int, layout: EngramSplit) -> None:
         """The Engram of layer ``layer`` (vllm/models/deepseek_v41/common/engram.py): its FP8 table and per-row E8M0
         scale, each rank the rows of its hash heads (uneven), byte for byte; the MXFP8 ``wkv`` column-parallel; the
         bf16 ``q_weight`` / ``k_weight`` whole."""
@@ -474,7 +474,7 @@ def _v41_target_units(b: _Builder, cfg: V4Config) -> None:
     """DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the text model under ``language_model.``
     (no hc_head), every layer's block and Engram, the vision tower as V4's without image_pad."""
     D, V = cfg.hidden_size, cfg.vocab_size
-    layout = engram_layout(cfg)
+    layout = engram_split(cfg)
     b.group = "embed/head"
     b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
     b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
@@ -764,11 +764,11 @@ class LinearRunner:
             if kind == "bf16":
                 return x @ w.float().T
             if kind == "mxfp4":
-                return quant.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
+                return tiled_matmul.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
             if kind == "mxfp8":  # the checkpoint's 32x32 blocks; fp8 activations in the block's 32-input groups
                 block = quant.MXFP8_BLOCK
-                return quant.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
-            return quant.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
+                return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
+            return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
     def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
         from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm

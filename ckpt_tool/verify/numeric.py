@@ -48,7 +48,7 @@ from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import tiled_matmul as quant  # the tiled matmuls (quant.py keeps the formats)
 from ckpt_tool.verify.compute_pool import (
     ComputePool,
     ForkedTasks,

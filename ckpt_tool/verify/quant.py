@@ -21,8 +21,6 @@ Every E8M0 byte ``b`` means ``2**(b - 127)``; ``0xFF`` is NaN and is rejected wi
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ckpt_tool.checkpoint import blocks
@@ -107,7 +105,7 @@ def e8m0_to_float32(t: torch.Tensor, what: str | None = None) -> torch.Tensor:
     bits = check_e8m0(t, what)
     if bits.numel() and int(bits.min()) > 0:  # no byte 0: the exponent field alone, two vectorized passes
         return (bits.to(torch.int32) << 23).view(torch.float32)
-    return _lookup(_table("e8m0", bits.device), bits).view(bits.shape)
+    return _lookup(decode_table("e8m0", bits.device), bits).view(bits.shape)
 
 
 def _e8m0_values() -> torch.Tensor:
@@ -135,7 +133,7 @@ _TABLE_BUILDERS = {"e8m0": _e8m0_values, "e4m3": _e4m3_values, "e2m1_pairs": _by
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _table(kind: str, device: torch.device) -> torch.Tensor:
+def decode_table(kind: str, device: torch.device) -> torch.Tensor:
     """A 256-entry decode table (built once per device)."""
     table = _TABLES.get((kind, device))
     if table is None:
@@ -296,7 +294,7 @@ def fp8_block_scaled(
     ``[ceil(N/bn), ceil(K/bk)]`` (already decoded). For callers that decode a weight's scales once and
     dequantize it a tile of rows at a time (into ``scratch`` when given)."""
     n, k = bits.shape
-    w = _lookup(_table("e4m3", bits.device), bits, scratch).view(n, k)
+    w = _lookup(decode_table("e4m3", bits.device), bits, scratch).view(n, k)
     bn, bk = block
     if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast the scales, no [N, K] scale copy
         return w.view(n // bn, bn, k // bk, bk).mul_(scale[:, None, :, None]).view(n, k)
@@ -352,138 +350,10 @@ def mxfp4_scaled(packed: torch.Tensor, scale: torch.Tensor, scratch: DecodeScrat
     n, k = packed.shape[0], 2 * packed.shape[1]
     # One lookup per byte gives both of its values (low nibble first): the same table as
     # e2m1_decode(mxfp4_unpack_codes(packed)), without int64 codes per element.
-    values = _lookup(_table("e2m1_pairs", packed.device), packed, scratch).view(torch.float32)
+    values = _lookup(decode_table("e2m1_pairs", packed.device), packed, scratch).view(torch.float32)
     if k % MXFP4_GROUP == 0:
         return values.view(n, k // MXFP4_GROUP, MXFP4_GROUP).mul_(scale.unsqueeze(-1)).view(n, k)
     return values.view(n, k).mul_(scale.repeat_interleave(MXFP4_GROUP, dim=1)[:, :k])
-
-
-MATMUL_TILE_ELEMENTS = 1 << 17
-"""Weight elements the matmuls below dequantize at once (512 KiB of float32): the tile, its lookup indices
-and the activation stay in one core's L2 cache while it is multiplied. On the 2-core development VM this
-runs ~1.3x faster than 8 MiB tiles into fresh memory."""
-
-_SCRATCH = threading.local()
-
-
-def matmul_tile_rows(n: int, k: int, align: int) -> int:
-    """Rows per tile of an ``[n, k]`` weight in :func:`dequant_matmul`: a multiple of ``align``, at least one."""
-    rows = max(align, (MATMUL_TILE_ELEMENTS // max(k, 1)) // align * align)
-    return min(rows, max(n, 1))
-
-
-def _thread_scratch() -> DecodeScratch:
-    scratch = getattr(_SCRATCH, "scratch", None)
-    if scratch is None:
-        scratch = _SCRATCH.scratch = DecodeScratch()
-    return scratch
-
-
-def dequant_matmul(x: torch.Tensor, n: int, k: int, align: int, dequant_rows) -> torch.Tensor:
-    """``x @ W.T`` in float32 for ``x [M, k]`` float32 and a weight ``W [n, k]`` that is never whole in float32:
-    ``dequant_rows(r0, r1, scratch)`` returns rows ``[r0, r1)`` dequantized (``r0`` a multiple of ``align``),
-    possibly in ``scratch``, this thread's :class:`DecodeScratch`, used before the next tile is asked for."""
-    scratch = _thread_scratch()
-    rows = matmul_tile_rows(n, k, align)
-    m = x.shape[0]
-    if m > _TRANSPOSE_ABOVE_M and x.device.type == "cpu":
-        # MKL's sgemm for x @ W.T slows 2-3x past a dozen rows of x; W @ x.T (x.T made contiguous) does not
-        xt = x.T.contiguous()
-        yt = torch.empty(n, m, dtype=torch.float32, device=x.device)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            torch.matmul(dequant_rows(r0, r1, scratch), xt, out=yt[r0:r1])
-        return yt.T.contiguous()
-    if rows >= n:
-        return x @ dequant_rows(0, n, scratch).T
-    tiles = cdiv(n, rows)
-    y = torch.empty(tiles, m, rows, dtype=torch.float32, device=x.device)  # each tile's product contiguous
-    for i in range(tiles):
-        r0 = i * rows
-        r1 = min(n, r0 + rows)
-        torch.mm(x, dequant_rows(r0, r1, scratch).T, out=y[i, :, : r1 - r0])
-    return _untile(y, n)
-
-
-def _untile(y: torch.Tensor, n: int) -> torch.Tensor:
-    """``[tiles, M, rows]`` products of consecutive row tiles as ``[M, n]``."""
-    tiles, m, rows = y.shape
-    flat = y.permute(1, 0, 2).reshape(m, tiles * rows)
-    return flat if tiles * rows == n else flat[:, :n].contiguous()
-
-
-_TRANSPOSE_ABOVE_M = 12
-
-
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.float().T`` for float32 ``x [M, K]`` and a bf16 (or any float) ``weight [N, K]``, converted to
-    float32 a tile of rows at a time into reused memory."""
-    n, k = weight.shape
-
-    def rows(r0: int, r1: int, scratch: DecodeScratch) -> torch.Tensor:
-        return scratch.values((r1 - r0) * k, torch.float32, weight.device).view(r1 - r0, k).copy_(weight[r0:r1])
-
-    return dequant_matmul(x, n, k, 1, rows)
-
-
-def fp8_block_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int] = FP8_BLOCK,
-    *,
-    what: str | None = None,
-) -> torch.Tensor:
-    """``x @ fp8_block_dequant(weight, scale, block).T`` for float32 ``x [M, K]`` (as the caller rounded it), the
-    weight dequantized a tile of rows at a time; the same checks and errors as :func:`fp8_block_dequant`."""
-    bits = as_e4m3_bits(weight, what)
-    check_fp8_block_shapes(bits, scale, block, what)
-    s = fp8_scale_to_float32(scale, f"{what} scale" if what else None)
-    bn = block[0]
-    n, k = bits.shape
-    return dequant_matmul(
-        x,
-        n,
-        k,
-        bn,
-        lambda r0, r1, scratch: fp8_block_scaled(bits[r0:r1], s[r0 // bn : cdiv(r1, bn)], block, scratch),
-    )
-
-
-def mxfp4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, what: str | None = None
-) -> torch.Tensor:
-    """``x @ mxfp4_dequant(packed, scale).T`` for float32 ``x [M, K]`` (as the caller rounded it), the weight
-    dequantized a tile of rows at a time; the same checks and errors as :func:`mxfp4_dequant`."""
-    n, k = check_mxfp4_shapes(packed, scale, what)
-    s = e8m0_to_float32(scale, f"{what} scale" if what else None)
-    bits = packed.view(torch.uint8)
-    rows = matmul_tile_rows(n, k, 1)
-    if k % MXFP4_GROUP or rows >= n or x.shape[0] > _TRANSPOSE_ABOVE_M or x.device.type != "cpu":
-        return dequant_matmul(x, n, k, 1, lambda r0, r1, scratch: mxfp4_scaled(bits[r0:r1], s[r0:r1], scratch))
-    # The same steps as dequant_matmul over mxfp4_scaled, with every view made once: this loop runs ~10^5
-    # times per layer, and at ~100 us of arithmetic a tile the per-call costs of ten tensor ops would be a fifth.
-    scratch = _thread_scratch()
-    kh, groups = k // 2, k // MXFP4_GROUP
-    codes = packed.reshape(-1).view(torch.uint8)
-    s = s.unsqueeze(-1)
-    table = _table("e2m1_pairs", packed.device)
-    idx = scratch.codes(rows * kh, packed.device)
-    values = scratch.values(rows * kh, torch.int64, packed.device)
-    w = values.view(torch.float32).view(rows, groups, MXFP4_GROUP)
-    w_t = w.view(rows, k).T
-    tiles = cdiv(n, rows)
-    y = torch.empty(tiles, x.shape[0], rows, dtype=torch.float32, device=x.device)
-    for i in range(tiles - (n % rows != 0)):
-        r0 = i * rows
-        idx.copy_(codes[r0 * kh : (r0 + rows) * kh])
-        torch.index_select(table, 0, idx, out=values)
-        w.mul_(s[r0 : r0 + rows])
-        torch.mm(x, w_t, out=y[i])
-    if n % rows:  # the last, shorter tile
-        r0 = (tiles - 1) * rows
-        torch.mm(x, mxfp4_scaled(bits[r0:], s[r0:, :, 0], scratch).T, out=y[-1, :, : n - r0])
-    return _untile(y, n)
 
 
 def _exp2_f64(e: torch.Tensor) -> torch.Tensor:
@@ -640,17 +510,14 @@ __all__ = [
     "E2M1_VALUES",
     "E4M3_MAX",
     "FP8_BLOCK",
-    "MATMUL_TILE_ELEMENTS",
     "MXFP4_GROUP",
     "MXFP8_BLOCK",
     "MXFP8_ROW_BLOCK",
     "DecodeScratch",
     "as_e4m3_bits",
-    "bf16_matmul",
     "check_e8m0",
     "check_fp8_block_shapes",
     "check_mxfp4_shapes",
-    "dequant_matmul",
     "e2m1_decode",
     "e4m3_decode_bits",
     "e8m0_to_float32",
@@ -658,13 +525,10 @@ __all__ = [
     "fp8_act_dequant",
     "fp8_act_quant",
     "fp8_block_dequant",
-    "fp8_block_matmul",
     "fp8_block_quant",
     "fp8_block_scaled",
     "fp8_scale_to_float32",
-    "matmul_tile_rows",
     "mxfp4_dequant",
-    "mxfp4_matmul",
     "mxfp4_quant",
     "mxfp4_scaled",
     "mxfp4_unpack_codes",

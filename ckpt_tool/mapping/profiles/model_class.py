@@ -74,9 +74,9 @@ class ModelClass:
 def _engram_doc(config) -> dict | None:
     """V4.1's Engram tables: layers, rows and bytes (FP8 rows + one E8M0 byte per 32 columns), how vLLM splits
     them (by hash head) and the tp values it accepts (ckpt_tool.checkpoint.engram)."""
-    from ckpt_tool.checkpoint.engram import engram_layout
+    from ckpt_tool.checkpoint.engram import engram_split
 
-    layout = engram_layout(config)
+    layout = engram_split(config)
     if layout is None:
         return None
     row_bytes = config.engram_head_dim + config.engram_head_dim // 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.kernels._backend import (
     LAUNCH_LOCK,
     dot_in_bf16,
@@ -82,7 +82,7 @@ def fp8_block_gemm(
     resolved = resolve_backend(backend, bits.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
-        return quant.fp8_block_matmul(prepare_activation(x, act, block[1]), bits, w_scale, block, what=what)
+        return tiled_matmul.fp8_block_matmul(prepare_activation(x, act, block[1]), bits, w_scale, block, what=what)
     scale_what = f"{what} scale" if what else None
     if w_scale.dtype == torch.float32:
         scale_arg, scale_e8m0 = w_scale, False

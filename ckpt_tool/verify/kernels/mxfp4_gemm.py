@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_tool.verify import quant
+from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.kernels._backend import (
     LAUNCH_LOCK,
     dot_in_bf16,
@@ -43,7 +43,7 @@ def mxfp4_gemm(
     resolved = resolve_backend(backend, packed.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
-        return quant.mxfp4_matmul(x.to(torch.bfloat16).to(torch.float32), packed, w_scale, what=what)
+        return tiled_matmul.mxfp4_matmul(x.to(torch.bfloat16).to(torch.float32), packed, w_scale, what=what)
     scale_bits = quant.check_e8m0(w_scale, f"{what} scale" if what else None)
 
     x_arg = x.to(torch.bfloat16)
