@@ -54,7 +54,7 @@ from ckpt_tool.mapping.plan import Options, plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
 from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.output.convert import convert
-from ckpt_tool.verify import linear_check, numeric, reference
+from ckpt_tool.verify import linear_check, mtp_forward, numeric, reference, weight_sides
 from ckpt_tool.verify.levels import verify
 from ckpt_tool.verify.linear_check import LinearUnit
 from ckpt_tool.verify.verdict import Check, VerifyReport, skipped_check
@@ -192,14 +192,14 @@ def forward_only(
     ckpt, plan = _plan_of(out, src)
     cfg = plan.config
     dev = torch.device("cpu")
-    inputs = numeric.make_inputs(cfg, tokens, seed, dev)
+    inputs = mtp_forward.make_inputs(cfg, tokens, seed, dev)
     results = []
     for i in range(cfg.num_nextn_predict_layers):
-        a, b = numeric.run_layer(
+        a, b = mtp_forward.run_layer(
             cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16", route_all=route_all
         )
         metrics = reference.compare_outputs(a, b)
-        results.append((metrics, numeric.within_tolerance(metrics)))
+        results.append((metrics, mtp_forward.within_tolerance(metrics)))
     return results
 
 
@@ -731,7 +731,7 @@ def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, t
 def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
     """Routed experts the plain top-k MTP forward runs on ``tokens`` tokens (spied on the source side)."""
     seen: set[int] = set()
-    real = numeric.SourceShard.linear
+    real = weight_sides.SourceShard.linear
 
     def spy(self, role, x):
         if role.startswith("expert."):
@@ -739,7 +739,7 @@ def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
         return real(self, role, x)
 
     with monkeypatch.context() as m:
-        m.setattr(numeric.SourceShard, "linear", spy)
+        m.setattr(weight_sides.SourceShard, "linear", spy)
         forward_only(out, src, tokens=tokens, route_all=False)
     return seen
 
@@ -952,14 +952,14 @@ def test_an_expert_probe_removed_drops_coverage_and_fails_the_check(fixture_dir,
     counts exactly those units missing, below 100 %, and the coverage check fails naming expert, part and rank."""
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", 2, moe)
-    j, real = 5, numeric.LayerForward.finish
+    j, real = 5, mtp_forward.LayerForward.finish
 
     def forward_losing_one_probe(self, pool):
         a, b = real(self, pool)
         self.sides[1][-1].outputs.pop(f"expert.{j}.w3")  # the last rank's probe rows (sides: source, then ranks)
         return a, b
 
-    monkeypatch.setattr(numeric.LayerForward, "finish", forward_losing_one_probe)
+    monkeypatch.setattr(mtp_forward.LayerForward, "finish", forward_losing_one_probe)
     report = numeric_gate(out, src)
     cov = report.coverage
     holders = ["0", "1"] if moe == "tp" else ["1"]

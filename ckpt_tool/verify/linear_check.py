@@ -1,6 +1,6 @@
 """Numeric check of every output tensor: each converted linear against the source linear(s), by the engine's names.
 
-The MTP forward (numeric.py) proves one layer computes what the source computes, but on a handful
+The MTP forward (mtp_forward.py) proves one layer computes what the source computes, but on a handful
 of tokens it reaches few routed experts and it never runs a main-model layer. This check covers the
 rest: every linear of every layer, target model and MTP alike (each routed expert, each part of a
 fused weight, each TP rank), runs through the fp8-block / MXFP4 GEMM kernels on seeded probe inputs,
@@ -993,7 +993,7 @@ class TensorCheck:
     may schedule other work beside them, or here), :meth:`absorb` takes a batch's answers back, and :meth:`finish`
     runs whatever no child answered, adds the checks to the report and returns the coverage.
 
-    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
+    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (expert_probes.py; numeric.py
     credits them to the coverage); they stay expected. ``pool``: run the units left to :meth:`finish` on it."""
 
     def __init__(
