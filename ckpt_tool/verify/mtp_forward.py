@@ -192,8 +192,8 @@ def run_layer(
     **options: Any,
 ) -> tuple[MTPOutput, MTPOutput]:
     """One MTP layer's :class:`LayerForward` on its own (``options``: its keyword arguments; it gets a reader of
-    its own): the two sides at once in forked processes where :func:`~ckpt_tool.verify.compute_pool.may_fan_out` allows, else one after the other
-    here."""
+    its own): the two sides at once in forked processes where
+    :func:`~ckpt_tool.verify.compute_pool.may_fan_out` allows, else one after the other here."""
     with RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)) as reader:
         layer = LayerForward(cfg, plan, ckpt, out, mtp, inputs, reader, **options)
         if may_fan_out(pool, options["device"]):
