@@ -54,9 +54,9 @@ from ckpt_tool.mapping.plan import Options, plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
 from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.output.convert import convert
-from ckpt_tool.verify import linear_check, mtp_forward, numeric, reference, weight_sides
+from ckpt_tool.verify import coverage, linear_check, mtp_forward, numeric, reference, tensor_units, weight_sides
 from ckpt_tool.verify.levels import verify
-from ckpt_tool.verify.linear_check import LinearUnit
+from ckpt_tool.verify.tensor_units import LinearUnit
 from ckpt_tool.verify.verdict import Check, VerifyReport, skipped_check
 
 MANIFEST = "ckpt-tool.json"
@@ -897,8 +897,8 @@ def test_vision_conversion_passes_numeric_verify_with_every_vision_tensor_covere
     names = {c.name for c in report.checks}
     assert "numeric:model/vision" in names and "numeric:model/vision.blocks.1" in names
     ckpt, plan = _plan_of(out, src)
-    units = linear_check.tensor_units(plan.config, plan.options.profile, "model", tp, moe, set(ckpt.tensors))
-    parts = {p for u in units for p in linear_check.unit_parts(u)}
+    units = tensor_units.tensor_units(plan.config, plan.options.profile, "model", tp, moe, set(ckpt.tensors))
+    parts = {p for u in units for p in tensor_units.unit_parts(u)}
     assert {"vision.blocks.0.attn.wqkv.weight (k)", "vision.blocks.0.mlp.w1.weight (up)", "image_pad"} <= parts
     assert all(
         u.weight.startswith("language_model.") for u in units if isinstance(u, LinearUnit) and ".ffn." in u.weight
@@ -1013,8 +1013,8 @@ def test_coverage_counts_a_stacked_expert_the_unit_table_forgets(fixture_dir, tm
 def test_nothing_to_cover_is_n_a_never_100_percent() -> None:
     assert coverage_text({"checked": 0, "total": 0, "percent": None}) == "n/a (0 of 0)"
     assert coverage_text(None) == "-"  # the numeric level did not run
-    assert linear_check._tally(0, 0)["percent"] is None
-    assert linear_check._tally(99999, 100000)["percent"] == 99.99  # floored: short of every unit never reads 100
+    assert coverage._tally(0, 0)["percent"] is None
+    assert coverage._tally(99999, 100000)["percent"] == 99.99  # floored: short of every unit never reads 100
 
 
 # ---------------------------------------------------------------------------------------------

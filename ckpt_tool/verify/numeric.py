@@ -30,13 +30,15 @@ from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import ZERO, Plan
 from ckpt_tool.verify.compute_pool import ComputePool, ForkedTasks, may_fan_out
+from ckpt_tool.verify.coverage import Coverage
 from ckpt_tool.verify.expert_probes import ProbedShard, compare_expert_probes
 from ckpt_tool.verify.kernels import resolve_backend
-from ckpt_tool.verify.linear_check import Coverage, ExactUnit, TensorCheck, unit_tensors
+from ckpt_tool.verify.linear_check import TensorCheck
 from ckpt_tool.verify.mtp_forward import TOLERANCES, LayerForward, NumericInputs, make_inputs, within_tolerance
 from ckpt_tool.verify.one_pass import OnePass, Walk, places
 from ckpt_tool.verify.reference import compare_outputs
 from ckpt_tool.verify.rows import RowReader, release_freed_memory
+from ckpt_tool.verify.tensor_units import ExactUnit, unit_tensors
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
 
 
@@ -60,7 +62,7 @@ def check_numeric(
 
 class NumericLevel:
     """The numeric level: every output tensor against the source (linear_check), then the forward of every MTP
-    layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage: units
+    layer (one check each; skipped when OUT has no MTP draft), then coverage (coverage.Coverage: units
     computed / expected, per rank, expert and fused part). ``workers``: processes (or tiles) computing at once
     (:class:`~ckpt_tool.verify.compute_pool.ComputePool`; default one per CPU).
 
