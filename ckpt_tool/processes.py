@@ -1,4 +1,5 @@
-"""Processes: how many CPUs this process may use, forking a child safely, and the work forked children share.
+"""Processes: how many CPUs this process may use, forking a child safely, and the work forked children share and
+hand back (a task queue, a child's marshalled value, a file of bytes).
 
 Every fork in ckpt-tool goes through :func:`fork`, and every CPU count through :func:`usable_cpus`.
 
@@ -211,6 +212,44 @@ def _run_child(read_end: int, write_end: int, fn: Callable[..., Any], args: tupl
         pass
     finally:
         os._exit(code)  # no atexit, no flushing of stdio buffers inherited from the parent
+
+
+class HandBackFile:
+    """Bytes a forked child hands back to its parent through an anonymous file (memfd where there is one), for
+    results too large to send through a pipe: :meth:`put` in the child appends a buffer and returns its offset,
+    :meth:`read_into` in the parent fills a buffer from an offset. The file goes with :meth:`close`."""
+
+    def __init__(self, name: str) -> None:
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create(name)
+        else:
+            import tempfile  # not at the top: only where there is no memfd (not Linux), off the header path
+
+            self.fd = os.dup(tempfile.TemporaryFile().fileno())
+        self.end = 0
+
+    def put(self, data: Any) -> int:
+        """Append ``data`` (a buffer) and return the offset it starts at."""
+        at, view = self.end, memoryview(data).cast("B")
+        size = len(view)
+        while view:
+            view = view[os.pwrite(self.fd, view, self.end) :]
+            self.end = at + size - len(view)
+        return at
+
+    def read_into(self, view: memoryview, at: int) -> bool:
+        """Fill ``view`` (bytes) from offset ``at``; False when the file ends first."""
+        while view:
+            n = os.preadv(self.fd, [view], at)
+            if n <= 0:
+                return False
+            view, at = view[n:], at + n
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @contextmanager

@@ -20,7 +20,8 @@ import torch
 from cli_helpers import run_cli
 from safetensors import safe_open
 
-from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, VISION_VARIANTS, write_safetensors
+from ckpt_tool.fixtures.make import GOOD_VARIANTS, MAIN_LAYERS, VISION_VARIANTS
+from ckpt_tool.fixtures.safetensors_file import write_safetensors
 from ckpt_tool.mapping.plan import Options
 from ckpt_tool.output.convert import convert
 

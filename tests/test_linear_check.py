@@ -19,8 +19,9 @@ from ckpt_tool.output.convert import convert
 from ckpt_tool.verify import numeric, quant, reference
 from ckpt_tool.verify.kernels import fp8_block_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
-from ckpt_tool.verify.linear_check import LinearRunner, LinearUnit, Part, tensor_units, unit_tensors
+from ckpt_tool.verify.linear_check import LinearRunner
 from ckpt_tool.verify.rows import RowReader
+from ckpt_tool.verify.tensor_units import LinearUnit, Part, tensor_units, unit_tensors
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (4, "ep")]
 

@@ -5,7 +5,7 @@ subprocess, because the interpreter mode must be in the environment before trito
 kernel. Measured on the 2-core CPU box (wall time of the whole subprocess, torch import included; every
 tensor of the 3 main layers and the MTP layer through the interpreted kernels, every expert routed):
 fp4 tp 2 ~15 s, fp8-e8m0 tp 4 ep ~12 s; forward logits max_rel <= 1.3e-3 (the interpreter noise floor
-numeric.py documents); every per-tensor check within 1e-3.
+mtp_forward.py documents); every per-tensor check within 1e-3.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_numeric_verify_under_triton_interpreter(fixture_dir, tmp_path, record_p
     for entry in doc["numeric"]:
         assert entry["backend"] == "triton-interpreter", entry
         assert entry["device"] == "cpu" and entry["ok"] is True
-        # interpreter floor documented in numeric.py: max_rel <= 1.3e-3, cosine >= 0.9999999
+        # interpreter floor documented in mtp_forward.py: max_rel <= 1.3e-3, cosine >= 0.9999999
         assert entry["logits_max_rel"] <= 5e-3 and entry["hidden_max_rel"] <= 5e-3, entry
         assert entry["logits_cosine"] >= 0.999999 and entry["hidden_cosine"] >= 0.999999, entry
         print(

@@ -26,7 +26,7 @@ from ckpt_tool.mapping.profiles import (
     series_of,
     verified_releases,
 )  # fmt: skip
-from ckpt_tool.verify.numeric import CONVERTED_TENSORS
+from ckpt_tool.verify.forward_names import CONVERTED_TENSORS
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "ep"), (2, "ep")]
 

@@ -26,7 +26,7 @@ from ckpt_tool.checkpoint.headers import (
 from ckpt_tool.checkpoint.index import read_index, safe_relative_name
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError, HeaderError
-from ckpt_tool.fixtures.make import write_safetensors
+from ckpt_tool.fixtures.safetensors_file import write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,10 @@ from ckpt_tool.fixtures.broken import patch_bytes, tensor_offset
 from ckpt_tool.mapping.engine_table import engine_params
 from ckpt_tool.mapping.plan import Options
 from ckpt_tool.mapping.planner import plan_conversion
-from ckpt_tool.verify.linear_check import ExactUnit, LinearUnit, TensorCheck, tensor_units, unit_tensors
+from ckpt_tool.verify.linear_check import TensorCheck
 from ckpt_tool.verify.numeric import check_numeric
 from ckpt_tool.verify.rows import RowReader
+from ckpt_tool.verify.tensor_units import ExactUnit, LinearUnit, tensor_units, unit_tensors
 from ckpt_tool.verify.verdict import VerifyReport
 
 

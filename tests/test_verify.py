@@ -55,9 +55,9 @@ from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.mapping.profiles import PROFILES
 from ckpt_tool.mapping.rules import Rule, Split
 from ckpt_tool.output.convert import convert
-from ckpt_tool.verify import linear_check, numeric, reference
+from ckpt_tool.verify import coverage, linear_check, mtp_forward, numeric, reference, tensor_units, weight_sides
 from ckpt_tool.verify.levels import verify
-from ckpt_tool.verify.linear_check import LinearUnit
+from ckpt_tool.verify.tensor_units import LinearUnit
 from ckpt_tool.verify.verdict import Check, VerifyReport, skipped_check
 
 MANIFEST = "ckpt-tool.json"
@@ -193,14 +193,14 @@ def forward_only(
     ckpt, plan = _plan_of(out, src)
     cfg = plan.config
     dev = torch.device("cpu")
-    inputs = numeric.make_inputs(cfg, tokens, seed, dev)
+    inputs = mtp_forward.make_inputs(cfg, tokens, seed, dev)
     results = []
     for i in range(cfg.num_nextn_predict_layers):
-        a, b = numeric.run_layer(
+        a, b = mtp_forward.run_layer(
             cfg, plan, ckpt, out, i, inputs, device=dev, kernels="torch", act="bf16", route_all=route_all
         )
         metrics = reference.compare_outputs(a, b)
-        results.append((metrics, numeric.within_tolerance(metrics)))
+        results.append((metrics, mtp_forward.within_tolerance(metrics)))
     return results
 
 
@@ -732,7 +732,7 @@ def test_numeric_gate_alone_sees_replicated_tensors_on_every_rank(fixture_dir, t
 def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
     """Routed experts the plain top-k MTP forward runs on ``tokens`` tokens (spied on the source side)."""
     seen: set[int] = set()
-    real = numeric.SourceShard.linear
+    real = weight_sides.SourceShard.linear
 
     def spy(self, role, x):
         if role.startswith("expert."):
@@ -740,7 +740,7 @@ def reached_experts(out: Path, src: Path, tokens: int, monkeypatch) -> set[int]:
         return real(self, role, x)
 
     with monkeypatch.context() as m:
-        m.setattr(numeric.SourceShard, "linear", spy)
+        m.setattr(weight_sides.SourceShard, "linear", spy)
         forward_only(out, src, tokens=tokens, route_all=False)
     return seen
 
@@ -898,8 +898,8 @@ def test_vision_conversion_passes_numeric_verify_with_every_vision_tensor_covere
     names = {c.name for c in report.checks}
     assert "numeric:model/vision" in names and "numeric:model/vision.blocks.1" in names
     ckpt, plan = _plan_of(out, src)
-    units = linear_check.tensor_units(plan.config, plan.options.profile, "model", tp, moe, set(ckpt.tensors))
-    parts = {p for u in units for p in linear_check.unit_parts(u)}
+    units = tensor_units.tensor_units(plan.config, plan.options.profile, "model", tp, moe, set(ckpt.tensors))
+    parts = {p for u in units for p in tensor_units.unit_parts(u)}
     assert {"vision.blocks.0.attn.wqkv.weight (k)", "vision.blocks.0.mlp.w1.weight (up)", "image_pad"} <= parts
     assert all(
         u.weight.startswith("language_model.") for u in units if isinstance(u, LinearUnit) and ".ffn." in u.weight
@@ -953,14 +953,14 @@ def test_an_expert_probe_removed_drops_coverage_and_fails_the_check(fixture_dir,
     counts exactly those units missing, below 100 %, and the coverage check fails naming expert, part and rank."""
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", 2, moe)
-    j, real = 5, numeric.LayerForward.finish
+    j, real = 5, mtp_forward.LayerForward.finish
 
     def forward_losing_one_probe(self, pool):
         a, b = real(self, pool)
         self.sides[1][-1].outputs.pop(f"expert.{j}.w3")  # the last rank's probe rows (sides: source, then ranks)
         return a, b
 
-    monkeypatch.setattr(numeric.LayerForward, "finish", forward_losing_one_probe)
+    monkeypatch.setattr(mtp_forward.LayerForward, "finish", forward_losing_one_probe)
     report = numeric_gate(out, src)
     cov = report.coverage
     holders = ["0", "1"] if moe == "tp" else ["1"]
@@ -1014,8 +1014,8 @@ def test_coverage_counts_a_stacked_expert_the_unit_table_forgets(fixture_dir, tm
 def test_nothing_to_cover_is_n_a_never_100_percent() -> None:
     assert coverage_text({"checked": 0, "total": 0, "percent": None}) == "n/a (0 of 0)"
     assert coverage_text(None) == "-"  # the numeric level did not run
-    assert linear_check._tally(0, 0)["percent"] is None
-    assert linear_check._tally(99999, 100000)["percent"] == 99.99  # floored: short of every unit never reads 100
+    assert coverage._tally(0, 0)["percent"] is None
+    assert coverage._tally(99999, 100000)["percent"] == 99.99  # floored: short of every unit never reads 100
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,6 +110,11 @@ def can_fork_workers() -> bool:
     return can_fork(daemon_threads=True) and not torch.cuda.is_initialized()
 
 
+def may_fan_out(pool: ComputePool | None, device: torch.device) -> bool:
+    """Whether work goes to forked processes: more than one worker, CPU tensors, and a process that may fork."""
+    return pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers()
+
+
 _FRAME = 4  # bytes of the length before each marshalled result
 
 

@@ -1,6 +1,7 @@
-"""Numeric check of every output tensor: each converted linear against the source linear(s), by the engine's names.
+"""Numeric check of every output tensor: each converted linear against the source linear(s), by the engine's names
+(the units it runs: :mod:`ckpt_tool.verify.tensor_units`; what they count for: :mod:`ckpt_tool.verify.coverage`).
 
-The MTP forward (numeric.py) proves one layer computes what the source computes, but on a handful
+The MTP forward (mtp_forward.py) proves one layer computes what the source computes, but on a handful
 of tokens it reaches few routed experts and it never runs a main-model layer. This check covers the
 rest: every linear of every layer, target model and MTP alike (each routed expert, each part of a
 fused weight, each TP rank), runs through the fp8-block / MXFP4 GEMM kernels on seeded probe inputs,
@@ -41,601 +42,29 @@ import logging
 import math
 import threading
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
-from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.engram import EngramSplit, engram_split
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
 from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
-from ckpt_tool.errors import CheckpointError, UsageError
-from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
+from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
-from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
 from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
+from ckpt_tool.verify.coverage import Coverage
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
+from ckpt_tool.verify.tensor_units import ExactUnit, LinearUnit, Part, Unit, tensor_units, unit_label, unit_tensors
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
 
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = 4
 LINEAR_MAX_REL = 1e-3
-
-
-@dataclass(frozen=True)
-class Part:
-    """One source linear inside an engine linear: ``source`` is a DeepSeek base name (quantized:
-    ``.weight`` + ``.scale``) or a full tensor name (bf16); ``rows`` its output features."""
-
-    source: str
-    rows: int
-    row0: int = 0  # the part's first row in the source tensor (a section of a tensor fused on disk: q|k|v)
-    section: str = ""  # that section's name, which tells its coverage unit apart
-
-    @property
-    def key(self) -> str:
-        """What coverage counts this part as: the source, or one section of it."""
-        return f"{self.source} ({self.section})" if self.section else self.source
-
-
-@dataclass(frozen=True)
-class LinearUnit:
-    """An engine linear (or one routed expert's slot of a stacked one) and the source parts it holds.
-
-    ``layout``: ``full`` — every rank in ``ranks`` holds all parts stacked by rows (replicated, or an
-    expert-parallel expert on its owner); ``col`` — each part's rows split over the ranks, a rank
-    holding its slice of every part in order (column parallel); ``row`` — the input features split
-    over the ranks, partial outputs summed (row parallel).
-    """
-
-    group: str
-    weight: str
-    scale: str | None
-    kind: str  # fp8 | mxfp8 | mxfp4 | bf16 (mxfp8: V4.1, 32x32 scale blocks in the source, 1x32 in OUT)
-    parts: tuple[Part, ...]
-    inp: int
-    layout: str
-    ranks: tuple[int, ...]
-    expert: int | None = None  # global routed expert (the engine tensor is stacked)
-    local: tuple[int, ...] = ()  # per entry of ranks: the expert's slot in that rank's stack
-    # col/row: each part's rows (col) or the inputs (row) a rank holds when the engine zero-pads the split to
-    # whole blocks (real ones first, a rank past the end all zeros); None: an even split
-    per_rank: int | None = None
-
-    def share(self, size: int) -> int:
-        """What one rank holds of a split dim of ``size``."""
-        return self.per_rank if self.per_rank is not None else size // len(self.ranks)
-
-    @property
-    def label(self) -> str:
-        return self.weight if self.expert is None else f"{self.weight}[expert {self.expert}]"
-
-
-@dataclass(frozen=True)
-class ExactUnit:
-    """A non-linear tensor compared by value: whole on every rank, split evenly by rows (``col``), or each rank its own
-    row range (``rows``)."""
-
-    group: str
-    name: str
-    source: str
-    layout: str
-    ranks: tuple[int, ...]
-    sections: int = 1  # col: the source is this many equal sections, each split over the ranks (a q|k|v bias)
-    # layout "rows": per entry of ranks, the [start, end) source rows the rank holds (an Engram table's hash heads),
-    # compared byte for byte a tile of rows at a time
-    rows: tuple[tuple[int, int], ...] = ()
-
-
-Unit = LinearUnit | ExactUnit
-
-
-class _Builder:
-    """The unit table of one component: engine names (engine.py) against DeepSeek source names."""
-
-    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool, source_names: set[str]) -> None:
-        self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
-        self.source_names = source_names
-        self.units: list[Unit] = []
-        self.group = ""
-        self.all_ranks = tuple(range(tp))
-
-    def exact(self, name: str, source: str, layout: str = "full", sections: int = 1) -> None:
-        self.units.append(ExactUnit(self.group, name, source, layout, self.all_ranks, sections))
-
-    def fp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str, per_rank: int | None = None) -> None:
-        self.units.append(
-            LinearUnit(
-                self.group,
-                f"{base}.weight",
-                f"{base}.weight_scale_inv",
-                "fp8",
-                tuple(Part(s, r) for s, r in parts),
-                inp,
-                layout,
-                self.all_ranks,
-                per_rank=per_rank,
-            )
-        )
-
-    def mxfp8(self, base: str, parts: list[tuple[str, int]], inp: int, layout: str) -> None:
-        """A V4.1 MXFP8 linear: the source's ``.weight`` + ``.scale`` (32x32 blocks) against the engine's ``.weight``
-        + ``.weight_scale`` (one scale row a weight row)."""
-        ps = tuple(Part(s, r) for s, r in parts)
-        self.units.append(
-            LinearUnit(self.group, f"{base}.weight", f"{base}.weight_scale", "mxfp8", ps, inp, layout, self.all_ranks)
-        )
-
-    def bf16(self, name: str, parts: list[tuple[str, int]] | list[Part], inp: int, layout: str = "full") -> None:
-        ps = tuple(p if isinstance(p, Part) else Part(*p) for p in parts)
-        self.units.append(LinearUnit(self.group, name, None, "bf16", ps, inp, layout, self.all_ranks))
-
-    def rows(self, name: str, source: str, ranges: list[tuple[int, int]]) -> None:
-        """A tensor each rank holds its own row range of (``ranges``, one per rank), compared byte for byte: a unit
-        per rank, so that the ranks of a ~100 GB table are read by several workers at once."""
-        for r, rows in zip(self.all_ranks, ranges, strict=True):
-            self.units.append(ExactUnit(self.group, name, source, "rows", (r,), rows=(rows,)))
-
-    def vision(self, image_pad: bool = True) -> None:
-        """The vision tower, aligner and image_* (vllm/models/deepseek_v4/common/vision.py): BF16 linears compared
-        by value, split as the engine splits them (q|k|v and gate|up per section), or whole on every rank when
-        vision_n_heads does not divide tp."""
-        c = self.cfg
-        D, I, H, P, r = c.vision_dim, c.vision_inter_dim, c.hidden_size, c.vision_patch_size, c.vision_downsample_ratio
-        split = c.vision_n_heads % self.tp == 0
-        col, row = ("col", "row") if split else ("full", "full")
-        self.group = "vision"
-        self.bf16("vision.patch_embed.proj.weight", [("vision.patch_embed.proj.weight", D)], 3 * P * P)
-        self.exact("vision.patch_embed.proj.bias", "vision.patch_embed.proj.bias")
-        for b in range(c.vision_n_layers):
-            p = f"vision.blocks.{b}"
-            self.group = p
-            self.exact(f"{p}.norm1.weight", f"{p}.norm1.weight")
-            self.exact(f"{p}.norm2.weight", f"{p}.norm2.weight")
-            qkv = f"{p}.attn.wqkv.weight"
-            self.bf16(qkv, [Part(qkv, D, k * D, sec) for k, sec in enumerate("qkv")], D, col)
-            self.exact(f"{p}.attn.wqkv.bias", f"{p}.attn.wqkv.bias", col, sections=3 if split else 1)
-            self.bf16(f"{p}.attn.wo.weight", [(f"{p}.attn.wo.weight", D)], D, row)
-            self.exact(f"{p}.attn.wo.bias", f"{p}.attn.wo.bias")
-            w1 = f"{p}.mlp.w1.weight"
-            self.bf16(w1, [Part(w1, I, 0, "gate"), Part(w1, I, I, "up")], D, col)
-            self.bf16(f"{p}.mlp.w2.weight", [(f"{p}.mlp.w2.weight", D)], I, row)
-        self.group = "vision"
-        self.exact("vision.norm.weight", "vision.norm.weight")
-        self.bf16("aligner.w1.weight", [("aligner.w1.weight", H)], D * r * r, col)
-        self.exact("aligner.w1.bias", "aligner.w1.bias", col)
-        self.bf16("aligner.w2.weight", [("aligner.w2.weight", H)], H, row)
-        self.exact("aligner.w2.bias", "aligner.w2.bias")
-        for name in ("image_start", "image_end", "image_newline", "image_pad")[: 4 if image_pad else 3]:
-            self.exact(name, name)
-
-    def attention(self, p: str, sp: str, linear: Callable[..., None]) -> tuple[str, str]:
-        """A block's norms, hyper-connections and the attention every V4 and V4.1 block has, its quantized linears
-        added by ``linear`` (:meth:`fp8` or :meth:`mxfp8`); returns the engine's and the source's attention prefix."""
-        c = self.cfg
-        D, H, Dh, Qr = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
-        G, Or = c.o_groups, c.o_lora_rank
-        self.exact(f"{p}.attn_norm.weight", f"{sp}.attn_norm.weight")
-        self.exact(f"{p}.ffn_norm.weight", f"{sp}.ffn_norm.weight")
-        for part in ("attn", "ffn"):
-            for t in ("fn", "base", "scale"):
-                self.exact(f"{p}.hc_{part}_{t}", f"{sp}.hc_{part}_{t}")
-        a, sa = f"{p}.attn", f"{sp}.attn"
-        self.exact(f"{a}.attn_sink", f"{sa}.attn_sink", "col")
-        linear(f"{a}.fused_wqa_wkv", [(f"{sa}.wq_a", Qr), (f"{sa}.wkv", Dh)], D, "full")
-        self.exact(f"{a}.q_norm.weight", f"{sa}.q_norm.weight")
-        self.exact(f"{a}.kv_norm.weight", f"{sa}.kv_norm.weight")
-        linear(f"{a}.wq_b", [(f"{sa}.wq_b", H * Dh)], Qr, "col")
-        linear(f"{a}.wo_a", [(f"{sa}.wo_a", G * Or)], H * Dh // G, "col")
-        linear(f"{a}.wo_b", [(f"{sa}.wo_b", D)], G * Or, "row")
-        return a, sa
-
-    def block(self, p: str, sp: str, *, ratio: int, hash_layer: bool) -> None:
-        c, n = self.cfg, self.n
-        D, Dh, Qr = c.hidden_size, c.head_dim, c.q_lora_rank
-        a, sa = self.attention(p, sp, self.fp8)
-        if ratio:
-            coff = 2 if ratio == 4 else 1
-            cm, sc = f"{p}.{n.compressor}", f"{sa}.compressor"
-            self.exact(f"{cm}.ape", f"{sc}.ape")
-            self.bf16(
-                f"{cm}.fused_wkv_wgate.weight", [(f"{sc}.wkv.weight", coff * Dh), (f"{sc}.wgate.weight", coff * Dh)], D
-            )
-            self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
-        if ratio == 4:
-            ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
-            self.fp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
-            self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
-            self.exact(f"{ix}.compressor.ape", f"{si}.compressor.ape")
-            self.bf16(
-                f"{ix}.compressor.fused_wkv_wgate.weight",
-                [(f"{si}.compressor.wkv.weight", 2 * ihd), (f"{si}.compressor.wgate.weight", 2 * ihd)],
-                D,
-            )
-            self.exact(f"{ix}.compressor.norm.weight", f"{si}.compressor.norm.weight")
-        E, I = c.n_routed_experts, c.moe_intermediate_size
-        g, sf = f"{p}.{n.gate}", f"{sp}.ffn"
-        self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", E)], D)
-        if hash_layer:
-            self.exact(f"{g}.tid2eid", f"{sf}.gate.tid2eid")
-        if not hash_layer or c.is_vision:  # the vision model's hash layers have a gate bias too
-            self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
-        if c.is_vision:
-            self.exact(f"{g}.bias_vl", f"{sf}.gate.bias_vl")
-        if c.n_shared_experts:
-            sh, ss, Ish = f"{p}.{n.shared}", f"{sf}.shared_experts", I * c.n_shared_experts
-            per_rank = None
-            if n.shared_pad and (Ish // FP8_BLOCK) % self.tp:  # the engine's whole blocks a rank (engine.py)
-                per_rank = cdiv(Ish // FP8_BLOCK, self.tp) * FP8_BLOCK
-            self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
-            self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
-        self.routed(p, sp, E, "mxfp4" if c.expert_dtype == "fp4" else "fp8")
-
-    def routed(self, p: str, sp: str, E: int, kind: str) -> None:
-        """The ``E`` routed experts of block ``p`` (source ``sp``), one unit per expert and stacked tensor: split
-        over the ranks (tp), or each expert whole on its owner (ep)."""
-        D, I, n = self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.n
-        r, sf = f"{p}.{n.routed}", f"{sp}.ffn"
-        sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
-        per = E // self.tp
-        for j in range(E):
-            if self.ep:
-                ranks, local, lay13, lay2 = (j // per,), (j % per,), "full", "full"
-            else:
-                ranks, local, lay13, lay2 = self.all_ranks, (j,) * self.tp, "col", "row"
-            se = f"{sf}.experts.{j}"
-            self.units.append(
-                LinearUnit(
-                    self.group,
-                    f"{r}.w13_weight",
-                    f"{r}.w13_{sfx}",
-                    kind,
-                    (Part(f"{se}.w1", I), Part(f"{se}.w3", I)),
-                    D,
-                    lay13,
-                    ranks,
-                    j,
-                    local,
-                )
-            )
-            self.units.append(
-                LinearUnit(
-                    self.group,
-                    f"{r}.w2_weight",
-                    f"{r}.w2_{sfx}",
-                    kind,
-                    (Part(f"{se}.w2", D),),
-                    I,
-                    lay2,
-                    ranks,
-                    j,
-                    local,
-                )
-            )
-
-    def v41_block(self, p: str, sp: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
-        """One DeepSeek V4.1 decoder block (vllm/models/deepseek_v41/nvidia/model.py, attention.py): MXFP8 attention
-        and shared experts, a bf16 compressor (wkv, and wgate at ratio 2) only on a kv source, an indexer (MXFP8 wq_b,
-        bf16 weights_proj; wk and k_norm on a kv source too) only on an index source, every router's bias_vl, MXFP4
-        routed experts."""
-        c = self.cfg
-        D, Dh, Qr = c.hidden_size, c.head_dim, c.q_lora_rank
-        a, sa = self.attention(p, sp, self.mxfp8)
-        if kv:
-            cm, sc = f"{a}.compressor", f"{sa}.compressor"
-            parts = [(f"{sc}.wkv.weight", Dh)] + ([(f"{sc}.wgate.weight", Dh)] if ratio > 1 else [])
-            self.bf16(f"{cm}.fused_wkv_wgate.weight", parts, D)
-            self.exact(f"{cm}.norm.weight", f"{sc}.norm.weight")
-        if index:
-            ix, si, ihd = f"{a}.indexer", f"{sa}.indexer", c.index_head_dim
-            self.mxfp8(f"{ix}.wq_b", [(f"{si}.wq_b", c.index_n_heads * ihd)], Qr, "full")
-            self.bf16(f"{ix}.weights_proj.weight", [(f"{si}.weights_proj.weight", c.index_n_heads)], D)
-            if kv:
-                self.bf16(f"{ix}.wk.weight", [(f"{si}.wk.weight", ihd)], Dh)
-                self.exact(f"{ix}.k_norm.weight", f"{si}.k_norm.weight")
-        g, sf = f"{p}.{self.n.gate}", f"{sp}.ffn"
-        self.bf16(f"{g}.weight", [(f"{sf}.gate.weight", experts)], D)
-        self.exact(f"{g}.e_score_correction_bias", f"{sf}.gate.bias")
-        self.exact(f"{g}.bias_vl", f"{sf}.gate.bias_vl")
-        sh, ss, Ish = f"{p}.{self.n.shared}", f"{sf}.shared_experts", c.moe_intermediate_size * c.n_shared_experts
-        self.mxfp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col")
-        self.mxfp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
-        self.routed(p, sp, experts, "mxfp4")
-
-    def engram(self, p: str, sp: str, layer: int, layout: EngramSplit) -> None:
-        """The Engram of layer ``layer`` (vllm/models/deepseek_v41/common/engram.py): its FP8 table and per-row E8M0
-        scale, each rank the rows of its hash heads (uneven), byte for byte; the MXFP8 ``wkv`` column-parallel; the
-        bf16 ``q_weight`` / ``k_weight`` whole."""
-        c = self.cfg
-        e, se = f"{p}.engram", f"{sp}.engram"
-        ranges = layout.rank_rows(layer, self.tp)
-        self.rows(f"{e}.embed_tokens.weight", f"{se}.embed.weight", ranges)
-        self.rows(f"{e}.embed_tokens.weight_scale_inv", f"{se}.embed.scale", ranges)
-        inp = layout.hash_heads * c.engram_head_dim
-        self.mxfp8(f"{e}.wkv", [(f"{se}.wkv", c.hidden_size * (c.hc_mult + 1))], inp, "col")
-        self.exact(f"{e}.q_weight", f"{se}.q_weight")
-        self.exact(f"{e}.k_weight", f"{se}.k_weight")
-
-
-def tensor_units(
-    cfg: V4Config,
-    profile: str,
-    component: str,
-    tp: int,
-    moe_parallel: str,
-    source_names: set[str],
-    vllm_series: str | None = None,
-) -> list[Unit]:
-    """Every engine tensor of one rank set of ``component`` as check units (see the module docstring);
-    ``vllm_series``: the series a draft whose parameters differ by series was written for (the manifest's
-    ``options.vllm_series``; None: the newest)."""
-    if profile not in ENGINES:
-        raise UsageError(
-            f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"
-        )
-    b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
-    if cfg.is_v41:
-        if component == "model":
-            _v41_target_units(b, cfg)
-        else:
-            b.group = "embed/head"
-            _dspark_units(b, cfg, source_names, draft_kind_of(cfg).holds_context_wkv(vllm_series))
-        return b.units
-    D, V = cfg.hidden_size, cfg.vocab_size
-    b.group = "embed/head"
-    if component == "model":
-        b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
-        b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
-        b.exact("model.norm.weight", "norm.weight")
-        for t in ("fn", "base", "scale"):
-            b.exact(f"model.hc_head_{t}", f"hc_head_{t}")
-        for layer in range(cfg.num_hidden_layers):
-            b.group = f"layers.{layer}"
-            b.block(
-                f"model.layers.{layer}",
-                f"layers.{layer}",
-                ratio=cfg.compress_ratio(layer),
-                hash_layer=layer < cfg.num_hash_layers,
-            )
-        if cfg.is_vision:  # DeepseekV4ForConditionalGeneration: the text model under language_model., the tower
-            prefix = model_class_of(cfg).target_prefix
-            b.units = [_prefixed(u, prefix) for u in b.units]
-            b.vision()
-        return b.units
-    if component == "dspark":
-        _dspark_units(b, cfg, source_names)
-        return b.units
-    # the draft's one embedding: mtp.0's own if stored, else the target's (as the converter materializes it)
-    emb = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in source_names else "embed.weight"
-    b.bf16("model.embed_tokens.weight", [(emb, V)], D, "col")
-    for i, S in enumerate(cfg.mtp_layer_ids):
-        p, sp = f"model.layers.{S}", f"mtp.{i}"
-        b.group = f"mtp.{i} (layer {S})"
-        b.exact(f"{p}.enorm.weight", f"{sp}.enorm.weight")
-        b.exact(f"{p}.hnorm.weight", f"{sp}.hnorm.weight")
-        b.fp8(f"{p}.e_proj", [(f"{sp}.e_proj", D)], D, "full")
-        b.fp8(f"{p}.h_proj", [(f"{sp}.h_proj", D)], D, "full")
-        for t in ("fn", "base", "scale"):
-            b.exact(f"{p}.hc_head_{t}", f"{sp}.hc_head_{t}")
-        b.exact(f"{p}.shared_head.norm.weight", f"{sp}.norm.weight")
-        head = f"{sp}.head.weight" if f"{sp}.head.weight" in source_names else "head.weight"
-        b.bf16(f"{p}.shared_head.head.weight", [(head, V)], D, "col")
-        b.block(f"{p}.mtp_block", sp, ratio=0, hash_layer=False)
-    return b.units
-
-
-def _dspark_units(b: _Builder, cfg: V4Config, source_names: set[str], context_wkv: bool = True) -> None:
-    """The DSpark draft against DeepSeek's mtp.* names: V4's (vllm/models/deepseek_v4/nvidia/dspark.py) or V4.1's
-    (vllm/models/deepseek_v41/nvidia/dspark.py). The target's embedding and head (the draft holds the target's),
-    main_proj and (``context_wkv``: V4's in every series, V4.1's from vLLM 0.34) every stage's wkv again as
-    context_wkv_proj through the fp8 (V4) or MXFP8 (V4.1) kernel, the Markov head as bf16 linears (``markov_w1`` /
-    ``markov_w2`` in a V4 checkpoint, ``markov_head.embed`` / ``.head`` in V4.1's), the norms, hc_head (V4 only) and
-    the confidence head by value, every stage's decoder block as a target layer's (V4.1: with
-    ``dspark_n_routed_experts`` experts, never a kv or index source)."""
-    D, V, n, r = cfg.hidden_size, cfg.vocab_size, cfg.draft_layers, cfg.dspark_markov_rank
-    stage_of = _stage_finder(n, source_names)
-    linear = b.mxfp8 if cfg.is_v41 else b.fp8
-    b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
-    b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
-    b.group = "dspark heads"
-    first = stage_of("main_proj.weight", 0)
-    linear("model.main_proj", [(f"{first}.main_proj", D)], D * len(cfg.dspark_target_layer_ids), "full")
-    b.exact("model.main_norm.weight", f"{stage_of('main_norm.weight', 0)}.main_norm.weight")
-    if context_wkv:
-        linear("model.context_wkv_proj", [(f"mtp.{i}.attn.wkv", cfg.head_dim) for i in range(n)], D, "full")
-    b.exact("model.norm.weight", f"{stage_of('norm.weight', n - 1)}.norm.weight")
-    if not cfg.is_v41:  # V4.1 has no hc_head
-        for t in ("fn", "base", "scale"):
-            b.exact(f"model.hc_head_{t}", f"{stage_of(f'hc_head_{t}', n - 1)}.hc_head_{t}")
-    markov = ("embed", "head") if cfg.is_v41 else ("markov_w1", "markov_w2")
-    w1, w2 = (f"{stage_of(f'markov_head.{m}.weight', n - 1)}.markov_head.{m}.weight" for m in markov)
-    b.bf16("model.markov_head.markov_w1.weight", [(w1, V)], r)
-    b.bf16("model.markov_head.markov_w2.weight", [(w2, cfg.draft_vocab_size or V)], r)
-    if cfg.enable_confidence_head:
-        conf = stage_of("confidence_head.proj.weight", n - 1)
-        b.exact("model.confidence_head.proj.weight", f"{conf}.confidence_head.proj.weight")
-    for i in range(n):
-        b.group = f"dspark stage mtp.{i}"
-        p, sp = f"model.layers.{i}", f"mtp.{i}"
-        if cfg.is_v41:
-            b.v41_block(p, sp, kv=False, index=False, ratio=0, experts=cfg.dspark_n_routed_experts)
-        else:
-            b.block(p, sp, ratio=0, hash_layer=False)
-
-
-def _v41_target_units(b: _Builder, cfg: V4Config) -> None:
-    """DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the text model under ``language_model.``
-    (no hc_head), every layer's block and Engram, the vision tower as V4's without image_pad."""
-    D, V = cfg.hidden_size, cfg.vocab_size
-    layout = engram_split(cfg)
-    b.group = "embed/head"
-    b.bf16("model.embed_tokens.weight", [("embed.weight", V)], D, "col")
-    b.bf16("lm_head.weight", [("head.weight", V)], D, "col")
-    b.exact("model.norm.weight", "norm.weight")
-    for layer in range(cfg.num_hidden_layers):
-        b.group = f"layers.{layer}"
-        p, sp = f"model.layers.{layer}", f"layers.{layer}"
-        b.v41_block(
-            p,
-            sp,
-            kv=layer in cfg.kv_source_layer_ids,
-            index=layer in cfg.index_source_layer_ids,
-            ratio=cfg.compress_ratio(layer),
-            experts=cfg.n_routed_experts,
-        )
-        if layout is not None and layer in layout.layer_ids:
-            b.engram(p, sp, layer, layout)
-    b.units = [_prefixed(u, "language_model.") for u in b.units]  # vl_model.py's outer mapper
-    b.vision(image_pad=False)
-
-
-def _stage_finder(n: int, source_names: set[str]):
-    """``stage_of(suffix, default)``: the DSpark stage holding a head-stack tensor (vLLM takes it from any stage),
-    ``mtp.{default}`` (where DeepSeek ships it) when none does."""
-
-    def stage_of(suffix: str, default: int) -> str:
-        held = [i for i in range(n) if f"mtp.{i}.{suffix}" in source_names]
-        return f"mtp.{held[0] if held else default}"
-
-    return stage_of
-
-
-def _prefixed(u: Unit, prefix: str) -> Unit:
-    if isinstance(u, ExactUnit):
-        return replace(u, name=prefix + u.name)
-    return replace(u, weight=prefix + u.weight, scale=None if u.scale is None else prefix + u.scale)
-
-
-def unit_tensors(u: Unit) -> list[str]:
-    """Engine tensor names a unit checks."""
-    if isinstance(u, ExactUnit):
-        return [u.name]
-    return [u.weight] + ([u.scale] if u.scale else [])
-
-
-def unit_label(u: Unit) -> str:
-    """The unit's engine tensor (``[expert j]`` for one routed expert of a stacked tensor)."""
-    return u.name if isinstance(u, ExactUnit) else u.label
-
-
-def unit_parts(u: Unit) -> list[str]:
-    """The source tensors (quantized linears: base names) a unit holds, in order."""
-    return [u.source] if isinstance(u, ExactUnit) else [p.key for p in u.parts]
-
-
-# ---------------------------------------------------------------------------------------------
-# coverage: what was computed
-
-
-class Coverage:
-    """What the numeric level computed, counted in units of one source part of one engine tensor on one rank:
-    a fused weight counts once per part (``fused_wqa_wkv``: wq_a and wkv; ``gate_up_proj``: w1 and w3), a
-    stacked routed-expert tensor once per expert and part (w13: w1 and w3; w2), weight and scale together.
-
-    Expected: every unit of the unit table on every rank the plan writes, plus whatever a rank's header holds
-    that no unit names (a tensor, a stacked expert slot) — nothing can compute those, so they count against
-    coverage. Computed: only what the code that ran a part records (:class:`LinearRunner`, the MTP forward's
-    expert probes via :meth:`credit`), never inferred from names. Nothing to cover is n/a, never 100 %.
-    """
-
-    SHOWN = 50  # units not computed listed by name in the report
-
-    def __init__(self, plan: Plan, headers: dict[str, ShardHeader], units: dict[str, list[Unit]]) -> None:
-        self.units = dict(units)  # the caller may narrow what it runs; what is expected stays
-        self.ranks = {comp: sorted({f.rank for f in plan.files if f.component == comp}) for comp in units}
-        self.computed: dict[str, dict[tuple[str, str], int]] = {comp: {} for comp in units}
-        self.unnamed: dict[str, list[tuple[int, str]]] = {
-            comp: _unnamed(plan, headers, comp, us) for comp, us in units.items()
-        }
-
-    def add(self, component: str, computed: dict[tuple[str, str], int]) -> None:
-        """A runner's record: ``(unit label, source part) -> bits of the ranks computed``."""
-        done = self.computed[component]
-        for key, bits in computed.items():
-            done[key] = done.get(key, 0) | bits
-
-    def credit(self, component: str, records: set[tuple[int, str]]) -> None:
-        """``(rank, source part)`` pairs another computation compared with the source (the MTP forward's expert
-        probes): the unit holding that part counts as computed on that rank."""
-        holders: dict[str, list[str]] = {}
-        for u in self.units[component]:
-            for src in unit_parts(u):
-                holders.setdefault(src, []).append(unit_label(u))
-        done = self.computed[component]
-        for rank, src in records:
-            for label in holders.get(src, ()):
-                done[label, src] = done.get((label, src), 0) | 1 << rank
-
-    def summary(self) -> tuple[dict, list[str]]:
-        """The report's coverage (``checked`` / ``total`` units, ``percent`` or None when there is nothing to
-        cover; per component and rank), and the first :attr:`SHOWN` units not computed, named."""
-        components: dict[str, dict] = {}
-        missed: list[str] = []
-        for comp, units in self.units.items():
-            tally = {r: [0, 0] for r in self.ranks[comp]}  # rank -> [checked, total]
-            done = self.computed[comp]
-            for u in units:
-                label = unit_label(u)
-                for src in unit_parts(u):
-                    bits = done.get((label, src), 0)
-                    for r in u.ranks:
-                        if r not in tally:
-                            continue  # a rank the plan does not write (convert --ranks)
-                        tally[r][1] += 1
-                        if bits >> r & 1:
-                            tally[r][0] += 1
-                        elif len(missed) < self.SHOWN:
-                            missed.append(f"{comp} rank {r}: {label} part {src}")
-            for r, what in self.unnamed[comp]:
-                tally[r][1] += 1
-                if len(missed) < self.SHOWN:
-                    missed.append(f"{comp} rank {r}: {what} (no numeric check computes it)")
-            ranks = {str(r): _tally(c, t) for r, (c, t) in tally.items()}
-            components[comp] = {
-                **_tally(sum(c for c, _ in tally.values()), sum(t for _, t in tally.values())),
-                "ranks": ranks,
-            }
-        whole = _tally(sum(c["checked"] for c in components.values()), sum(c["total"] for c in components.values()))
-        return {"unit": "one source part of one engine tensor on one rank", **whole, "components": components}, missed
-
-
-def _tally(checked: int, total: int) -> dict:
-    """``percent`` floored (99.996 % shows 99.99, never 100), None for 0 of 0."""
-    return {"checked": checked, "total": total, "percent": math.floor(10000 * checked / total) / 100 if total else None}
-
-
-def _unnamed(plan: Plan, headers: dict[str, ShardHeader], comp: str, units: list[Unit]) -> list[tuple[int, str]]:
-    """``(rank, what)`` for each tensor in the rank's headers that no unit names, and each stacked expert slot
-    of a named tensor that no unit computes."""
-    named: dict[int, set[str]] = {}
-    slots: dict[tuple[int, str], set[int]] = {}
-    for u in units:
-        for i, r in enumerate(u.ranks):
-            named.setdefault(r, set()).update(unit_tensors(u))
-            if isinstance(u, LinearUnit) and u.expert is not None:
-                for name in unit_tensors(u):
-                    slots.setdefault((r, name), set()).add(u.local[i])
-    found: list[tuple[int, str]] = []
-    for f in plan.files:
-        if f.component != comp or f.relpath not in headers:
-            continue
-        for name, info in headers[f.relpath].tensors.items():
-            if name not in named.get(f.rank, ()):
-                found.append((f.rank, f"{f.relpath}: {name}"))
-            elif (f.rank, name) in slots and info.shape:
-                found += [
-                    (f.rank, f"{f.relpath}: {name} slot {k}")
-                    for k in range(info.shape[0])
-                    if k not in slots[f.rank, name]
-                ]
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -858,34 +287,9 @@ class LinearRunner:
 
             for a, b, owner in self._tiles(u, part.rows):
                 if u.kind == "bf16":  # not quantized: no kernel runs it, and equal values are the stronger check
-                    w_src, _ = self._source_tile(u, part, a, b)
-                    i = u.ranks.index(owner) if owner is not None else 0
-                    if u.layout == "row":  # each rank holds its columns of every row
-                        kr = u.share(u.inp)
-                        for j, r in enumerate(u.ranks):
-                            got, _ = self._engine_tile(u, r, slots[r], off + a, off + b)
-                            if not torch.equal(got, w_src[:, j * kr : (j + 1) * kr].to(got.dtype)):
-                                return (
-                                    f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} "
-                                    f"(rows {a}:{b}, columns {j * kr}:{(j + 1) * kr})"
-                                )
-                            ran.add(r)
-                        continue
-                    holders = (
-                        [(owner, local_off + a - i * u.share(part.rows))]
-                        if u.layout == "col"
-                        else [(r, off + a) for r in u.ranks]
-                    )
-                    for r, local in holders:
-                        got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
-                        with compute_slot(self.pool):
-                            same = _same_bytes(got, w_src.to(got.dtype))  # a float32 tower lands rounded to bf16
-                        if not same:
-                            return (
-                                f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows "
-                                f"{a}:{b})"
-                            )
-                        ran.add(r)
+                    bad = self._compare_bf16_tile(u, part, a, b, owner, slots, (off, local_off), ran)
+                    if bad is not None:
+                        return bad
                     continue
                 ref = self._source_reference(u, part, x_src, a, b)
                 if u.layout == "row":
@@ -933,6 +337,46 @@ class LinearRunner:
                     self._done(u, part.key, [r])
             off += part.rows
             local_off += u.share(part.rows) if u.layout == "col" else part.rows
+        return None
+
+    def _compare_bf16_tile(
+        self,
+        u: LinearUnit,
+        part: Part,
+        a: int,
+        b: int,
+        owner: int | None,
+        slots: dict[int, int],
+        offsets: tuple[int, int],
+        ran: set[int],
+    ) -> str | None:
+        """Rows ``[a, b)`` of a bf16 part equal, byte for byte, on every rank holding them (``offsets``: the part's
+        first row in the source's stacked parts and in a column-parallel rank's tensor); the ranks compared go into
+        ``ran``. None, or one line naming the tensor, rank and rows that differ."""
+        off, local_off = offsets
+        w_src, _ = self._source_tile(u, part, a, b)
+        i = u.ranks.index(owner) if owner is not None else 0
+        if u.layout == "row":  # each rank holds its columns of every row
+            kr = u.share(u.inp)
+            for j, r in enumerate(u.ranks):
+                got, _ = self._engine_tile(u, r, slots[r], off + a, off + b)
+                if not torch.equal(got, w_src[:, j * kr : (j + 1) * kr].to(got.dtype)):
+                    return (
+                        f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} "
+                        f"(rows {a}:{b}, columns {j * kr}:{(j + 1) * kr})"
+                    )
+                ran.add(r)
+            return None
+        holders = (
+            [(owner, local_off + a - i * u.share(part.rows))] if u.layout == "col" else [(r, off + a) for r in u.ranks]
+        )
+        for r, local in holders:
+            got, _ = self._engine_tile(u, r, slots[r], local, local + (b - a))
+            with compute_slot(self.pool):
+                same = _same_bytes(got, w_src.to(got.dtype))  # a float32 tower lands rounded to bf16
+            if not same:
+                return f"tensor {u.weight!r} (rank {r}): values differ from source {part.source} (rows {a}:{b})"
+            ran.add(r)
         return None
 
     def run_exact(self, u: ExactUnit) -> str | None:
@@ -993,7 +437,7 @@ class TensorCheck:
     may schedule other work beside them, or here), :meth:`absorb` takes a batch's answers back, and :meth:`finish`
     runs whatever no child answered, adds the checks to the report and returns the coverage.
 
-    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (numeric.py, which
+    ``skip_mtp_experts``: leave the MTP layers' routed experts to the forward's probe rows (expert_probes.py; numeric.py
     credits them to the coverage); they stay expected. ``pool``: run the units left to :meth:`finish` on it."""
 
     def __init__(

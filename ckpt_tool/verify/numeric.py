@@ -1,424 +1,45 @@
-"""Numeric verification: every output tensor (linear_check.py), and the reference forward of every MTP
-layer from the source and from the output, with every routed expert sent tokens and carrying probe rows.
+"""The numeric level: every output tensor against the source (:mod:`ckpt_tool.verify.linear_check`), then the
+reference forward of every MTP layer from the source and from the output, with every routed expert sent tokens and
+carrying probe rows, then the coverage; prepared, run on forked workers beside the values level, and reported.
 
 Side A (the spec): one rank over the ORIGINAL checkpoint in DeepSeek's names, every linear
 dequantized exactly in plain torch (:mod:`ckpt_tool.verify.quant`) and multiplied in float32.
 Side B (what the engine holds): T ranks over the CONVERTED checkpoint in the engine's names, linears
 run on the still-quantized weights through the fp8-block / MXFP4 GEMM kernels, ranks combined as a
-TP engine does (:mod:`ckpt_tool.verify.reference`). Both run on the same seeded tokens and hidden states.
-
-Both sides round activations the same way before each linear (bf16 by default, as the kernels feed
-their dot products), so they compute the same math up to float32 summation order (per rank, per
-kernel tile). bf16 rounding is discontinuous, though: a 1e-7 difference can flip one element's
-rounding (a 2^-8 relative step), so the noise floor is set by bf16, not float32. Measured on the
-fixtures at tp 1/2/4: torch backend max_rel <= 4e-7; Triton interpreter max_rel <= 1.3e-3 with
-cosine >= 0.99999990 (a few tokens carry one flipped rounding). Without matching the rounding at
-all, near-tied expert choices flip and max_rel reaches ~0.4 on a correct conversion. Defaults
-(``TOLERANCES``): max_rel <= 2e-2 and cosine >= 0.9999 leave >10x headroom over that floor while
-every corruption the self-tests inject (swapped fused halves, wrong rank slice, numeric E8M0) lands
-far outside them. Structure and value checks run
-first and catch byte-level corruption exactly; this level proves the layout means what the engine
+TP engine does (:mod:`ckpt_tool.verify.reference`). Both run on the same seeded tokens and hidden states
+(the sides: :mod:`ckpt_tool.verify.weight_sides`; the forward and its tolerances, justified there:
+:mod:`ckpt_tool.verify.mtp_forward`; the probe rows: :mod:`ckpt_tool.verify.expert_probes`). Structure and value
+checks run first and catch byte-level corruption exactly; this level proves the layout means what the engine
 will compute.
-
-The vision model (DeepseekV4ForConditionalGeneration) serves the same draft, so the forward is the same: its
-``bias_vl`` routes only the image sentinel tokens (vLLM's router, ``fused_moe/router/dsv4_topk.py``, 0.33.0/0.34.0),
-which text tokens never are, so the forward does not read it; linear_check compares it, the tower and the aligner
-by value and counts them in the coverage.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import queue
 import threading
-import zlib
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, read_shard_header
-from ckpt_tool.checkpoint.reader import DropBehind, Scratch
+from ckpt_tool.checkpoint.headers import ShardHeader
+from ckpt_tool.checkpoint.reader import DropBehind
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
-from ckpt_tool.mapping.plan import Plan
-from ckpt_tool.mapping.profiles import PROFILES, EngineNames
-from ckpt_tool.verify import tiled_matmul as quant  # the tiled matmuls (quant.py keeps the formats)
-from ckpt_tool.verify.compute_pool import (
-    ComputePool,
-    ForkedTasks,
-    can_fork_workers,
-    compute_slot,
-    fan_out,
-    map_tasks,
-)
+from ckpt_tool.mapping.plan import ZERO, Plan
+from ckpt_tool.verify.compute_pool import ComputePool, ForkedTasks, may_fan_out
+from ckpt_tool.verify.coverage import Coverage
+from ckpt_tool.verify.expert_probes import ProbedShard, compare_expert_probes
+from ckpt_tool.verify.kernels import resolve_backend
+from ckpt_tool.verify.linear_check import TensorCheck
+from ckpt_tool.verify.mtp_forward import TOLERANCES, LayerForward, NumericInputs, make_inputs, within_tolerance
 from ckpt_tool.verify.one_pass import OnePass, Walk, places
-from ckpt_tool.verify.reference import MTPOutput, compare_outputs, mtp_layer_forward
-from ckpt_tool.verify.rows import RowReader, read_tile_rows, release_freed_memory, source_info
+from ckpt_tool.verify.reference import compare_outputs
+from ckpt_tool.verify.rows import RowReader, release_freed_memory
+from ckpt_tool.verify.tensor_units import ExactUnit, unit_tensors
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport, problems_check, skipped_check
-
-if TYPE_CHECKING:
-    from ckpt_tool.verify.linear_check import Coverage
-
-log = logging.getLogger(__name__)
-
-# key -> (comparison, bound). Justified in the module docstring; printed in every report.
-TOLERANCES: dict[str, tuple[str, float]] = {
-    "logits_cosine": (">=", 0.9999),
-    "hidden_cosine": (">=", 0.9999),
-    "logits_max_rel": ("<=", 2e-2),
-    "hidden_max_rel": ("<=", 2e-2),
-    "top1_agreement": (">=", 0.9),
-    "top5_agreement": (">=", 1.0),
-}
-
-# Roles of the reference forward → tensor names. Source side: suffix after ``mtp.{i}.``.
-SOURCE_TENSORS = {
-    "enorm": "enorm.weight",
-    "hnorm": "hnorm.weight",
-    "norm": "norm.weight",
-    "attn_norm": "attn_norm.weight",
-    "ffn_norm": "ffn_norm.weight",
-    "q_norm": "attn.q_norm.weight",
-    "kv_norm": "attn.kv_norm.weight",
-    "attn_sink": "attn.attn_sink",
-    "gate.weight": "ffn.gate.weight",
-    "gate.bias": "ffn.gate.bias",
-    **{f"hc_{p}_{t}": f"hc_{p}_{t}" for p in ("attn", "ffn", "head") for t in ("fn", "base", "scale")},
-}
-SOURCE_LINEARS = {
-    "e_proj": "e_proj",
-    "h_proj": "h_proj",
-    "wq_a": "attn.wq_a",
-    "wkv": "attn.wkv",
-    "wq_b": "attn.wq_b",
-    "wo_a": "attn.wo_a",
-    "wo_b": "attn.wo_b",
-    "shared.w1": "ffn.shared_experts.w1",
-    "shared.w2": "ffn.shared_experts.w2",
-    "shared.w3": "ffn.shared_experts.w3",
-}
-
-
-def converted_tensor_names(engine: EngineNames) -> dict[str, str]:
-    """Converted side: role -> engine name in one MTP layer ({S} = num_hidden_layers + i), from the profile's
-    engine names (where the router, shared and routed experts live). Never read from the rule table, so a
-    wrong rule cannot make both sides agree; tests/test_profile_consistency.py holds these names to the
-    engine table of every profile."""
-    blk, ffn = "model.layers.{S}.mtp_block", "model.layers.{S}.mtp_block.{part}"
-    gate, shared = ffn.format(S="{S}", part=engine.gate), ffn.format(S="{S}", part=engine.shared)
-    return {
-        "enorm": "model.layers.{S}.enorm.weight",
-        "hnorm": "model.layers.{S}.hnorm.weight",
-        "norm": "model.layers.{S}.shared_head.norm.weight",
-        "hc_head_fn": "model.layers.{S}.hc_head_fn",
-        "hc_head_base": "model.layers.{S}.hc_head_base",
-        "hc_head_scale": "model.layers.{S}.hc_head_scale",
-        "attn_norm": f"{blk}.attn_norm.weight",
-        "ffn_norm": f"{blk}.ffn_norm.weight",
-        "q_norm": f"{blk}.attn.q_norm.weight",
-        "kv_norm": f"{blk}.attn.kv_norm.weight",
-        "attn_sink": f"{blk}.attn.attn_sink",
-        "gate.weight": f"{gate}.weight",
-        "gate.bias": f"{gate}.e_score_correction_bias",
-        **{f"hc_{p}_{t}": f"{blk}.hc_{p}_{t}" for p in ("attn", "ffn") for t in ("fn", "base", "scale")},
-        "embed": "model.embed_tokens.weight",
-        "head": "model.layers.{S}.shared_head.head.weight",
-        # linears: base names of (weight, scale)
-        "e_proj": "model.layers.{S}.e_proj",
-        "h_proj": "model.layers.{S}.h_proj",
-        "fused_wqa_wkv": f"{blk}.attn.fused_wqa_wkv",
-        "wq_b": f"{blk}.attn.wq_b",
-        "wo_a": f"{blk}.attn.wo_a",
-        "wo_b": f"{blk}.attn.wo_b",
-        "gate_up_proj": f"{shared}.gate_up_proj",
-        "down_proj": f"{shared}.down_proj",
-        "experts": ffn.format(S="{S}", part=engine.routed),
-    }
-
-
-CONVERTED_TENSORS: dict[str, dict[str, str]] = {name: converted_tensor_names(p.engine) for name, p in PROFILES.items()}
-
-
-_local = threading.local()
-
-
-def _tile_buffers() -> tuple[Scratch, Scratch]:
-    """This thread's buffers for a weight tile and its scales: :func:`_gemm_by_tiles` multiplies each tile
-    before it reads the next, and the two sides of the forward are compared by their outputs only."""
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = (Scratch(), Scratch())
-    return bufs
-
-
-def _gemm_by_tiles(
-    x: torch.Tensor, rows: int, row_bytes: int, align: int, tile, gemm, pool: ComputePool | None
-) -> torch.Tensor:
-    """``x[..., in] @ W.T`` for a weight of ``rows`` output rows of ``row_bytes``, read ``tile(a, b) -> (w, s)`` a
-    tile at a time; the tiles on ``pool`` when called outside it (the head), else in this thread (an expert)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    step = read_tile_rows(rows, row_bytes, align)
-
-    def one(a: int) -> torch.Tensor:
-        w, s = tile(a, min(a + step, rows))
-        with compute_slot(pool):
-            return gemm(x2, w, s)
-
-    y = torch.cat(list(map_tasks(pool, one, range(0, rows, step))), dim=-1)
-    return y.reshape(*lead, rows)
-
-
-class SourceShard:
-    """Side A: the original checkpoint, one rank, dequantized in plain torch a tile at a time."""
-
-    def __init__(
-        self,
-        cfg: V4Config,
-        ckpt: Checkpoint,
-        mtp: int,
-        device: torch.device,
-        reader: RowReader,
-        act: str = "bf16",
-        pool: ComputePool | None = None,
-    ) -> None:
-        self.cfg, self.mtp, self.act, self.pool = cfg, mtp, act, pool
-        self.rank, self.tp = 0, 1
-        self.local_experts = list(range(cfg.n_routed_experts))
-        self.ckpt, self.reader, self.device = ckpt, reader, device
-        self.names = set(ckpt.tensors)
-        p = f"mtp.{mtp}."
-        # the draft model's one embedding is mtp.0's (seed loader), else the main one
-        self.embed_name = "mtp.0.emb.tok_emb.weight" if "mtp.0.emb.tok_emb.weight" in self.names else "embed.weight"
-        self.head_name = p + "head.weight" if p + "head.weight" in self.names else "head.weight"
-
-    def _info(self, name: str) -> TensorInfo:
-        return source_info(self.ckpt, name)
-
-    def _rows(self, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
-        return self.reader.source_rows(self.ckpt, name, r0, r1, into).to(self.device)
-
-    def tensor(self, role: str) -> torch.Tensor:
-        info = self._info(f"mtp.{self.mtp}." + SOURCE_TENSORS[role])
-        return self.reader.source_whole(self.ckpt, info).to(self.device).float()
-
-    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._rows(self.embed_name, int(i), int(i) + 1) for i in ids.tolist()]).float()
-
-    def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
-
-        p, cfg = f"mtp.{self.mtp}.", self.cfg
-        if role == "head":
-            return _gemm_by_tiles(
-                x,
-                cfg.vocab_size,
-                2 * x.shape[-1],
-                1,
-                lambda a, b: (self._rows(self.head_name, a, b, _tile_buffers()[0]), None),
-                lambda x2, w, s: quant.bf16_matmul(x2, w),
-                self.pool,
-            )
-        r0 = 0
-        if role.startswith("expert."):
-            _, j, w = role.split(".")
-            base = f"{p}ffn.experts.{j}.{w}"
-        elif role.startswith("wo_a."):
-            r0 = int(role.split(".")[1]) * cfg.o_lora_rank
-            base = p + SOURCE_LINEARS["wo_a"]
-        else:
-            base = p + SOURCE_LINEARS[role]
-        fp4 = role.startswith("expert.") and cfg.expert_dtype == "fp4"
-        rows = cfg.o_lora_rank if role.startswith("wo_a.") else self._info(base + ".weight").shape[0]
-        align = 1 if fp4 else FP8_BLOCK
-
-        def tile(a: int, b: int):
-            a, b = r0 + a, r0 + b
-            s0, s1 = (a, b) if fp4 else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
-            w_buf, s_buf = _tile_buffers()
-            return self._rows(base + ".weight", a, b, w_buf), self._rows(base + ".scale", s0, s1, s_buf)
-
-        # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 GEMM always
-        # takes bf16): both sides then compute identical math up to summation order, so routing
-        # decisions cannot flip on rounding noise and the tolerances can stay tight.
-        def gemm(x2, w, s):
-            if fp4:
-                return quant.mxfp4_matmul(prepare_activation(x2, "bf16"), w, s, what=base)
-            return quant.fp8_block_matmul(prepare_activation(x2, self.act), w, s, what=base)
-
-        return _gemm_by_tiles(x, rows, x.shape[-1] // 2 if fp4 else x.shape[-1], align, tile, gemm, self.pool)
-
-
-class ConvertedShard:
-    """Side B: one rank of the converted checkpoint, linears through the quantized GEMM kernels a tile at a time."""
-
-    def __init__(
-        self,
-        cfg: V4Config,
-        plan: Plan,
-        out: Path,
-        headers: dict[str, ShardHeader],
-        rank: int,
-        mtp: int,
-        device: torch.device,
-        reader: RowReader,
-        kernels: str,
-        act: str,
-        pool: ComputePool | None = None,
-    ) -> None:
-        opts = plan.options
-        self.cfg, self.rank, self.tp, self.pool = cfg, rank, opts.tp, pool
-        self.kernels, self.act, self.reader, self.device = kernels, act, reader, device
-        E = cfg.n_routed_experts
-        self.local_experts = (
-            list(range(E)) if opts.moe_parallel == "tp" else list(range(rank * E // opts.tp, (rank + 1) * E // opts.tp))
-        )
-        S = cfg.num_hidden_layers + mtp
-        if opts.profile not in CONVERTED_TENSORS:
-            raise CheckpointError(f"numeric verify has no name table for profile {opts.profile!r}")
-        self.names = {k: v.format(S=S) for k, v in CONVERTED_TENSORS[opts.profile].items()}
-        self.locate: dict[str, tuple[Path, TensorInfo]] = {}
-        for f in plan.files:
-            if f.component == "mtp" and f.rank == rank and f.relpath in headers:
-                self.locate.update({n: (out / f.relpath, t) for n, t in headers[f.relpath].tensors.items()})
-        self.fp4 = cfg.expert_dtype == "fp4"
-
-    def _info(self, name: str) -> tuple[Path, TensorInfo]:
-        hit = self.locate.get(name)
-        if hit is None:
-            raise CheckpointError(f"tensor {name!r} is not in rank {self.rank}'s files")
-        return hit
-
-    def _rows(self, name: str, r0: int, r1: int, into: Scratch | None = None) -> torch.Tensor:
-        path, info = self._info(name)
-        return self.reader.rows(path, info, r0, r1, into).to(self.device)
-
-    def tensor(self, role: str) -> torch.Tensor:
-        path, info = self._info(self.names[role])
-        return self.reader.whole(path, info).to(self.device).float()
-
-    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        name = self.names["embed"]
-        return torch.cat([self._rows(name, int(i), int(i) + 1) for i in ids.tolist()]).float()
-
-    def _linear(
-        self,
-        x: torch.Tensor,
-        weight: str,
-        scale: str,
-        r0: int,
-        rows: int,
-        *,
-        mx: bool,
-        slot: int | None = None,
-        what: str,
-    ) -> torch.Tensor:
-        """Rows [r0, r0 + rows) of ``weight`` (of stacked expert ``slot``) through the kernel."""
-        from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
-
-        wbase = sbase = 0
-        if slot is not None:
-            wbase = slot * self._info(weight)[1].shape[1]
-            sbase = slot * self._info(scale)[1].shape[1]
-        if not mx and (r0 % FP8_BLOCK or (rows % FP8_BLOCK and r0 + rows != self._info(weight)[1].shape[-2])):
-            raise CheckpointError(f"{weight}: rows {r0}:{r0 + rows} do not fall on {FP8_BLOCK}-row scale blocks")
-
-        def tile(a: int, b: int):
-            a, b = r0 + a, r0 + b
-            s0, s1 = (a, b) if mx else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
-            w_buf, s_buf = _tile_buffers()
-            return self._rows(weight, wbase + a, wbase + b, w_buf), self._rows(scale, sbase + s0, sbase + s1, s_buf)
-
-        def gemm(x2, w, s):
-            if mx:
-                return mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
-            return fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
-
-        return _gemm_by_tiles(
-            x, rows, x.shape[-1] // 2 if mx else x.shape[-1], 1 if mx else FP8_BLOCK, tile, gemm, self.pool
-        )
-
-    def _fp8(self, x: torch.Tensor, base: str, r0: int = 0, rows: int | None = None) -> torch.Tensor:
-        if rows is None:
-            rows = self._info(base + ".weight")[1].shape[0] - r0
-        return self._linear(x, base + ".weight", base + ".weight_scale_inv", r0, rows, mx=False, what=base)
-
-    def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        n, cfg = self.names, self.cfg
-        if role == "head":
-            name = n["head"]
-            rows = self._info(name)[1].shape[0]
-            return _gemm_by_tiles(
-                x,
-                rows,
-                2 * x.shape[-1],
-                1,
-                lambda a, b: (self._rows(name, a, b, _tile_buffers()[0]), None),
-                lambda x2, w, s: quant.bf16_matmul(x2, w),
-                self.pool,
-            )
-        if role in ("e_proj", "h_proj", "wq_b", "wo_b"):
-            return self._fp8(x, n[role])
-        if role in ("wq_a", "wkv"):
-            Qr, Dh = cfg.q_lora_rank, cfg.head_dim
-            r0, rows = (0, Qr) if role == "wq_a" else (Qr, Dh)
-            return self._fp8(x, n["fused_wqa_wkv"], r0, rows)
-        if role.startswith("wo_a."):
-            g, Or = int(role.split(".")[1]), cfg.o_lora_rank
-            return self._fp8(x, n["wo_a"], g * Or, Or)
-        if role in (
-            "shared.w1",
-            "shared.w3",
-        ):  # w1 rows then w3 rows, each the rank's share (zero-padded by the engine)
-            half = self._info(n["gate_up_proj"] + ".weight")[1].shape[0] // 2
-            return self._fp8(x, n["gate_up_proj"], 0 if role == "shared.w1" else half, half)
-        if role == "shared.w2":
-            return self._fp8(x, n["down_proj"])
-        if role.startswith("expert."):
-            _, j, which = role.split(".")
-            slot = self.local_experts.index(int(j))
-            base = n["experts"]
-            sfx = "weight_scale" if self.fp4 else "weight_scale_inv"
-            mx = self.fp4
-            what = f"{base} expert {j} {which}"
-            if which == "w2":
-                rows = self._info(f"{base}.w2_weight")[1].shape[1]
-                return self._linear(x, f"{base}.w2_weight", f"{base}.w2_{sfx}", 0, rows, mx=mx, slot=slot, what=what)
-            half = self._info(f"{base}.w13_weight")[1].shape[1] // 2
-            r0 = 0 if which == "w1" else half
-            return self._linear(x, f"{base}.w13_weight", f"{base}.w13_{sfx}", r0, half, mx=mx, slot=slot, what=what)
-        raise KeyError(f"unknown linear role {role!r}")
-
-
-@dataclass(frozen=True)
-class NumericInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    prev_hidden: torch.Tensor
-
-
-def make_inputs(cfg: V4Config, tokens: int, seed: int, device: torch.device) -> NumericInputs:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
-    hidden = torch.randn(tokens, cfg.hc_mult * cfg.hidden_size, generator=g)
-    return NumericInputs(ids.to(device), torch.arange(tokens, device=device), hidden.to(device))
-
-
-def within_tolerance(metrics: dict[str, float]) -> list[str]:
-    """Names of the metrics outside ``TOLERANCES`` (with their values)."""
-    bad = []
-    for key, (op, bound) in TOLERANCES.items():
-        v = metrics[key]
-        ok = v >= bound if op == ">=" else v <= bound
-        if not ok:
-            bad.append(f"{key}={v:.6g} (needs {op} {bound})")
-    return bad
 
 
 def resolve_device(device: str) -> torch.device:
@@ -427,277 +48,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckpointError("--device cuda requested but no CUDA device is available")
     return torch.device(device)
-
-
-class _ProbedShard:
-    """A rank shard whose routed-expert linears also carry seeded probe rows (the per-linear check of
-    every MTP expert, riding on the forward's GEMMs so each expert is dequantized once per side)."""
-
-    def __init__(self, shard, seed: int, sliced: bool, device: torch.device) -> None:
-        self.shard, self.seed, self.sliced, self.device = shard, seed, sliced, device
-        self.rank, self.tp, self.local_experts = shard.rank, shard.tp, shard.local_experts
-        self.outputs: dict[str, torch.Tensor] = {}
-
-    def tensor(self, role: str) -> torch.Tensor:
-        return self.shard.tensor(role)
-
-    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.shard.embedding(ids)
-
-    def probe(self, role: str, width: int) -> torch.Tensor:
-        """This rank's columns of the role's seeded ``[PROBE_ROWS, in]`` probe (w2 under tp: its input slice)."""
-        from ckpt_tool.verify.linear_check import PROBE_ROWS
-
-        full = width * (self.tp if self.sliced and role.endswith(".w2") else 1)
-        g = torch.Generator().manual_seed(zlib.crc32(role.encode()) ^ (self.seed * 0x9E3779B1 & 0xFFFFFFFF))
-        x = torch.randn(PROBE_ROWS, full, generator=g).to(self.device)
-        if full != width:
-            x = x[:, self.rank * width : (self.rank + 1) * width]
-        return x
-
-    def linear(self, role: str, x: torch.Tensor) -> torch.Tensor:
-        if not role.startswith("expert."):
-            return self.shard.linear(role, x)
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        y = self.shard.linear(role, torch.cat([x2, self.probe(role, x2.shape[-1])]))
-        n = x2.shape[0]
-        self.outputs[role] = y[n:]
-        return y[:n].reshape(*x.shape[:-1], y.shape[-1])
-
-
-def compare_expert_probes(
-    cfg: V4Config,
-    plan: Plan,
-    source: _ProbedShard,
-    converted: list[_ProbedShard],
-    mtp: int,
-) -> tuple[list[tuple[str, str]], set[tuple[int, str]]]:
-    """Each routed expert's probe outputs: the source linear against the ranks recombined (tp: w1/w3 rows
-    concatenated, w2 partial sums added; ep: the owner's). Returns (message, tensor) failures and what was
-    compared, for the coverage to credit: ``(rank, source part)`` for each part of each expert whose probe
-    output every side computed, e.g. ``(1, "mtp.0.ffn.experts.5.w3")``."""
-    from ckpt_tool.verify.linear_check import LINEAR_MAX_REL
-
-    opts = plan.options
-    S = cfg.num_hidden_layers + mtp
-    base = CONVERTED_TENSORS[opts.profile]["experts"].format(S=S)
-    sfx = "weight_scale" if cfg.expert_dtype == "fp4" else "weight_scale_inv"
-    bad: list[tuple[str, str]] = []
-    compared: set[tuple[int, str]] = set()
-    for j in range(cfg.n_routed_experts):
-        holders = [c for c in converted if j in c.local_experts]
-        for which in ("w1", "w3", "w2"):
-            role = f"expert.{j}.{which}"
-            want = source.outputs.get(role)
-            outs = [c.outputs.get(role) for c in holders]
-            if want is None or any(o is None for o in outs):
-                continue  # not computed: the coverage counts it missing
-            compared.update((c.rank, f"mtp.{mtp}.ffn.experts.{j}.{which}") for c in holders)
-            if which == "w2" or len(holders) == 1:  # row parallel: partial sums added; ep: the owner's
-                pairs = [
-                    ("ranks summed" if len(outs) > 1 else f"rank {holders[0].rank}", want, torch.stack(outs).sum(0))
-                ]
-            else:  # column parallel: each rank's output columns are its slice of the source rows
-                n = want.shape[-1] // len(outs)
-                pairs = [
-                    (f"rank {c.rank}", want[:, i * n : (i + 1) * n], o) for i, (c, o) in enumerate(zip(holders, outs))
-                ]
-            for where, ref, got in pairs:
-                rel = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-                if rel <= LINEAR_MAX_REL:
-                    continue
-                w = f"{base}.{'w2' if which == 'w2' else 'w13'}_weight"
-                bad.append(
-                    (
-                        f"tensor {w!r} (scale {w.replace('_weight', '_' + sfx)!r}) expert {j} ({where}): output of "
-                        "part "
-                        f"mtp.{mtp}.ffn.experts.{j}.{which} disagrees with the source linear: max_rel {rel:.3g} "
-                        f"(needs <= {LINEAR_MAX_REL:g})",
-                        w,
-                    )
-                )
-                break
-    return bad, compared
-
-
-class LayerForward:
-    """Side A and side B of one MTP layer on the same inputs, prepared to run: :meth:`side_task` computes one
-    side (in a forked child of ``compute_pool.fan_out``, whose result :meth:`absorb` takes back), and
-    :meth:`finish` computes here whatever side no child answered and returns both.
-
-    Side B reads every replicated role from rank 0; the other ranks' copies of replicated tensors are
-    proven by the per-tensor check (linear_check), which compares each rank's copy with the source.
-    ``route_all`` (the verify default) sends every routed expert tokens. With ``probes`` (a list to
-    fill), the expert linears also carry probe rows: ``probes`` gets the source shard then the ranks. The
-    pool a side runs on computes its experts (and the head's tiles).
-    """
-
-    def __init__(
-        self,
-        cfg: V4Config,
-        plan: Plan,
-        ckpt: Checkpoint,
-        out: Path,
-        mtp: int,
-        inputs: NumericInputs,
-        reader: RowReader,
-        *,
-        device: torch.device,
-        kernels: str,
-        act: str,
-        headers: dict[str, ShardHeader] | None = None,
-        route_all: bool = True,
-        probes: list[_ProbedShard] | None = None,
-        seed: int = 0,
-    ) -> None:
-        if headers is None:
-            headers = {
-                f.relpath: read_shard_header(out / f.relpath, f.relpath) for f in plan.files if f.component == "mtp"
-            }
-        self.cfg, self.inputs, self.route_all = cfg, inputs, route_all
-        self.sides: list[list] = [
-            [SourceShard(cfg, ckpt, mtp, device, reader, act, None)],
-            [
-                ConvertedShard(cfg, plan, out, headers, r, mtp, device, reader, kernels, act, None)
-                for r in range(plan.options.tp)
-            ],
-        ]
-        if probes is not None:
-            tp_split = plan.options.moe_parallel == "tp"
-            self.sides = [
-                [_ProbedShard(self.sides[0][0], seed, False, device)],
-                [_ProbedShard(c, seed, tp_split, device) for c in self.sides[1]],
-            ]
-            probes.extend(self.sides[0] + self.sides[1])
-        self.results: dict[int, MTPOutput] = {}
-        # a child hands its side's outputs (the probe rows of every expert on every rank: 0.4 GB at V4-Pro widths)
-        # back through a file in memory, written from the tensors and read into new ones, never copied in between
-        self.files = [_TensorFile(), _TensorFile()]
-
-    def forward(self, which: int, pool: ComputePool | None) -> MTPOutput:
-        for shard in self.sides[which]:
-            (shard.shard if isinstance(shard, _ProbedShard) else shard).pool = pool
-
-        def map_fn(fn, items):
-            return map_tasks(pool, _no_grad(fn), items)
-
-        with torch.no_grad():
-            return mtp_layer_forward(
-                self.cfg,
-                self.sides[which],
-                self.inputs.input_ids,
-                self.inputs.positions,
-                self.inputs.prev_hidden,
-                route_all=self.route_all,
-                map_fn=map_fn,
-            )
-
-    def side_task(self, which: int, pool: ComputePool | None) -> tuple:
-        """In a child: side ``which`` computed, its outputs written to this side's file; marshal-able."""
-        result, put = self.forward(which, pool), self.files[which].put
-        return (
-            put(result.hidden),
-            put(result.logits),
-            [{role: put(t) for role, t in getattr(s, "outputs", {}).items()} for s in self.sides[which]],
-        )
-
-    def absorb(self, which: int, answer: tuple) -> None:
-        hidden, logits, outputs = answer
-        get = self.files[which].get
-        self.results[which] = MTPOutput(get(hidden), get(logits))
-        for shard, got in zip(self.sides[which], outputs):
-            if isinstance(shard, _ProbedShard):
-                shard.outputs.update({role: get(t) for role, t in got.items()})
-        self.files[which].close()
-
-    def finish(self, pool: ComputePool | None) -> tuple[MTPOutput, MTPOutput]:
-        """Both sides: a side no child answered is computed here, on ``pool``."""
-        try:
-            for which in (0, 1):
-                if which not in self.results:
-                    self.results[which] = self.forward(which, pool)
-        finally:
-            self.close()
-        return self.results[0], self.results[1]
-
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
-
-
-def run_layer(
-    cfg: V4Config,
-    plan: Plan,
-    ckpt: Checkpoint,
-    out: Path,
-    mtp: int,
-    inputs: NumericInputs,
-    *,
-    pool: ComputePool | None = None,
-    **options: Any,
-) -> tuple[MTPOutput, MTPOutput]:
-    """One MTP layer's :class:`LayerForward` on its own (``options``: its keyword arguments; it gets a reader of
-    its own): the two sides at once in forked processes where :func:`_may_fork` allows, else one after the other
-    here."""
-    with RowReader(direct_root=out, source=ckpt.open_bytes(direct=True)) as reader:
-        layer = LayerForward(cfg, plan, ckpt, out, mtp, inputs, reader, **options)
-        if _may_fork(pool, options["device"]):
-            for which, answer in fan_out(2, 2, layer.side_task, servers=1):
-                layer.absorb(which, answer)
-        return layer.finish(pool)
-
-
-def _may_fork(pool: ComputePool | None, device: torch.device) -> bool:
-    """Whether work goes to forked processes: more than one worker, CPU tensors, and a process that may fork."""
-    return pool is not None and pool.workers > 1 and device.type == "cpu" and can_fork_workers()
-
-
-class _TensorFile:
-    """float32 tensors handed from a forked child to its parent through an anonymous file (memfd where there is
-    one): :meth:`put` in the child writes one and returns ``(shape, offset)``, :meth:`get` in the parent reads it."""
-
-    def __init__(self) -> None:
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("ckpt-tool-forward")
-        else:
-            import tempfile
-
-            self.fd = os.dup(tempfile.TemporaryFile().fileno())
-        self.end = 0
-
-    def put(self, t: torch.Tensor) -> tuple[list[int], int]:
-        arr = t.detach().to(torch.float32).contiguous().numpy()
-        at, view = self.end, memoryview(arr).cast("B")
-        while view:
-            view = view[os.pwrite(self.fd, view, self.end) :]
-            self.end = at + arr.nbytes - len(view)
-        return list(t.shape), at
-
-    def get(self, entry: tuple[list[int], int]) -> torch.Tensor:
-        shape, at = entry
-        t = torch.empty(shape, dtype=torch.float32)
-        view = memoryview(t.numpy()).cast("B")
-        while view:
-            n = os.preadv(self.fd, [view], at)
-            if n <= 0:
-                raise CheckpointError("the MTP forward's worker process handed back a truncated result")
-            view, at = view[n:], at + n
-        return t
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _no_grad(fn):
-    """``fn`` under ``torch.no_grad()`` (grad mode is per thread: a pool thread starts with it on)."""
-
-    def run(item):
-        with torch.no_grad():
-            return fn(item)
-
-    return run
 
 
 def check_numeric(
@@ -712,7 +62,7 @@ def check_numeric(
 
 class NumericLevel:
     """The numeric level: every output tensor against the source (linear_check), then the forward of every MTP
-    layer (one check each; skipped when OUT has no MTP draft), then coverage (linear_check.Coverage: units
+    layer (one check each; skipped when OUT has no MTP draft), then coverage (coverage.Coverage: units
     computed / expected, per rank, expert and fused part). ``workers``: processes (or tiles) computing at once
     (:class:`~ckpt_tool.verify.compute_pool.ComputePool`; default one per CPU).
 
@@ -740,9 +90,6 @@ class NumericLevel:
         workers: int | None = None,
         one_pass: bool = False,
     ) -> None:
-        from ckpt_tool.verify.kernels import resolve_backend
-        from ckpt_tool.verify.linear_check import TensorCheck
-
         self.cfg, self.plan, self.progress = plan.config, plan, progress
         self.out, self.headers, self.ckpt = out, headers, ckpt
         self._stack = ExitStack()
@@ -751,7 +98,7 @@ class NumericLevel:
             self.device = resolve_device(device)
             # one pass (verify paces the workers by its values walk, start(walk)): every read goes through the page
             # cache, where the walk has just left the bytes; alone, the level reads each byte once, directly
-            self.one_pass = one_pass and _may_fork(self.pool, self.device)
+            self.one_pass = one_pass and may_fan_out(self.pool, self.device)
             self.run = {
                 "backend": resolve_backend(kernels, self.device),
                 "device": str(self.device),
@@ -782,30 +129,7 @@ class NumericLevel:
                 pool=self.pool,
             )
             # MTP layer -> its forward and probed shards, or why the forward could not be built
-            self.layers: dict[int, tuple[LayerForward, list[_ProbedShard]] | str] = {}
-            for i in range(self.cfg.num_nextn_predict_layers if self.has_mtp else 0):
-                probes: list[_ProbedShard] = []
-                try:
-                    layer = LayerForward(
-                        self.cfg,
-                        plan,
-                        ckpt,
-                        out,
-                        i,
-                        inputs,
-                        reader,
-                        device=self.device,
-                        kernels=kernels,
-                        act=act,
-                        headers=headers,
-                        probes=probes,
-                        seed=seed,
-                    )
-                except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
-                    self.layers[i] = str(exc)
-                    continue
-                self.layers[i] = (layer, probes)
-                self._stack.callback(layer.close)
+            self.layers = self._prepare_forwards(inputs, reader, kernels=kernels, act=act, seed=seed)
             self.forwards = [entry[0] for entry in self.layers.values() if not isinstance(entry, str)]
             # the work forked processes take from one queue: the forward's sides first (the largest tasks), then
             # the per-tensor units, each process taking the next task when done with one, so that no core waits for
@@ -820,6 +144,37 @@ class NumericLevel:
         self._collector: threading.Thread | None = None
         self.pace: OnePass | None = None
 
+    def _prepare_forwards(
+        self, inputs: NumericInputs | None, reader: RowReader, *, kernels: str, act: str, seed: int
+    ) -> dict[int, tuple[LayerForward, list[ProbedShard]] | str]:
+        """Each MTP layer's :class:`LayerForward` with its probed shards, or why it could not be built (none when OUT
+        has no MTP draft); each forward is closed with the level."""
+        layers: dict[int, tuple[LayerForward, list[ProbedShard]] | str] = {}
+        for i in range(self.cfg.num_nextn_predict_layers if self.has_mtp else 0):
+            probes: list[ProbedShard] = []
+            try:
+                layer = LayerForward(
+                    self.cfg,
+                    self.plan,
+                    self.ckpt,
+                    self.out,
+                    i,
+                    inputs,
+                    reader,
+                    device=self.device,
+                    kernels=kernels,
+                    act=act,
+                    headers=self.headers,
+                    probes=probes,
+                    seed=seed,
+                )
+            except (CheckpointError, KeyError, ValueError, RuntimeError) as exc:
+                layers[i] = str(exc)
+                continue
+            layers[i] = (layer, probes)
+            self._stack.callback(layer.close)
+        return layers
+
     def __enter__(self) -> NumericLevel:
         return self
 
@@ -832,7 +187,7 @@ class NumericLevel:
         ``walk`` (the values level's walk, ``levels.values_walk``; with ``one_pass`` only): release each task to the
         workers once the walk has read its bytes, and hold the walk within ``window`` OUT bytes of the tasks
         released and not yet answered (:attr:`pace`, which the walk calls; ckpt_tool.verify.one_pass)."""
-        if not _may_fork(self.pool, self.device):
+        if not may_fan_out(self.pool, self.device):
             return
         paced = walk is not None and self.one_pass
         if paced:  # tasks numbered in walk order, so that a batch of units (a V4-Pro's many) lies in one stretch
@@ -864,8 +219,6 @@ class NumericLevel:
     def _unit_reads(self, comp: str, unit) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:
         """The byte ranges a per-tensor unit reads, ``(path, start, end)``: of OUT (a routed expert: its slot of each
         rank's stack) and of the source."""
-        from ckpt_tool.verify.linear_check import ExactUnit, unit_tensors
-
         sides, out = self.check.runners[comp].sides, []
         slots = dict(zip(unit.ranks, unit.local)) if getattr(unit, "expert", None) is not None else {}
         for rank in unit.ranks:
@@ -902,8 +255,6 @@ class NumericLevel:
         component's files are cut from (the embedding and head, read again by the other component's walk), and
         nothing the MTP forward reads until both its sides have answered (then the MTP files and the source of the
         MTP units, the routed experts' included)."""
-        from ckpt_tool.mapping.plan import ZERO
-
         users: dict[tuple[str, int], set[str]] = {}
         for f in self.plan.files:
             for t in f.tensors:
@@ -1046,7 +397,7 @@ def _check_layer(
     cfg: V4Config,
     plan: Plan,
     i: int,
-    entry: tuple[LayerForward, list[_ProbedShard]] | str,
+    entry: tuple[LayerForward, list[ProbedShard]] | str,
     coverage: Coverage,
     report: VerifyReport,
     pool: ComputePool,

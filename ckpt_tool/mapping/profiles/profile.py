@@ -6,7 +6,7 @@ A profile holds, in one place, every statement ckpt-tool makes about one engine 
   splits the engine zero-pads (``renames``, ``converts``, ``pads``) — what convert writes;
 - where the engine keeps the modules whose names move between layouts, and its parameter dtypes
   (``engine``, an :class:`EngineNames`) — what verify holds the output against (:mod:`ckpt_tool.mapping.engine_table`)
-  and the names the numeric level reads (:mod:`ckpt_tool.verify.numeric`);
+  and the names the numeric level reads (:mod:`ckpt_tool.verify.forward_names`);
 - the vLLM ``major.minor`` series ``--target auto`` picks it for (``covers``) and the exact releases
   whose own model classes and sharded loader the engine test runs on its output (``verified``).
 

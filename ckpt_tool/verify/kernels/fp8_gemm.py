@@ -45,6 +45,22 @@ def prepare_activation(x: torch.Tensor, act: str, group: int = quant.ACT_GROUP) 
     return x.to(torch.bfloat16).to(torch.float32)
 
 
+def _checked_weight(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, act: str, block: tuple[int, int], what: str | None
+) -> torch.Tensor:
+    """:func:`fp8_block_gemm`'s arguments checked (the errors it documents); the weight as e4m3 bits."""
+    if act not in ACT_MODES:
+        raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+    if block[1] not in _KERNEL_BLOCK_K or block[0] < 1:
+        raise ValueError(f"block {list(block)}: the kernels take 1+ rows by {_KERNEL_BLOCK_K} inputs")
+    bits = quant.as_e4m3_bits(w, what)
+    quant.check_fp8_block_shapes(bits, w_scale, block, what)
+    check_x(x, bits.shape[1], bits.device)
+    if w_scale.device != bits.device:
+        raise ValueError(f"w_scale is on {w_scale.device} but the weight is on {bits.device}")
+    return bits
+
+
 def fp8_block_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -69,16 +85,8 @@ def fp8_block_gemm(
     Returns float32 ``[M, N]``. Raises CheckpointError for bad weight/scale data, ValueError for a
     bad ``x``, ``act`` or ``block``, UsageError for an unavailable backend.
     """
-    if act not in ACT_MODES:
-        raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
-    if block[1] not in _KERNEL_BLOCK_K or block[0] < 1:
-        raise ValueError(f"block {list(block)}: the kernels take 1+ rows by {_KERNEL_BLOCK_K} inputs")
-    bits = quant.as_e4m3_bits(w, what)
-    quant.check_fp8_block_shapes(bits, w_scale, block, what)
+    bits = _checked_weight(x, w, w_scale, act=act, block=block, what=what)
     n, k = bits.shape
-    check_x(x, k, bits.device)
-    if w_scale.device != bits.device:
-        raise ValueError(f"w_scale is on {w_scale.device} but the weight is on {bits.device}")
     resolved = resolve_backend(backend, bits.device)
     m = x.shape[0]
     if resolved == "torch" or m == 0 or n == 0 or k == 0:  # the reference itself (it rejects NaN scale bytes)
