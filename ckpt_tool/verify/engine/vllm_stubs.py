@@ -352,6 +352,34 @@ def bootstrap(site: str | Path | None = None) -> None:
     global _BOOTED
     if _BOOTED:
         return
+    _find_vllm(site)
+    _set_environment()
+    sys.meta_path.insert(0, _StubFinder())
+    with stage("import torch"):
+        import torch
+    _stub_torch(torch)
+
+    with stage("import vllm"):
+        import vllm
+        import vllm.platforms
+
+    with stage("stub vLLM's CUDA platform (vllm.platforms.cuda.CudaPlatformBase as an SM90 GPU on cpu)"):
+        vllm.platforms._current_platform = _fake_sm90_platform()
+
+    with stage("run vLLM's model registry in-process (vllm.model_executor.models.registry)"):
+        import vllm.model_executor.models.registry as registry
+
+        registry._run_in_subprocess = lambda fn: fn()
+
+    import vllm.logger as vllm_logger
+
+    if hasattr(vllm_logger, "dictConfig"):  # keep capture() collecting across vLLM's own logging setup
+        vllm_logger.dictConfig = _keep_capturing(vllm_logger.dictConfig)
+    _BOOTED = True
+
+
+def _find_vllm(site: str | Path | None) -> None:
+    """Put ``site`` first on ``sys.path`` (when given) and make sure a vllm is importable."""
     if site is not None:
         site = Path(site)
         if not (site / "vllm" / "__init__.py").is_file():
@@ -359,6 +387,10 @@ def bootstrap(site: str | Path | None = None) -> None:
         sys.path.insert(0, str(site))
     if importlib.util.find_spec("vllm") is None:
         raise EngineUnavailable("find vllm", f"no vllm importable by {sys.executable}", kind="no-vllm")
+
+
+def _set_environment() -> None:
+    """vLLM's environment for a judge: its log on stderr at INFO, nothing fetched or reported over the network."""
     # The loader's warnings are part of the result: vLLM logs at INFO, to stderr (stdout carries the answer).
     os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -372,11 +404,9 @@ def bootstrap(site: str | Path | None = None) -> None:
         os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
         TEMP_CACHE.append(os.environ["VLLM_CACHE_ROOT"])
 
-    sys.meta_path.insert(0, _StubFinder())
 
-    with stage("import torch"):
-        import torch
-
+def _stub_torch(torch) -> None:
+    """The CUDA-only corners of torch that vLLM's model modules touch at import and build time."""
     for ns in STUB_OP_NAMESPACES:
         setattr(torch.ops, ns, _OpsNamespace(ns))
     real_register_fake = torch.library.register_fake
@@ -394,51 +424,38 @@ def bootstrap(site: str | Path | None = None) -> None:
     torch.cuda.get_device_properties = _device_properties
     torch.accelerator.current_device_index = _current_device_index
 
-    with stage("import vllm"):
-        import vllm
-        import vllm.platforms
 
-    with stage("stub vLLM's CUDA platform (vllm.platforms.cuda.CudaPlatformBase as an SM90 GPU on cpu)"):
-        from vllm.platforms import cuda as vllm_cuda
-        from vllm.platforms.interface import DeviceCapability
+def _fake_sm90_platform():
+    """vLLM's CUDA platform answering as an H100 (SM90), with allocations on the CPU."""
+    from vllm.platforms import cuda as vllm_cuda
+    from vllm.platforms.interface import DeviceCapability
 
-        class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
-            """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
+    class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
+        """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
 
-            device_type = "cpu"
+        device_type = "cpu"
 
-            @classmethod
-            def get_device_capability(cls, device_id: int = 0):
-                return DeviceCapability(major=9, minor=0)
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            return DeviceCapability(major=9, minor=0)
 
-            @classmethod
-            def get_device_name(cls, device_id: int = 0) -> str:
-                return "NVIDIA H100 80GB HBM3"
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return "NVIDIA H100 80GB HBM3"
 
-            @classmethod
-            def get_device_total_memory(cls, device_id: int = 0) -> int:
-                return 80 << 30
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            return 80 << 30
 
-            @classmethod
-            def is_fully_connected(cls, physical_device_ids) -> bool:
-                return True
+        @classmethod
+        def is_fully_connected(cls, physical_device_ids) -> bool:
+            return True
 
-            @classmethod
-            def device_count(cls) -> int:
-                return 8
+        @classmethod
+        def device_count(cls) -> int:
+            return 8
 
-        vllm.platforms._current_platform = FakeSM90Platform()
-
-    with stage("run vLLM's model registry in-process (vllm.model_executor.models.registry)"):
-        import vllm.model_executor.models.registry as registry
-
-        registry._run_in_subprocess = lambda fn: fn()
-
-    import vllm.logger as vllm_logger
-
-    if hasattr(vllm_logger, "dictConfig"):  # keep capture() collecting across vLLM's own logging setup
-        vllm_logger.dictConfig = _keep_capturing(vllm_logger.dictConfig)
-    _BOOTED = True
+    return FakeSM90Platform()
 
 
 def fake_groups(tp: int, rank: int) -> None:
