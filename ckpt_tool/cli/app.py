@@ -381,11 +381,9 @@ def convert(
         )
         from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
         from ckpt_tool.mapping.plan import HubNeeds
-        from ckpt_tool.output.convert import parse_ranks
+        from ckpt_tool.mapping.selection import parse_ranks
 
-        rank_list = parse_ranks(ranks) if ranks is not None else None
-        if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
-            raise UsageError(f"--ranks {ranks}: rank(s) {', '.join(map(str, bad))} outside 0..{tp - 1} for --tp {tp}")
+        rank_list = parse_ranks(ranks, tp) if ranks is not None else None
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
         if stream and ref is None:
             raise UsageError(f"--stream reads a hub repo; {src} is a local path (convert reads it directly)")

@@ -157,22 +157,17 @@ def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | No
     """``convert --dry-run``'s output: the plan of ``source`` (a folder, or a hub source already opened) for
     ``opts`` as one JSON document, or as a table and then the note on the ``--target`` chosen (``chosen``).
     ``rank_list`` / ``shard`` (index, count): only the files those ranks or that scale-out part write."""
-    from dataclasses import replace
     from pathlib import Path
 
     from ckpt_tool.checkpoint.headers import gc_paused
     from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.plan import plan_conversion
+    from ckpt_tool.mapping.selection import plan_run
 
     # headers, plan and its JSON are ~10^6 objects, none cyclic, alive until the command ends: one pause for the
     # whole command, not one per step (each resumption had the collector walk the heap built so far)
     with gc_paused():
         ckpt = open_checkpoint(source) if isinstance(source, Path) else source
-        plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
-        if rank_list is not None or shard[1] > 1:
-            from ckpt_tool.output.convert import select_files
-
-            plan = replace(plan, files=tuple(select_files(plan, rank_list, *shard)))
+        plan = plan_run(ckpt.require_config(), ckpt.tensors, opts, ranks=rank_list, shard=shard).part
         _print_plan(plan, chosen, as_json)
 
 

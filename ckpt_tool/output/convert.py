@@ -21,21 +21,21 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
-from ckpt_tool.errors import CheckpointError, OutputError, UsageError
-from ckpt_tool.mapping.plan import Options, OutFile, Plan, plan_conversion
+from ckpt_tool.errors import CheckpointError, OutputError
+from ckpt_tool.mapping.plan import Options, OutFile, Plan
+from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import (
     COMPONENTS,
     JOURNAL_RE,
@@ -94,51 +94,6 @@ class ConvertResult:
     partial: bool = False  # a --shard-count run: files and journal written, no manifest
     finalized: bool = False  # a manifest with "complete": true was written by this run
     fetched: tuple[int, int] | None = None  # a streamed hub source: (bytes fetched, range requests)
-
-
-# ---------------------------------------------------------------------------------------------
-# Selections (scale-out)
-
-
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """``"0,3-5"`` → ``(0, 3, 4, 5)``. Raises UsageError on anything else."""
-    ranks: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise UsageError(f"--ranks {text!r}: {part!r} is not a rank or a range like 3-5")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise UsageError(f"--ranks {text!r}: range {part!r} ends before it starts")
-        ranks.update(range(lo, hi + 1))
-    return tuple(sorted(ranks))
-
-
-def select_files(
-    plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1
-) -> list[OutFile]:
-    """The planned files of ``ranks`` (all if None), then every ``shard_count``-th of them from ``shard_index``.
-
-    Deterministic: the partition depends only on the plan, so every machine computes the same one,
-    and the shards of one selection are disjoint and together cover it exactly once.
-    """
-    if shard_count < 1 or not 0 <= shard_index < shard_count:
-        raise UsageError(f"--shard-index {shard_index} --shard-count {shard_count}: need 0 <= K < M")
-    if ranks is not None:
-        bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
-        if bad:
-            raise UsageError(
-                f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})"
-            )
-        chosen = set(ranks)
-        files = [f for f in plan.files if f.rank in chosen]
-    else:
-        files = list(plan.files)
-    return [f for i, f in enumerate(files) if i % shard_count == shard_index]
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def check_paths(src_root: Path, out: Path) -> None:
@@ -230,15 +185,10 @@ def convert(
     ckpt = _open(src)
     config = ckpt.require_config()
     check_paths(ckpt.root, out)
-    full = plan_conversion(config, ckpt.tensors, opts)
     shard_index, shard_count = shard or (0, 1)
-    if finalize:
-        selected = select_files(full, ranks)
-    else:
-        selected = select_files(full, ranks, shard_index, shard_count)
-    # the manifest/index cover the rank selection; a shard only writes its part of it
-    covered = full if ranks is None else replace(full, files=tuple(select_files(full, ranks)))
-    plan = replace(full, files=tuple(selected))
+    # the manifest/index cover the rank selection; a shard only writes its part of it (finalize: all of it)
+    run = plan_run(config, ckpt.tensors, opts, ranks=ranks, shard=(0, 1) if finalize else (shard_index, shard_count))
+    full, covered, plan = run.whole, run.covered, run.part
     if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
         on_plan(plan)
     doc = source_fingerprint(ckpt)

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
@@ -34,7 +34,8 @@ from ckpt_tool.checkpoint.headers import DTYPE_BITS, ShardHeader, TensorInfo, pa
 from ckpt_tool.checkpoint.reader import LocalFiles, sha256_file
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, Plan, needed_sources
+from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import (
     COMPONENTS,
     MANIFEST,
@@ -148,8 +149,6 @@ def _check_dest(out: Path, dest: Path, force: bool) -> None:
 def plan_from_out(out: Path, manifest: dict, headers: dict[str, tuple[bytes, ShardHeader]], config: V4Config) -> Plan:
     """The conversion's plan, re-made from the recorded source headers and options, restricted to the
     files the manifest lists (a ``--ranks`` conversion wrote only some ranks)."""
-    from dataclasses import replace
-
     opts = options_from_manifest(manifest)
     tensors: dict[str, TensorInfo] = {}
     for _raw, h in headers.values():
@@ -157,7 +156,7 @@ def plan_from_out(out: Path, manifest: dict, headers: dict[str, tuple[bytes, Sha
     if opts.only == "mtp":  # as a hub --only mtp conversion opened it (a local one plans the same files)
         keep = needed_sources(set(tensors), config, opts)
         tensors = {n: t for n, t in tensors.items() if n in keep}
-    plan = plan_conversion(config, tensors, opts)
+    plan = plan_run(config, tensors, opts).whole
     outputs = manifest.get("outputs") or {}
     files = tuple(f for f in plan.files if f.relpath in outputs)
     unknown = sorted(set(outputs) - {f.relpath for f in files})

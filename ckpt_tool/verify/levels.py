@@ -38,7 +38,8 @@ from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead, sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment, plan_conversion
+from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment
+from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc, options_from_manifest, source_fingerprint
 from ckpt_tool.processes import usable_cpus
 from ckpt_tool.verify.one_pass import OnePass, Walk
@@ -135,12 +136,8 @@ def verify(
     try:
         config = ckpt.require_config()
         opts = options_from_manifest(manifest)
-        plan = plan_conversion(config, ckpt.tensors, opts)
-        ranks = manifest.get("ranks")
-        if ranks is not None:  # a --ranks run: only those ranks were written
-            from ckpt_tool.output.convert import select_files
-
-            plan = replace(plan, files=tuple(select_files(plan, [int(r) for r in ranks])))
+        ranks = manifest.get("ranks")  # a --ranks run: only those ranks were written
+        plan = plan_run(config, ckpt.tensors, opts, ranks=None if ranks is None else [int(r) for r in ranks]).covered
     except CkptToolError as exc:
         report.add(Check("plan", False, str(exc)))
         return report
