@@ -574,7 +574,7 @@ def verify(
             report = judged
         else:
             from ckpt_tool.checkpoint.hub import parse_hub_ref
-            from ckpt_tool.verify.levels import hub_source_for_verify
+            from ckpt_tool.verify.source_match import hub_source_for_verify
 
             ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
             if stream and ref is None:
