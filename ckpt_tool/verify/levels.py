@@ -28,17 +28,19 @@ import json
 from contextlib import closing
 from pathlib import Path
 
+from ckpt_tool.checkpoint.hub import parse_hub_ref
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
-from ckpt_tool.errors import CkptToolError
+from ckpt_tool.errors import CkptToolError, UsageError
 from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import MANIFEST, options_from_manifest
 from ckpt_tool.processes import usable_cpus
-from ckpt_tool.verify.source_match import same_identity, same_source
+from ckpt_tool.verify.engine import check_with_vllm
+from ckpt_tool.verify.source_match import hub_source_for_verify, same_identity, same_source
 from ckpt_tool.verify.structure import check_engine, check_structure
 from ckpt_tool.verify.values import check_values, values_walk
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
 
-__all__ = ["LEVELS", "Check", "VerifyReport", "verify"]
+__all__ = ["LEVELS", "Check", "VerifyReport", "verify", "verify_out"]
 
 LEVELS = ("structure", "values", "numeric")
 # verify --level numeric in one pass (ckpt_tool.verify.one_pass): how far, in OUT bytes, the values walk may run
@@ -194,3 +196,65 @@ def _numeric_needs_every_rank(ranks: list[int], tp: int) -> Check:
         f"and verify that OUT with --level numeric",
         details={"ranks": ranks, "tp": tp, "missing": [r for r in range(tp) if r not in ranks]},
     )
+
+
+def verify_out(
+    out: Path,
+    source: str | None,
+    *,
+    level: str = "numeric",
+    kernels: str = "auto",
+    device: str = "auto",
+    tokens: int = 16,
+    seed: int = 0,
+    workers: int | None = None,
+    engine: bool = False,
+    engine_python: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+    stream: bool = False,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """``ckpt-tool verify``: the levels up to ``level`` against ``source`` (a folder, or a hub repo id), and with
+    ``engine`` the installed vLLM's judgement (``engine_python``'s) first, its checks after the levels'. Raises
+    UsageError for a combination that cannot run (no source and no engine, no CUDA for ``device="cuda"``, a local
+    source to ``stream``); failed checks are in the report."""
+    if source is None and not engine:
+        raise UsageError(
+            "verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT"
+        )
+    if engine_python is not None and not engine:
+        raise UsageError("--engine-python names the interpreter --engine runs vLLM with; add --engine")
+    if device == "cuda" and source is not None:
+        import torch  # only to ask for CUDA: the structure and values levels never need torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here; use --device cpu (or auto)")
+    judged = None
+    if engine:  # first: no vLLM (exit 2) is known before the levels spend their time
+        judged = VerifyReport(str(out), source, "engine")
+        check_with_vllm(out, judged, python=engine_python)
+    if source is None:
+        return judged
+    ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
+    if stream and ref is None:
+        raise UsageError(f"--stream reads a hub repo; {source} is a local path (verify reads it directly)")
+    src_path = hub_source_for_verify(ref, out, stream=stream) if ref is not None else Path(source)
+    report = verify(
+        out,
+        src_path,
+        level=level,
+        kernels=kernels,
+        device=device,
+        tokens=tokens,
+        seed=seed,
+        progress=progress,
+        workers=workers,
+        same_files=ref is None,  # a hub source is pinned by its commit, not by the files' identity
+    )
+    if judged is not None:  # beside the level: the engine's checks follow the level's
+        have = {c.name for c in report.checks}
+        report.checks += [c for c in judged.checks if c.name not in have]
+        report.engine = judged.engine
+    return report
