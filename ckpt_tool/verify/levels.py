@@ -31,6 +31,7 @@ from pathlib import Path
 from ckpt_tool.checkpoint.hub import parse_hub_ref
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
 from ckpt_tool.errors import CkptToolError, UsageError
+from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import MANIFEST, options_from_manifest
 from ckpt_tool.processes import usable_cpus
@@ -72,62 +73,21 @@ def verify(
     mtime_ns as the manifest records them); False for a hub source, which its commit pins.
 
     ``workers``: output files compared at once by the values level (default: one per CPU, at most 4; the ranks of
-    one part always together, see :func:`check_values`), and
-    tiles computed at once by the numeric level (default: one per CPU).
-    """
+    one part always together, see :func:`check_values`), and tiles computed at once by the numeric level (default:
+    one per CPU)."""
     numeric_workers = workers
     workers = workers or min(4, usable_cpus())
     progress = progress or NoProgress()
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}")
     report = VerifyReport(str(out), str(source.root if isinstance(source, Checkpoint) else source), level)
-    manifest_path = out / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        report.add(
-            Check(
-                "manifest",
-                False,
-                f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion",
-                file=str(manifest_path),
-            )
-        )
+    manifest = _finished_manifest(out, report)
+    if manifest is None:
         return report
-    except (OSError, json.JSONDecodeError) as exc:
-        report.add(Check("manifest", False, f"{manifest_path}: unreadable ({exc})", file=str(manifest_path)))
+    planned = _plan_from_source(manifest, source, report, same_files)
+    if planned is None:
         return report
-    if manifest.get("complete") is not True:
-        report.add(
-            Check(
-                "manifest",
-                False,
-                f"{manifest_path}: conversion is not complete; rerun convert to finish it",
-                file=str(manifest_path),
-            )
-        )
-        return report
-    report.add(Check("manifest", True))
-    report.target = manifest.get("target")
-
-    try:
-        ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
-    except CkptToolError as exc:
-        report.add(Check("source", False, str(exc)))
-        return report
-    if not same_source(manifest, ckpt, report):
-        return report  # every later check would only restate it
-    if same_files:
-        same_identity(manifest, ckpt, report)  # the later checks still say whether the bytes differ
-    try:
-        config = ckpt.require_config()
-        opts = options_from_manifest(manifest)
-        ranks = manifest.get("ranks")  # a --ranks run: only those ranks were written
-        plan = plan_run(config, ckpt.tensors, opts, ranks=None if ranks is None else [int(r) for r in ranks]).covered
-    except CkptToolError as exc:
-        report.add(Check("plan", False, str(exc)))
-        return report
-    report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
+    (ckpt, plan), opts = planned, planned[1].options
 
     deep = level in ("values", "numeric")
     if ckpt.remote is not None:
@@ -141,7 +101,7 @@ def verify(
         # the numeric level's workers compute while the values level reads (forked now, before its threads start):
         # the two levels share the disk and the cores instead of taking turns; its checks join the report only
         # once the values level passed
-        from ckpt_tool.verify.numeric import NumericLevel
+        from ckpt_tool.verify.numeric import NumericLevel  # torch and the kernels: only for the numeric level
 
         numeric = NumericLevel(
             out,
@@ -174,6 +134,65 @@ def verify(
         if numeric is not None:
             numeric.close()
     return report
+
+
+def _finished_manifest(out: Path, report: VerifyReport) -> dict | None:
+    """OUT's manifest, if it says the conversion finished (one check either way; None: it does not)."""
+    manifest_path = out / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        report.add(
+            Check(
+                "manifest",
+                False,
+                f"{manifest_path}: missing; OUT is not a finished ckpt-tool conversion",
+                file=str(manifest_path),
+            )
+        )
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        report.add(Check("manifest", False, f"{manifest_path}: unreadable ({exc})", file=str(manifest_path)))
+        return None
+    if manifest.get("complete") is not True:
+        report.add(
+            Check(
+                "manifest",
+                False,
+                f"{manifest_path}: conversion is not complete; rerun convert to finish it",
+                file=str(manifest_path),
+            )
+        )
+        return None
+    report.add(Check("manifest", True))
+    report.target = manifest.get("target")
+    return manifest
+
+
+def _plan_from_source(
+    manifest: dict, source: Path | Checkpoint, report: VerifyReport, same_files: bool
+) -> tuple[Checkpoint, Plan] | None:
+    """The source opened and checked to be the one OUT was made from, and the plan re-made from it and the recorded
+    options and ranks (a check each); None where a check failed and every later one would only restate it."""
+    try:
+        ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+    except CkptToolError as exc:
+        report.add(Check("source", False, str(exc)))
+        return None
+    if not same_source(manifest, ckpt, report):
+        return None
+    if same_files:
+        same_identity(manifest, ckpt, report)  # the later checks still say whether the bytes differ
+    try:
+        config = ckpt.require_config()
+        opts = options_from_manifest(manifest)
+        ranks = manifest.get("ranks")  # a --ranks run: only those ranks were written
+        plan = plan_run(config, ckpt.tensors, opts, ranks=None if ranks is None else [int(r) for r in ranks]).covered
+    except CkptToolError as exc:
+        report.add(Check("plan", False, str(exc)))
+        return None
+    report.add(Check("plan", True, details={"tensors": plan.tensor_count, "files": len(plan.files)}))
+    return ckpt, plan
 
 
 def _numeric_needs_every_rank(ranks: list[int], tp: int) -> Check:

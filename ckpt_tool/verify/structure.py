@@ -12,7 +12,7 @@ from ckpt_tool.checkpoint.headers import ShardHeader, read_shard_header
 from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping.engine_table import ENGINES, compare_with_engine, engine_params
-from ckpt_tool.mapping.plan import Plan
+from ckpt_tool.mapping.plan import OutFile, Plan
 from ckpt_tool.output.convert import serving_files
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc
 from ckpt_tool.verify.verdict import Check, VerifyReport
@@ -87,35 +87,13 @@ def check_structure(
     for rel, f in planned.items():
         if rel not in present:
             continue
-        problems: list[tuple[str, str | None]] = []
         try:
             header = read_shard_header(out / rel, rel)
         except CkptToolError as exc:
             report.add(Check(f"structure:{rel}", False, str(exc), file=rel))
             continue
         headers[rel] = header
-        want = {t.name: t for t in f.tensors}
-        for name in sorted(set(want) - set(header.tensors)):
-            problems.append((f"{rel}: tensor {name!r} missing (from {', '.join(want[name].sources[:2])})", name))
-        for name in sorted(set(header.tensors) - set(want)):
-            problems.append((f"{rel}: tensor {name!r} is not in the plan", name))
-        for name in sorted(set(want) & set(header.tensors)):
-            got, exp = header.tensors[name], want[name]
-            if got.dtype != exp.dtype or tuple(got.shape) != tuple(exp.shape):
-                problems.append(
-                    (
-                        f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected "
-                        f"{exp.dtype}{list(exp.shape)}",
-                        name,
-                    )
-                )
-        rec = outputs.get(rel)
-        if rec is None:
-            problems.append((f"{rel}: not recorded in {MANIFEST}", None))
-        elif rec.get("size") != header.file_size:
-            problems.append((f"{rel}: size {header.file_size} differs from the manifest's {rec.get('size')}", None))
-        elif hash_files and rec.get("sha256") != digests.get(rel):
-            problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
+        problems = _file_problems(rel, f, header, outputs.get(rel), digests.get(rel) if hash_files else None)
         if problems:
             msg = problems[0][0] + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
             report.add(
@@ -131,6 +109,40 @@ def check_structure(
         else:
             report.add(Check(f"structure:{rel}", True, file=rel))
 
+    _check_index_and_config(out, plan, report, src_root)
+    if any(f.component == "model" for f in plan.files):
+        _check_serving_files(out, src_root, report)
+    return headers
+
+
+def _file_problems(
+    rel: str, f: OutFile, header: ShardHeader, rec: dict | None, digest: str | None
+) -> list[tuple[str, str | None]]:
+    """What is wrong with one output file against its plan and its manifest record (``digest``: its sha256, when
+    hashed here): (message, tensor named or None) each."""
+    problems: list[tuple[str, str | None]] = []
+    want = {t.name: t for t in f.tensors}
+    for name in sorted(set(want) - set(header.tensors)):
+        problems.append((f"{rel}: tensor {name!r} missing (from {', '.join(want[name].sources[:2])})", name))
+    for name in sorted(set(header.tensors) - set(want)):
+        problems.append((f"{rel}: tensor {name!r} is not in the plan", name))
+    for name in sorted(set(want) & set(header.tensors)):
+        got, exp = header.tensors[name], want[name]
+        if got.dtype != exp.dtype or tuple(got.shape) != tuple(exp.shape):
+            problems.append(
+                (f"{rel}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected {exp.dtype}{list(exp.shape)}", name)
+            )
+    if rec is None:
+        problems.append((f"{rel}: not recorded in {MANIFEST}", None))
+    elif rec.get("size") != header.file_size:
+        problems.append((f"{rel}: size {header.file_size} differs from the manifest's {rec.get('size')}", None))
+    elif digest is not None and rec.get("sha256") != digest:
+        problems.append((f"{rel}: sha256 differs from the manifest; the file changed after conversion", None))
+    return problems
+
+
+def _check_index_and_config(out: Path, plan: Plan, report: VerifyReport, src_root: Path) -> None:
+    """Each component's index.json is the plan's, its config.json the source's, byte for byte."""
     for comp in COMPONENTS:
         if not any(f.component == comp for f in plan.files):
             continue
@@ -158,9 +170,6 @@ def check_structure(
             else f"{cfg_path}: {'missing' if got is None else 'differs from the source config.json'}; reconvert"
         )
         report.add(Check(f"config:{comp}", got == want, msg, file=f"{comp}/config.json"))
-    if any(f.component == "model" for f in plan.files):
-        _check_serving_files(out, src_root, report)
-    return headers
 
 
 def _check_serving_files(out: Path, src_root: Path, report: VerifyReport) -> None:

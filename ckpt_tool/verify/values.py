@@ -68,7 +68,6 @@ def check_values(
     """
     jobs = [f for f in plan.files if f.relpath in headers]
     progress.stage("values", sum(f.data_bytes for f in jobs))
-    outputs = (manifest or {}).get("outputs") or {}
     groups = _lockstep_groups(jobs)
     threads = max(1, workers, *(len(g) for g in groups))
     # each thread holds its file's read-ahead (SequentialRead.DEPTH + 1 blocks) and a few block-sized copies of
@@ -115,6 +114,18 @@ def check_values(
             futures += [(files, pool.submit(member, files, lockstep, gi, m)) for m, files in enumerate(g)]
         for files, fut in futures:
             results.update(zip((f.relpath for f in files), fut.result()))
+    _report_values(jobs, results, manifest, report)
+
+
+def _report_values(
+    jobs: list[OutFile],
+    results: dict[str, tuple[list[str], str | None, str]],
+    manifest: dict | None,
+    report: VerifyReport,
+) -> None:
+    """One values check per file compared (its first problem, the rest in its details), and a structure failure for
+    a file whose sha256, taken while it was compared, is not the manifest's."""
+    outputs = (manifest or {}).get("outputs") or {}
     for f in jobs:
         bad, first_tensor, digest = results[f.relpath]
         if manifest is not None and (outputs.get(f.relpath) or {}).get("sha256") != digest:
