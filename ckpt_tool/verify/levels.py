@@ -221,31 +221,25 @@ def verify_out(
     out: Path,
     source: str | None,
     *,
-    level: str = "numeric",
-    kernels: str = "auto",
-    device: str = "auto",
-    tokens: int = 16,
-    seed: int = 0,
-    workers: int | None = None,
     engine: bool = False,
     engine_python: str | None = None,
     revision: str | None = None,
     token: str | None = None,
     cache_dir: str | None = None,
     stream: bool = False,
-    progress: Progress | None = None,
+    **levels: object,
 ) -> VerifyReport:
-    """``ckpt-tool verify``: the levels up to ``level`` against ``source`` (a folder, or a hub repo id), and with
-    ``engine`` the installed vLLM's judgement (``engine_python``'s) first, its checks after the levels'. Raises
-    UsageError for a combination that cannot run (no source and no engine, no CUDA for ``device="cuda"``, a local
-    source to ``stream``); failed checks are in the report."""
+    """``ckpt-tool verify``: the levels (``levels``: :func:`verify`'s options) against ``source`` (a folder, or a hub
+    repo id), and with ``engine`` the installed vLLM's judgement (``engine_python``'s) first, its checks after the
+    levels'. Raises UsageError for a combination that cannot run (no source and no engine, no CUDA for
+    ``device="cuda"``, a local source to ``stream``); failed checks are in the report."""
     if source is None and not engine:
         raise UsageError(
             "verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT"
         )
     if engine_python is not None and not engine:
         raise UsageError("--engine-python names the interpreter --engine runs vLLM with; add --engine")
-    if device == "cuda" and source is not None:
+    if levels.get("device") == "cuda" and source is not None:
         import torch  # only to ask for CUDA: the structure and values levels never need torch
 
         if not torch.cuda.is_available():
@@ -260,18 +254,8 @@ def verify_out(
     if stream and ref is None:
         raise UsageError(f"--stream reads a hub repo; {source} is a local path (verify reads it directly)")
     src_path = hub_source_for_verify(ref, out, stream=stream) if ref is not None else Path(source)
-    report = verify(
-        out,
-        src_path,
-        level=level,
-        kernels=kernels,
-        device=device,
-        tokens=tokens,
-        seed=seed,
-        progress=progress,
-        workers=workers,
-        same_files=ref is None,  # a hub source is pinned by its commit, not by the files' identity
-    )
+    # a hub source is pinned by its commit, not by the files' identity
+    report = verify(out, src_path, same_files=ref is None, **levels)
     if judged is not None:  # beside the level: the engine's checks follow the level's
         have = {c.name for c in report.checks}
         report.checks += [c for c in judged.checks if c.name not in have]
