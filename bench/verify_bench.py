@@ -126,7 +126,7 @@ def checkpoint_gib(model: str) -> float:
 
 def source_reads(out: Path, src: Path) -> tuple[int, int]:
     """Source bytes the plan of OUT needs — every source row a segment names, once — and the bytes the values level
-    asks for: each segment's source rows whole, once per rank (``levels._compare_tensor`` cuts a rank's columns out
+    asks for: each segment's source rows whole, once per rank (``values._compare_tensor`` cuts a rank's columns out
     of whole rows; with the ranks of a part in lockstep, all but the first are served by the page cache)."""
     from ckpt_tool.checkpoint.source import open_checkpoint
     from ckpt_tool.mapping.plan import ZERO
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 def project(rows, sizes, src_gib, out_gib, needed_gib, disk_rate) -> dict:
     """Per model of ``sizes`` and level: max(CPU s / cores, bytes read / disk rate), printed and returned."""
     # projection: max(CPU / cores, bytes asked for / disk rate), per level
-    reads = {"values": needed_gib + out_gib, "numeric": needed_gib + out_gib}  # numeric: one pass (levels.py)
+    reads = {"values": needed_gib + out_gib, "numeric": needed_gib + out_gib}  # numeric: one pass (verify/one_pass.py)
     cpu = {lv: statistics.median(r["cpu_seconds"] for r in rows if r["level"] == lv) / src_gib for lv in reads}
     print(
         f"\nprojection: max(CPU s/GiB x size / cores, GiB asked for x size / {disk_rate:.2f} GiB/s); per GiB of "

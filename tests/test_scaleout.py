@@ -18,7 +18,8 @@ from ckpt_tool.cli.entry import main
 from ckpt_tool.errors import UsageError
 from ckpt_tool.mapping.plan import Options
 from ckpt_tool.mapping.planner import plan_conversion
-from ckpt_tool.output.convert import convert, parse_ranks, select_files
+from ckpt_tool.mapping.selection import parse_ranks, select_files
+from ckpt_tool.output.convert import convert
 from ckpt_tool.verify.levels import verify
 
 REPO = Path(__file__).resolve().parents[1]

@@ -515,7 +515,7 @@ def test_forked_numeric_workers_answer_every_task_run_after_run(fixture_dir, tmp
     import threading
 
     from ckpt_tool.verify.compute_pool import ForkedTasks, can_fork_workers
-    from ckpt_tool.verify.levels import check_values, values_walk
+    from ckpt_tool.verify.values import check_values, values_walk
     from ckpt_tool.verify.verdict import NoProgress
 
     assert can_fork_workers(), "the forked numeric path needs Linux and no other thread running"
@@ -1202,7 +1202,7 @@ def test_values_reads_tensors_spanning_many_read_blocks(
     with blocks far smaller than the tensors every tensor spans several, the file's end is a partial block,
     and a good OUT still passes while one flipped byte is named (O_DIRECT and buffered reads alike)."""
     from ckpt_tool.checkpoint import reader as reads
-    from ckpt_tool.verify import levels as verify_mod
+    from ckpt_tool.verify import values as verify_mod
 
     monkeypatch.setattr(verify_mod, "VALUE_BLOCK_BYTES", block)
     monkeypatch.setattr(reads, "DIRECT_IO", direct == "1")
@@ -1226,11 +1226,11 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
     import time
 
     from ckpt_tool.checkpoint.reader import LocalFiles, SequentialRead
-    from ckpt_tool.verify import levels
+    from ckpt_tool.verify import values
 
     block, window, tp = 4096, 8 * 4096, 4
-    monkeypatch.setattr(levels, "VALUE_BLOCK_BYTES", block)
-    monkeypatch.setattr(levels, "LOCKSTEP_WINDOW", window)
+    monkeypatch.setattr(values, "VALUE_BLOCK_BYTES", block)
+    monkeypatch.setattr(values, "LOCKSTEP_WINDOW", window)
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", tp, moe)
     ckpt = open_checkpoint(src)
@@ -1238,7 +1238,7 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
     files = {f.relpath: f for f in plan.files}
     groups = {
         m[0].relpath: [g for member in group for g in member]
-        for group in levels._lockstep_groups(list(files.values()))
+        for group in values._lockstep_groups(list(files.values()))
         for m in group
     }
     sizes = {rel: (out / rel).stat().st_size for rel in files}
@@ -1276,7 +1276,7 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
                 time.sleep(0.002)
             super().read_into(file, into, offset, what=what)
 
-    monkeypatch.setattr(levels, "SequentialRead", Tracked)
+    monkeypatch.setattr(values, "SequentialRead", Tracked)
     monkeypatch.setattr(type(ckpt), "open_bytes", lambda self: Watched(self.root))
     report = verify(out, ckpt, level="values")
     assert report.ok, [(c.name, c.message) for c in report.failures]

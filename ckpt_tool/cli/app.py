@@ -10,8 +10,8 @@ JSON document per command, of one shape on success and failure (``schema_version
 
 from __future__ import annotations
 
+import errno
 import functools
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -19,8 +19,21 @@ from typing import Annotated, Literal
 import typer
 
 from ckpt_tool import __version__
-from ckpt_tool.cli.common import FORMATS, apply_global_flags, interrupted, print_plan, report_error, run_inspect
-from ckpt_tool.errors import CkptToolError, UsageError
+from ckpt_tool.cli.common import (
+    FORMATS,
+    apply_global_flags,
+    interrupted,
+    print_plan,
+    report_error,
+    run_inspect,
+    warning_line,
+)
+from ckpt_tool.cli.jsondoc import json_document, print_json
+from ckpt_tool.environment import auto_target, environment_facts
+from ckpt_tool.errors import CkptToolError, OutputError
+from ckpt_tool.mapping.profiles import DRAFT_KINDS, PROFILES, known_names, series_of
+from ckpt_tool.mapping.request import convert_request
+from ckpt_tool.mapping.target import installed_vllm, unverified_warning
 
 app = typer.Typer(
     name="ckpt-tool",
@@ -49,8 +62,6 @@ _plain_argument_help()
 
 
 def _target_choices() -> type[Enum]:
-    from ckpt_tool.mapping.profiles import known_names
-
     return Enum("TargetChoice", {name: name for name in ("auto", *known_names())}, type=str)  # type: ignore[return-value]
 
 
@@ -107,8 +118,6 @@ def _wants_json(json_out: bool, fmt: str | None) -> bool:
 def _fail_user(exc: CkptToolError, command: str | None, json_out: bool, body: dict | None = None) -> None:
     """A user-facing error: the command's JSON document (ok false) when --json owns stdout, one line, the exit code."""
     if json_out and command is not None:
-        from ckpt_tool.cli.jsondoc import json_document, print_json
-
         print_json(json_document(command, body, error=str(exc)))
     _fail(exc, exc.exit_code)
 
@@ -119,10 +128,6 @@ def _fail(exc: BaseException, code: int = 1) -> None:
 
 
 def _os_error(exc: OSError, out: Path) -> CkptToolError:
-    import errno
-
-    from ckpt_tool.errors import OutputError
-
     if exc.errno == errno.ENOSPC:
         return OutputError(f"{exc.filename or out}: no space left on device; free space and rerun to resume")
     return OutputError(
@@ -349,13 +354,6 @@ def convert(
       ckpt-tool convert hf://deepseek-ai/DeepSeek-V4-Flash ./v4-tp8 --tp 8 --stream
       ckpt-tool convert ./DeepSeek-V4-Flash /shared/v4 --tp 8 --shard-index 2 --shard-count 4   # then --finalize
     """
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.cli.render import ConvertProgress, render_convert_summary
-    from ckpt_tool.mapping.plan import Options
-    from ckpt_tool.mapping.profiles import series_of
-    from ckpt_tool.mapping.target import resolve_target
-    from ckpt_tool.output.convert import convert as run_convert
-
     as_json = _wants_json(json_out, fmt)
     if shard_index >= shard_count:
         raise typer.BadParameter(f"{shard_index} is not below --shard-count {shard_count}", param_hint="--shard-index")
@@ -365,60 +363,62 @@ def convert(
         )
     if vllm is not None and series_of(vllm) is None:
         raise typer.BadParameter(f"{vllm!r} is not a vLLM version (e.g. 0.34 or 0.34.1)", param_hint="--vllm")
+    size = _parse_size(max_shard_size)
     try:
-        chosen = resolve_target(target.value, vllm_version=vllm)
-        if chosen.warning:
-            from ckpt_tool.cli.render import warning_line
-
-            warning_line(chosen.warning)  # before any work: on stderr in --json mode too
-        opts = Options(
+        request = convert_request(
+            src,
             tp=tp,
             moe_parallel=moe_parallel,
             only=only,
-            max_shard_size=_parse_size(max_shard_size),
-            profile=chosen.profile,
-            vllm_series=vllm or chosen.vllm,
-        )
-        from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
-        from ckpt_tool.mapping.hub_needs import HubNeeds
-        from ckpt_tool.output.convert import parse_ranks
-
-        rank_list = parse_ranks(ranks) if ranks is not None else None
-        if rank_list is not None and (bad := [r for r in rank_list if r >= tp]):
-            raise UsageError(f"--ranks {ranks}: rank(s) {', '.join(map(str, bad))} outside 0..{tp - 1} for --tp {tp}")
-        ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
-        if stream and ref is None:
-            raise UsageError(f"--stream reads a hub repo; {src} is a local path (convert reads it directly)")
-        source = (
-            open_hub_source(ref, HubNeeds(opts), download=not dry_run, stream=stream) if ref is not None else Path(src)
+            max_shard_size=size,
+            target=target.value,
+            vllm=vllm,
+            ranks=ranks,
+            shard=(shard_index, shard_count),
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            stream=stream,
+            download=not dry_run,
+            warn=warning_line,  # before any work: on stderr in --json mode too
         )
         if dry_run:
-            print_plan(source, opts, chosen, as_json=as_json, rank_list=rank_list, shard=(shard_index, shard_count))
-            raise typer.Exit(0)
-        remote = getattr(source, "remote", None)
-        fetched = getattr(remote, "fetched", None)
-        with ConvertProgress(enabled=not as_json, fetched=fetched) as prog:
-            try:
-                result = run_convert(
-                    source,
-                    out,
-                    opts,
-                    force=force,
-                    workers=workers,
-                    progress=prog.advance,
-                    on_plan=prog.start,
-                    ranks=rank_list,
-                    shard=(shard_index, shard_count),
-                    finalize=finalize,
-                )
-            except OSError as exc:  # one the library did not word, e.g. OUT's parent is a file: still one line
-                raise _os_error(exc, out) from exc
-        if fetched is not None:
-            result.fetched = fetched()
-    except typer.Exit:
-        raise
+            print_plan(request, as_json=as_json)
+            return
+        result = _run_convert(request, out, force=force, workers=workers, finalize=finalize, as_json=as_json)
     except CkptToolError as exc:
         _fail_user(exc, "convert", as_json, {"out": str(out), "dry_run": dry_run})
+    _render_convert(result, request, finalize=finalize, as_json=as_json)
+
+
+def _run_convert(request, out: Path, *, force: bool, workers: int | None, finalize: bool, as_json: bool):
+    """The conversion of ``request`` into ``out``, its progress on stderr."""
+    from ckpt_tool.cli.render import ConvertProgress  # rich: loaded by the commands that draw with it
+    from ckpt_tool.output.convert import convert as run_convert  # the writer: loaded by the command that writes
+
+    with ConvertProgress(enabled=not as_json, fetched=request.fetched) as prog:
+        try:
+            return run_convert(
+                request.source,
+                out,
+                request.opts,
+                force=force,
+                workers=workers,
+                progress=prog.advance,
+                on_plan=prog.start,
+                ranks=request.ranks,
+                shard=request.shard,
+                finalize=finalize,
+            )
+        except OSError as exc:  # one the library did not word, e.g. OUT's parent is a file: still one line
+            raise _os_error(exc, out) from exc
+
+
+def _render_convert(result, request, *, finalize: bool, as_json: bool) -> None:
+    """convert's summary: one JSON document, or lines (a finalize's, a shard's, a whole run's) then the target note."""
+    from ckpt_tool.cli.render import human_bytes, render_convert_summary, summary_line  # rich: see _run_convert
+
+    chosen = request.target
     if as_json:
         doc = render_convert_summary(result, as_json=True)
         doc.update(
@@ -431,17 +431,14 @@ def convert(
         print_json(json_document("convert", doc))
         return
     if finalize:
-        from ckpt_tool.cli.render import human_bytes, summary_line
-
         summary_line(
-            f"finalized {out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; manifest "
-            "complete"
+            f"finalized {result.out}: {len(result.skipped)} file(s) checked, {human_bytes(result.plan.total_bytes)}; "
+            "manifest complete"
         )
     else:
         render_convert_summary(result)
         if result.partial:
-            from ckpt_tool.cli.render import summary_line
-
+            shard_index, shard_count = request.shard
             summary_line(
                 f"shard {shard_index} of {shard_count} done (no manifest yet): run the same command with --finalize "
                 "once every shard has finished"
@@ -452,7 +449,7 @@ def convert(
 def _target_note(note: str | None) -> None:
     """--target auto's word on what it chose, after the result (an error stays one line)."""
     if note:
-        from ckpt_tool.cli.render import note_line
+        from ckpt_tool.cli.render import note_line  # rich: see _run_convert
 
         note_line(note)
 
@@ -548,68 +545,35 @@ def verify(
       ckpt-tool verify ./v4-tp8 --source ./DeepSeek-V4-Flash --level values --json --junit verify.xml
       ckpt-tool verify ./v4-tp8 --engine --engine-python /opt/serving-venv/bin/python
     """
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.cli.render import github_annotations, github_summary, render_verify, write_junit
-    from ckpt_tool.verify.levels import verify as run_verify
+    # rich and the levels (numpy, the engine check): loaded by the command that uses them, not at every start-up
+    from ckpt_tool.cli.render import StageProgress, github_annotations, github_summary, render_verify, write_junit
+    from ckpt_tool.verify.levels import verify_out
 
     as_json = _wants_json(json_out, fmt)
     try:
-        if source is None and not engine:
-            raise UsageError(
-                "verify needs --source SRC (the checkpoint OUT was converted from), or --engine to let vLLM judge OUT"
+        with StageProgress(enabled=not as_json) as prog:
+            report = verify_out(
+                out,
+                source,
+                level=level,
+                kernels=kernels,
+                device=device,
+                tokens=tokens,
+                seed=seed,
+                workers=workers,
+                engine=engine,
+                engine_python=engine_python,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                stream=stream,
+                progress=prog,
             )
-        if engine_python is not None and not engine:
-            raise UsageError("--engine-python names the interpreter --engine runs vLLM with; add --engine")
-        if device == "cuda" and source is not None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UsageError("--device cuda: no CUDA device is available here; use --device cpu (or auto)")
-        judged = None
-        if engine:  # first: no vLLM (exit 2) is known before the levels spend their time
-            from ckpt_tool.verify.engine import check_with_vllm
-            from ckpt_tool.verify.verdict import VerifyReport
-
-            judged = VerifyReport(str(out), source, "engine")
-            check_with_vllm(out, judged, python=engine_python)
-        if source is None:
-            report = judged
-        else:
-            from ckpt_tool.checkpoint.hub import parse_hub_ref
-            from ckpt_tool.verify.levels import hub_source_for_verify
-
-            ref = parse_hub_ref(source, revision=revision, token=token, cache_dir=cache_dir)
-            if stream and ref is None:
-                raise UsageError(f"--stream reads a hub repo; {source} is a local path (verify reads it directly)")
-            src_path = hub_source_for_verify(ref, out, stream=stream) if ref is not None else Path(source)
-            from ckpt_tool.cli.render import StageProgress
-
-            with StageProgress(enabled=not as_json) as prog:
-                report = run_verify(
-                    out,
-                    src_path,
-                    level=level,
-                    kernels=kernels,
-                    device=device,
-                    tokens=tokens,
-                    seed=seed,
-                    progress=prog,
-                    workers=workers,
-                    same_files=ref is None,  # a hub source is pinned by its commit, not by the files' identity
-                )
-            if judged is not None:  # beside the level: the engine's checks follow the level's
-                have = {c.name for c in report.checks}
-                report.checks += [c for c in judged.checks if c.name not in have]
-                report.engine = judged.engine
     except CkptToolError as exc:
         _fail_user(
             exc, "verify", as_json, {"out": str(out), "source": source, "level": "engine" if source is None else level}
         )
-    from ckpt_tool.mapping.target import unverified_warning
-
     if warning := unverified_warning(report.target):
-        from ckpt_tool.cli.render import warning_line
-
         warning_line(warning)  # on stderr, --json too (its document carries target.verified)
     if junit is not None:
         write_junit(report, junit)
@@ -665,14 +629,12 @@ def unconvert(
       ckpt-tool unconvert ./v4-tp8 ./DeepSeek-V4-Flash-again
       ckpt-tool unconvert ./v4-mtp ./mtp-only --partial
     """
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.cli.render import human_bytes, summary_line
+    # rich and the rebuilder (numpy): loaded by the command that uses them, not at every start-up
+    from ckpt_tool.cli.render import StageProgress, human_bytes, summary_line
     from ckpt_tool.output.unconvert import unconvert as run_unconvert
 
     as_json = _wants_json(json_out, fmt)
     try:
-        from ckpt_tool.cli.render import StageProgress
-
         with StageProgress(enabled=not as_json) as prog:
             result = run_unconvert(
                 out, dest, source=source, partial=partial, force=force, check_checksums=not no_checksums, progress=prog
@@ -713,12 +675,8 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     A vLLM newer than every verified release gets the newest profile with a warning; check such an
     OUT with `ckpt-tool verify OUT --engine`.
     """
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.mapping.profiles import DRAFT_KINDS, PROFILES
-    from ckpt_tool.mapping.target import installed_vllm
-
     installed = installed_vllm()
-    auto = _auto_target()
+    auto = auto_target()
     docs = [
         {
             "name": p.name,
@@ -756,15 +714,7 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     """What to paste into a bug report: versions of the tool and its stack, the profile --target auto
     picks (and whether it is verified for the installed vLLM), the HF cache in use, CUDA and Triton's
     interpreter setting."""
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.mapping.target import installed_vllm
-
     doc = environment_facts()
-    auto = _auto_target()
-    doc["target_auto"] = auto["auto"] or f"error: {auto['auto_error']}"
-    doc["target_auto_verified"] = auto["auto_verified"]
-    doc["installed_vllm"] = installed_vllm()
-    doc["target_auto_drafts"] = _auto_drafts(auto["auto"])
     if _wants_json(json_out, fmt):
         print_json(json_document("env", doc))
         return
@@ -774,63 +724,5 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
 
 
 def draft_doc(kind) -> dict:
-    """One draft kind (``mapping.profiles.DraftKind``) for ``profiles`` and ``env``."""
+    """One draft kind (``mapping.profiles.DraftKind``) for ``profiles``."""
     return {"kind": kind.name, "architecture": kind.architecture, "method": kind.method, "folder": kind.component}
-
-
-def _auto_drafts(profile: str | None) -> str | None:
-    """The draft kinds the profile --target auto picks builds: ``mtp (method mtp, OUT/mtp), dspark (...)``."""
-    from ckpt_tool.mapping.profiles import DRAFT_KINDS, get_profile
-
-    if profile is None:
-        return None
-    kinds = [DRAFT_KINDS[k] for k in get_profile(profile).drafts]
-    return ", ".join(f"{k.name} ({k.architecture}, method {k.method}, OUT/{k.component})" for k in kinds)
-
-
-def _auto_target() -> dict:
-    """What --target auto picks here: ``auto`` (the profile, or None), ``auto_verified`` (whether that
-    profile is verified for the installed vLLM; None with no vLLM), ``auto_error`` (why it picks none)."""
-    from ckpt_tool.mapping.target import is_verified, resolve_target
-
-    try:
-        chosen = resolve_target("auto")
-    except CkptToolError as exc:
-        return {"auto": None, "auto_verified": None, "auto_error": str(exc)}
-    return {"auto": chosen.profile, "auto_verified": is_verified(chosen.profile, chosen.vllm), "auto_error": None}
-
-
-def environment_facts() -> dict:
-    """Versions and settings, each read without importing more than needed (vLLM is never imported)."""
-    import platform
-    from importlib import metadata
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    facts: dict = {
-        "ckpt_tool": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    for dist in ("torch", "triton", "safetensors", "huggingface_hub", "numpy", "typer", "rich"):
-        facts[dist] = version(dist)
-    try:
-        import torch
-
-        facts["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
-        facts["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:  # pragma: no cover - torch is a dependency
-        facts["cuda"], facts["cuda_devices"] = None, 0
-    facts["triton_interpret"] = os.environ.get("TRITON_INTERPRET")
-    try:
-        from huggingface_hub import constants
-
-        facts["hf_hub_cache"] = constants.HF_HUB_CACHE
-        facts["hf_hub_offline"] = bool(constants.HF_HUB_OFFLINE)
-    except ImportError:  # pragma: no cover
-        facts["hf_hub_cache"], facts["hf_hub_offline"] = None, None
-    return facts

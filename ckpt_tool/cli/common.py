@@ -13,10 +13,19 @@ import logging
 import os
 import signal
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+from ckpt_tool.checkpoint.hub import hub_headers, parse_hub_ref
+from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, plan_json, print_json, print_json_text
 from ckpt_tool.cli.streams import drop_stdout
+from ckpt_tool.errors import CkptToolError
+
+if TYPE_CHECKING:
+    from ckpt_tool.mapping.request import ConvertRequest
 
 STATE = {"debug": False, "quiet": False}
 GLOBAL_FLAGS = {"--debug": "debug", "-q": "quiet", "--quiet": "quiet"}
@@ -55,8 +64,6 @@ def report_error(exc: BaseException) -> None:
     from ckpt_tool.cli.render import error_line
 
     if STATE["debug"]:
-        import traceback
-
         traceback.print_exception(exc)
     error_line(str(exc))
 
@@ -122,10 +129,7 @@ def run_inspect(
     src: str, *, as_json: bool, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
 ) -> int:
     """``ckpt-tool inspect``: the report on stdout (a table, or one JSON document); returns the exit code."""
-    from ckpt_tool.checkpoint.hub import hub_headers, parse_hub_ref
-    from ckpt_tool.checkpoint.summary import inspect_local, inspect_tensors
-    from ckpt_tool.cli.jsondoc import json_document, print_json
-    from ckpt_tool.errors import CkptToolError
+    from ckpt_tool.checkpoint.summary import inspect_local, inspect_tensors  # inspect's library: not the dry run's
 
     try:
         ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
@@ -153,69 +157,48 @@ def run_inspect(
     return 0 if report.ok else 1
 
 
-def print_plan(source, opts, chosen, *, as_json: bool, rank_list: list[int] | None = None, shard=(0, 1)) -> None:
-    """``convert --dry-run``'s output: the plan of ``source`` (a folder, or a hub source already opened) for
-    ``opts`` as one JSON document, or as a table and then the note on the ``--target`` chosen (``chosen``).
-    ``rank_list`` / ``shard`` (index, count): only the files those ranks or that scale-out part write."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from ckpt_tool.checkpoint.gc_pause import gc_paused
-    from ckpt_tool.checkpoint.source import open_checkpoint
-    from ckpt_tool.mapping.planner import plan_conversion
-
+def print_plan(request: ConvertRequest, *, as_json: bool) -> None:
+    """``convert --dry-run``'s output: the plan of ``request`` (only the files its ranks or scale-out part write) as
+    one JSON document, or as a table and then the note on the ``--target`` chosen."""
     # headers, plan and its JSON are ~10^6 objects, none cyclic, alive until the command ends: one pause for the
     # whole command, not one per step (each resumption had the collector walk the heap built so far)
     with gc_paused():
-        ckpt = open_checkpoint(source) if isinstance(source, Path) else source
-        plan = plan_conversion(ckpt.require_config(), ckpt.tensors, opts)
-        if rank_list is not None or shard[1] > 1:
-            from ckpt_tool.output.convert import select_files
-
-            plan = replace(plan, files=tuple(select_files(plan, rank_list, *shard)))
-        _print_plan(plan, chosen, as_json)
+        _print_plan(request.plan(), request.target, as_json)
 
 
 def _print_plan(plan, chosen, as_json: bool) -> None:
     if as_json:
-        from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, plan_json, print_json_text
-
         fields = {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning}
         doc = json_document("convert", fields)
         print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
         return
-    from ckpt_tool.cli.render import note_line, render_plan
+    from ckpt_tool.cli.render import note_line, render_plan  # rich: not for --json
 
     render_plan(plan)
     if chosen.note:
         note_line(chosen.note)
 
 
+def warning_line(message: str) -> None:
+    """One ``warning:`` line on stderr (rich, imported only when there is one)."""
+    from ckpt_tool.cli.render import warning_line as show
+
+    show(message)
+
+
 def run_dry_run(src: str, out: str, *, tp: int, moe_parallel: str, only: str | None, target: str, as_json: bool) -> int:
     """``ckpt-tool convert SRC OUT --dry-run`` with no option but these (the typer-free path of
     :mod:`ckpt_tool.cli.entry`): what the typer command prints, and its exit code."""
-    from pathlib import Path
-
-    from ckpt_tool.checkpoint.hub import open_hub_source, parse_hub_ref
-    from ckpt_tool.errors import CkptToolError
-    from ckpt_tool.mapping.hub_needs import HubNeeds
-    from ckpt_tool.mapping.plan import Options
-    from ckpt_tool.mapping.target import resolve_target
+    from ckpt_tool.mapping.request import convert_request  # the planner: the dry run's library, not inspect's
 
     try:
-        chosen = resolve_target(target)
-        if chosen.warning:
-            from ckpt_tool.cli.render import warning_line
-
-            warning_line(chosen.warning)  # before any work: on stderr in --json mode too
-        opts = Options(tp=tp, moe_parallel=moe_parallel, only=only, profile=chosen.profile, vllm_series=chosen.vllm)
-        ref = parse_hub_ref(src)
-        source = open_hub_source(ref, HubNeeds(opts), download=False) if ref is not None else Path(src)
-        print_plan(source, opts, chosen, as_json=as_json)
+        # the --target warning before any work: on stderr in --json mode too
+        request = convert_request(
+            src, tp=tp, moe_parallel=moe_parallel, only=only, target=target, download=False, warn=warning_line
+        )
+        print_plan(request, as_json=as_json)
     except CkptToolError as exc:
         if as_json:
-            from ckpt_tool.cli.jsondoc import json_document, print_json
-
             print_json(json_document("convert", {"out": out, "dry_run": True}, error=str(exc)))
         report_error(exc)
         return exc.exit_code

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.cli.common import (
     FORMATS,
     STATE,
@@ -26,6 +27,7 @@ from ckpt_tool.cli.common import (
     stop_signals,
     take_global_flags,
 )
+from ckpt_tool.mapping.profiles import known_names
 
 _INSPECT_VALUE_OPTIONS = {"--format": "fmt", "--revision": "revision", "--token": "token", "--cache-dir": "cache_dir"}
 # convert --dry-run's options this path takes, each with the values typer would accept (anything else: typer says)
@@ -96,8 +98,6 @@ def _plain_dry_run(args: list[str]) -> dict | None:
 
 
 def _known_target(name: str) -> bool:
-    from ckpt_tool.mapping.profiles import known_names
-
     return name == "auto" or name in known_names()
 
 
@@ -117,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: list[str], plain: dict | None, dry_run: dict | None) -> int:
     try:
         if plain is not None or dry_run is not None:
-            from ckpt_tool.checkpoint.gc_pause import gc_paused
-
             apply_global_flags()
             # headers, plan and output are ~10^6 objects, none cyclic: the collector stays off until they are
             # freed. Turned on while they were alive, its first pass walked them all (0.1-0.2 s, more than the
@@ -128,7 +126,7 @@ def _run(args: list[str], plain: dict | None, dry_run: dict | None) -> int:
                     return run_inspect(**plain) if plain is not None else run_dry_run(**dry_run)
                 except (KeyboardInterrupt, BrokenPipeError) as exc:
                     return interrupted(args[0], exc)
-        from ckpt_tool.cli.app import app
+        from ckpt_tool.cli.app import app  # typer (~0.2 s to build the app): only off the fast paths above
 
         app(args=args, prog_name="ckpt-tool", standalone_mode=True)
     except SystemExit as exc:  # typer's exit codes; rich's on a closed stdout

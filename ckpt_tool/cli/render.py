@@ -506,7 +506,11 @@ class StageProgress:
         self.task = None
 
     def __enter__(self) -> StageProgress:
-        if self.enabled:
+        return self
+
+    def _start(self) -> None:
+        """The bar, from the first stage on (a command that fails before its first stage draws nothing)."""
+        if self.enabled and self.progress is None:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -527,9 +531,9 @@ class StageProgress:
                 transient=False,
             )
             self.progress.__enter__()
-        return self
 
     def stage(self, name: str, total: int, unit: str = "B") -> None:
+        self._start()
         if self.progress is not None:
             if self.task is not None:
                 self.progress.update(self.task, completed=self.progress.tasks[-1].total)

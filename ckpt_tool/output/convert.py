@@ -21,22 +21,21 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import sha256_file
 from ckpt_tool.checkpoint.source import Checkpoint, open_checkpoint
-from ckpt_tool.errors import CheckpointError, OutputError, UsageError
+from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping.plan import Options, OutFile, Plan
-from ckpt_tool.mapping.planner import plan_conversion
+from ckpt_tool.mapping.selection import PlannedRun, plan_run
 from ckpt_tool.output.layout import (
     COMPONENTS,
     JOURNAL_RE,
@@ -95,51 +94,6 @@ class ConvertResult:
     partial: bool = False  # a --shard-count run: files and journal written, no manifest
     finalized: bool = False  # a manifest with "complete": true was written by this run
     fetched: tuple[int, int] | None = None  # a streamed hub source: (bytes fetched, range requests)
-
-
-# ---------------------------------------------------------------------------------------------
-# Selections (scale-out)
-
-
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """``"0,3-5"`` → ``(0, 3, 4, 5)``. Raises UsageError on anything else."""
-    ranks: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise UsageError(f"--ranks {text!r}: {part!r} is not a rank or a range like 3-5")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise UsageError(f"--ranks {text!r}: range {part!r} ends before it starts")
-        ranks.update(range(lo, hi + 1))
-    return tuple(sorted(ranks))
-
-
-def select_files(
-    plan: Plan, ranks: Sequence[int] | None = None, shard_index: int = 0, shard_count: int = 1
-) -> list[OutFile]:
-    """The planned files of ``ranks`` (all if None), then every ``shard_count``-th of them from ``shard_index``.
-
-    Deterministic: the partition depends only on the plan, so every machine computes the same one,
-    and the shards of one selection are disjoint and together cover it exactly once.
-    """
-    if shard_count < 1 or not 0 <= shard_index < shard_count:
-        raise UsageError(f"--shard-index {shard_index} --shard-count {shard_count}: need 0 <= K < M")
-    if ranks is not None:
-        bad = sorted(r for r in ranks if not 0 <= r < plan.options.tp)
-        if bad:
-            raise UsageError(
-                f"--ranks {', '.join(map(str, bad))} outside 0..{plan.options.tp - 1} (tp={plan.options.tp})"
-            )
-        chosen = set(ranks)
-        files = [f for f in plan.files if f.rank in chosen]
-    else:
-        files = list(plan.files)
-    return [f for i, f in enumerate(files) if i % shard_count == shard_index]
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def check_paths(src_root: Path, out: Path) -> None:
@@ -231,29 +185,41 @@ def convert(
     ckpt = _open(src)
     config = ckpt.require_config()
     check_paths(ckpt.root, out)
-    full = plan_conversion(config, ckpt.tensors, opts)
     shard_index, shard_count = shard or (0, 1)
-    if finalize:
-        selected = select_files(full, ranks)
-    else:
-        selected = select_files(full, ranks, shard_index, shard_count)
-    # the manifest/index cover the rank selection; a shard only writes its part of it
-    covered = full if ranks is None else replace(full, files=tuple(select_files(full, ranks)))
-    plan = replace(full, files=tuple(selected))
+    # the manifest/index cover the rank selection; a shard only writes its part of it (finalize: all of it)
+    run = plan_run(config, ckpt.tensors, opts, ranks=ranks, shard=(0, 1) if finalize else (shard_index, shard_count))
     if on_plan and not finalize:  # finalize writes no tensor bytes: nothing to show progress for
-        on_plan(plan)
+        on_plan(run.part)
     doc = source_fingerprint(ckpt)
-    fingerprint = run_fingerprint(doc, full.options)  # the options as the plan settled them (vllm_series)
-    partial = not finalize and shard_count > 1
+    fingerprint = run_fingerprint(doc, run.whole.options)  # the options as the plan settled them (vllm_series)
     identities = _identities(ckpt)
     source = _Source(ckpt, doc, fingerprint, identities, record_identity=not isinstance(src, Checkpoint))
-    watched = identities if ckpt.remote is None else {}  # a streamed source's bytes are its commit's: nothing to watch
-
     if finalize:
-        result = _finalize(source, out, covered, ranks)
-        result.seconds = time.perf_counter() - t0
-        return result
+        result = _finalize(source, out, run.covered, ranks)
+    else:
+        result = _write_run(source, out, run, ranks, shard, force=force, workers=workers, progress=progress)
+    fetched = getattr(ckpt.remote, "fetched", None)  # a streamed hub source: what crossed the network
+    if fetched is not None:
+        result.fetched = fetched()
+    result.seconds = time.perf_counter() - t0
+    return result
 
+
+def _write_run(
+    source: _Source,
+    out: Path,
+    run: PlannedRun,
+    ranks: Sequence[int] | None,
+    shard: tuple[int, int] | None,
+    *,
+    force: bool,
+    workers: int | None,
+    progress: ProgressFn | None,
+) -> ConvertResult:
+    """Write the files of ``run.part`` into ``out`` under its lock, skipping those an earlier run of the same
+    conversion finished; then, unless a scale-out shard, the index, config, serving files and manifest."""
+    ckpt, plan = source.ckpt, run.part
+    partial = shard is not None and shard[1] > 1
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -262,118 +228,151 @@ def convert(
         ) from None
     result = ConvertResult(plan, out, partial=partial)
     with OutputLock(out, lock_name(shard)):
-        manifest = read_manifest(out)
-        if manifest is not None and manifest.get("complete"):
-            if not force:
-                raise OutputError(
-                    f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or "
-                    "choose a new OUT"
-                )
-            if partial:  # never delete what other shards wrote: drop the manifest, rewrite our own files
-                (out / MANIFEST).unlink(missing_ok=True)
-                for f in plan.files:
-                    (out / f.relpath).unlink(missing_ok=True)
-            else:
-                _clear_previous(out)
         journal_path = out / journal_name(shard)
-        journal = read_journal(journal_path)
-        if journal and journal.get("fingerprint") != fingerprint:
-            if not force:
-                raise OutputError(
-                    f"{out}: holds an unfinished conversion of another source or with other options; rerun with the "
-                    "same SRC and options to resume it, or pass --force to start over"
-                )
-            if partial:
-                for f in plan.files:
-                    (out / f.relpath).unlink(missing_ok=True)
-            else:
-                _clear_previous(out)
-            journal = None
-        if journal is None:
-            journal = {"fingerprint": fingerprint, "files": {}}
-            _write_json_atomic(journal_path, journal)
-        for comp in COMPONENTS:
-            if any(f.component == comp for f in plan.files):
-                (out / comp).mkdir(exist_ok=True)
-        for f in plan.files:  # only our own temporaries: other shards may be writing theirs
-            (out / f.component / f".{f.name}.tmp").unlink(missing_ok=True)
-
-        # files finished by any run of this same conversion (another shard, an earlier run) count
-        known = _recorded_files(out, fingerprint)
-        known.update(journal["files"])
-        todo: list[OutFile] = []
-        for f in plan.files:
-            dest = out / f.relpath
-            done = known.get(f.relpath)
-            if (
-                done
-                and _made_from(done, files_fed(f, plan.sources), identities) is None
-                and dest.is_file()
-                and dest.stat().st_size == done["size"] == file_size(f)
-                and sha256_file(dest) == done["sha256"]
-            ):
-                result.skipped.append(f.relpath)
-                if f.relpath not in journal["files"]:
-                    journal["files"][f.relpath] = done
-                    _write_json_atomic(journal_path, journal)
-                if progress:
-                    progress(done["size"])
-                continue
-            todo.append(f)
-
+        journal = _start_journal(out, journal_path, plan, source.fingerprint, force=force, partial=partial)
+        todo = _unfinished(out, plan, journal, journal_path, source, result, progress)
         if ckpt.remote is not None:
             ckpt.remote.spool_in(out)
-        files = SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True))
-        jlock = threading.Lock()
-
-        failed = threading.Event()  # one file failed: files not yet started are not started
-
-        def work(f: OutFile, pace: Callable[[int], None] | None = None) -> None:
-            if failed.is_set():
-                return
-            try:
-                size, digest = write_output_file(
-                    f, out / f.relpath, files, plan.sources, progress, result.warnings, pace
-                )
-            except BaseException:
-                failed.set()
-                raise
-            fed = {file: identities[file].as_dict() for file in files_fed(f, plan.sources)}
-            with jlock:
-                journal["files"][f.relpath] = {"size": size, "sha256": digest, "sources": fed}
-                _write_json_atomic(journal_path, journal)
-                result.written.append(f.relpath)
-                result.bytes_written += size
-
-        if workers is None:
-            workers = default_workers(len(todo))
-        try:
-            if ckpt.remote is not None:  # every source byte crosses the network: each once, for all ranks
-                _write_in_lockstep(todo, work, failed)
-            elif workers <= 1:
-                for f in todo:
-                    work(f)
-            else:
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    futures = [pool.submit(work, f) for f in todo]
-                    try:
-                        for fut in futures:
-                            fut.result()
-                    except BaseException:
-                        failed.set()  # (Ctrl-C lands here, not in a worker) files in flight finish, no new one starts
-                        raise
-        finally:
-            files.close()
-
+        watched = source.identities if ckpt.remote is None else {}  # a streamed source's bytes are its commit's
+        with SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True)) as files:
+            lockstep = ckpt.remote is not None  # every source byte crosses the network: each once, for all ranks
+            _write_files(
+                out, plan, todo, files, journal, journal_path, source.identities, result, progress, workers, lockstep
+            )
         if partial:
-            result.seconds = time.perf_counter() - t0
             return result
-        _write_final(source, out, covered, journal["files"], ranks)
+        _write_final(source, out, run.covered, journal["files"], ranks)
         journal_path.unlink(missing_ok=True)
-        _drop_journals(out, fingerprint)
+        _drop_journals(out, source.fingerprint)
         result.finalized = True
-    result.seconds = time.perf_counter() - t0
     return result
+
+
+def _start_journal(out: Path, journal_path: Path, plan: Plan, fingerprint: str, *, force: bool, partial: bool) -> dict:
+    """The run's journal: an earlier run's of the same conversion (resumed), else a new one. A finished OUT or one of
+    another conversion is refused without ``force`` (with it: cleared; a shard clears only its own files). Then the
+    component folders this run writes exist and hold none of its temporaries."""
+    manifest = read_manifest(out)
+    if manifest is not None and manifest.get("complete"):
+        if not force:
+            raise OutputError(
+                f"{out}: holds a finished conversion ({MANIFEST} is complete); pass --force to overwrite it, or "
+                "choose a new OUT"
+            )
+        if partial:  # never delete what other shards wrote: drop the manifest, rewrite our own files
+            (out / MANIFEST).unlink(missing_ok=True)
+            for f in plan.files:
+                (out / f.relpath).unlink(missing_ok=True)
+        else:
+            _clear_previous(out)
+    journal = read_journal(journal_path)
+    if journal and journal.get("fingerprint") != fingerprint:
+        if not force:
+            raise OutputError(
+                f"{out}: holds an unfinished conversion of another source or with other options; rerun with the "
+                "same SRC and options to resume it, or pass --force to start over"
+            )
+        if partial:
+            for f in plan.files:
+                (out / f.relpath).unlink(missing_ok=True)
+        else:
+            _clear_previous(out)
+        journal = None
+    if journal is None:
+        journal = {"fingerprint": fingerprint, "files": {}}
+        _write_json_atomic(journal_path, journal)
+    for comp in COMPONENTS:
+        if any(f.component == comp for f in plan.files):
+            (out / comp).mkdir(exist_ok=True)
+    for f in plan.files:  # only our own temporaries: other shards may be writing theirs
+        (out / f.component / f".{f.name}.tmp").unlink(missing_ok=True)
+    return journal
+
+
+def _unfinished(
+    out: Path,
+    plan: Plan,
+    journal: dict,
+    journal_path: Path,
+    source: _Source,
+    result: ConvertResult,
+    progress: ProgressFn | None,
+) -> list[OutFile]:
+    """The planned files still to write: not those any run of this same conversion (another shard, an earlier run)
+    finished from the source files as they are now, whose size and checksum still hold (noted as skipped)."""
+    known = _recorded_files(out, source.fingerprint)
+    known.update(journal["files"])
+    todo: list[OutFile] = []
+    for f in plan.files:
+        dest = out / f.relpath
+        done = known.get(f.relpath)
+        if (
+            done
+            and _made_from(done, files_fed(f, plan.sources), source.identities) is None
+            and dest.is_file()
+            and dest.stat().st_size == done["size"] == file_size(f)
+            and sha256_file(dest) == done["sha256"]
+        ):
+            result.skipped.append(f.relpath)
+            if f.relpath not in journal["files"]:
+                journal["files"][f.relpath] = done
+                _write_json_atomic(journal_path, journal)
+            if progress:
+                progress(done["size"])
+            continue
+        todo.append(f)
+    return todo
+
+
+def _write_files(
+    out: Path,
+    plan: Plan,
+    todo: list[OutFile],
+    files: SourceFiles,
+    journal: dict,
+    journal_path: Path,
+    identities: dict[str, FileIdentity],
+    result: ConvertResult,
+    progress: ProgressFn | None,
+    workers: int | None,
+    lockstep: bool = False,
+) -> None:
+    """Write ``todo``, each file journaled once it is in place: from a streamed source in rank groups kept in
+    lockstep, else ``workers`` files at once. A failed file stops files not yet started."""
+    jlock = threading.Lock()
+    failed = threading.Event()
+
+    def work(f: OutFile, pace: Callable[[int], None] | None = None) -> None:
+        if failed.is_set():
+            return
+        try:
+            size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings, pace)
+        except BaseException:
+            failed.set()
+            raise
+        fed = {file: identities[file].as_dict() for file in files_fed(f, plan.sources)}
+        with jlock:
+            journal["files"][f.relpath] = {"size": size, "sha256": digest, "sources": fed}
+            _write_json_atomic(journal_path, journal)
+            result.written.append(f.relpath)
+            result.bytes_written += size
+
+    if workers is None:
+        workers = default_workers(len(todo))
+    if lockstep:
+        _write_in_lockstep(todo, work, failed)
+    elif workers <= 1:
+        for f in todo:
+            work(f)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(work, f) for f in todo]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                failed.set()  # (Ctrl-C lands here, not in a worker) files in flight finish, no new one starts
+                raise
 
 
 LOCKSTEP_WINDOW = 32 * 1024 * 1024

@@ -26,18 +26,21 @@ import json
 import os
 import shutil
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, parse_header, read_shard_header
 from ckpt_tool.checkpoint.reader import LocalFiles, sha256_file
+from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError, OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.hub_needs import needed_sources
 from ckpt_tool.mapping.plan import ZERO, Plan
-from ckpt_tool.mapping.planner import plan_conversion
+from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import (
     COMPONENTS,
     MANIFEST,
@@ -93,8 +96,6 @@ class _Regions:
 
 def _load_layout(out: Path, manifest: dict, source: Path | None) -> dict:
     if source is not None:
-        from ckpt_tool.checkpoint.source import open_checkpoint
-
         return source_layout(open_checkpoint(source))
     rec = manifest.get("source_layout")
     path = out / SOURCE_LAYOUT
@@ -151,8 +152,6 @@ def _check_dest(out: Path, dest: Path, force: bool) -> None:
 def plan_from_out(out: Path, manifest: dict, headers: dict[str, tuple[bytes, ShardHeader]], config: V4Config) -> Plan:
     """The conversion's plan, re-made from the recorded source headers and options, restricted to the
     files the manifest lists (a ``--ranks`` conversion wrote only some ranks)."""
-    from dataclasses import replace
-
     opts = options_from_manifest(manifest)
     tensors: dict[str, TensorInfo] = {}
     for _raw, h in headers.values():
@@ -160,7 +159,7 @@ def plan_from_out(out: Path, manifest: dict, headers: dict[str, tuple[bytes, Sha
     if opts.only == "mtp":  # as a hub --only mtp conversion opened it (a local one plans the same files)
         keep = needed_sources(set(tensors), config, opts)
         tensors = {n: t for n, t in tensors.items() if n in keep}
-    plan = plan_conversion(config, tensors, opts)
+    plan = plan_run(config, tensors, opts).whole
     outputs = manifest.get("outputs") or {}
     files = tuple(f for f in plan.files if f.relpath in outputs)
     unknown = sorted(set(outputs) - {f.relpath for f in files})
@@ -217,8 +216,6 @@ def _regions(out: Path, plan: Plan, manifest: dict, check_checksums: bool) -> di
 
 def _rebuild(info: TensorInfo, reg: _Regions, reader: LocalFiles, fd: int, dest_start: int, progress) -> None:
     """Write source tensor ``info`` at ``dest_start`` of ``fd``, in blocks of whole rows."""
-    import numpy as np
-
     eb = DTYPE_BITS[info.dtype] // 8
     row_bytes = reg.cols * eb
     if reg.rows == 0 or row_bytes == 0:
@@ -277,27 +274,16 @@ def _index_map(text: str | None) -> dict[str, str] | None:
     return wm if isinstance(wm, dict) else None
 
 
-def unconvert(
-    out: Path,
-    dest: Path,
-    *,
-    source: Path | None = None,
-    partial: bool = False,
-    force: bool = False,
-    check_checksums: bool = True,
-    progress=None,
-) -> UnconvertResult:
-    """Rebuild the original checkpoint of converted folder ``out`` in ``dest``."""
-    manifest = read_manifest(out)
-    if manifest is None or manifest.get("complete") is not True:
-        raise CheckpointError(f"{out / MANIFEST}: missing or not complete; OUT is not a finished ckpt-tool conversion")
-    config_raw, config = _config(out, manifest)
-    layout = _load_layout(out, manifest, source)
-    headers = _source_headers(layout, manifest)
-    plan = plan_from_out(out, manifest, headers, config)
-    regions = _regions(out, plan, manifest, check_checksums)
-
-    result = UnconvertResult(dest)
+def _recoverable(
+    headers: dict[str, tuple[bytes, ShardHeader]],
+    regions: dict[str, _Regions],
+    plan: Plan,
+    manifest: dict,
+    partial: bool,
+    result: UnconvertResult,
+) -> set[str]:
+    """The source tensors OUT covers whole (the rest noted in ``result.missing``); without ``partial`` a missing one
+    is an error that says why it is missing."""
     recoverable: set[str] = set()
     for _raw, h in headers.values():
         for name in h.tensors:
@@ -319,6 +305,60 @@ def unconvert(
             f"{len(result.missing)} source tensor(s) are not in OUT ({'; '.join(why) or 'not written'}), e.g. {shown}; "
             "pass --partial to write the ones that are"
         )
+    return recoverable
+
+
+def _write_source_file(
+    target: Path,
+    header: bytes,
+    keep: list[TensorInfo],
+    starts: dict[str, int],
+    size: int,
+    regions: dict[str, _Regions],
+    reader: LocalFiles,
+    progress,
+    result: UnconvertResult,
+) -> None:
+    """One source file rebuilt: ``header``, then each tensor of ``keep`` at its start, written to a temporary that
+    is renamed into place once complete."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
+        for t in keep:
+            _rebuild(t, regions[t.name], reader, fd, starts[t.name], progress)
+            result.tensors += 1
+            result.bytes += t.nbytes
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+
+
+def unconvert(
+    out: Path,
+    dest: Path,
+    *,
+    source: Path | None = None,
+    partial: bool = False,
+    force: bool = False,
+    check_checksums: bool = True,
+    progress=None,
+) -> UnconvertResult:
+    """Rebuild the original checkpoint of converted folder ``out`` in ``dest``."""
+    manifest = read_manifest(out)
+    if manifest is None or manifest.get("complete") is not True:
+        raise CheckpointError(f"{out / MANIFEST}: missing or not complete; OUT is not a finished ckpt-tool conversion")
+    config_raw, config = _config(out, manifest)
+    layout = _load_layout(out, manifest, source)
+    headers = _source_headers(layout, manifest)
+    plan = plan_from_out(out, manifest, headers, config)
+    regions = _regions(out, plan, manifest, check_checksums)
+
+    result = UnconvertResult(dest)
+    recoverable = _recoverable(headers, regions, plan, manifest, partial, result)
     _check_dest(out, dest, force)
     dest.mkdir(parents=True, exist_ok=True)
 
@@ -347,22 +387,8 @@ def unconvert(
                     starts[t.name] = pos
                     pos += t.nbytes
                 size = pos
-            target = dest / file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.pwrite(fd, struct.pack("<Q", len(header)) + header, 0)
-                for t in keep:
-                    _rebuild(t, regions[t.name], reader, fd, starts[t.name], progress)
-                    written_names[t.name] = file
-                    result.tensors += 1
-                    result.bytes += t.nbytes
-                os.ftruncate(fd, size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
+            _write_source_file(dest / file, header, keep, starts, size, regions, reader, progress, result)
+            written_names.update((t.name, file) for t in keep)
             result.files.append(file)
             if whole:
                 result.identical_files.append(file)

@@ -184,7 +184,7 @@ class NumericLevel:
     def start(self, walk: Walk | None = None, window: int = 0) -> None:
         """Fork the workers, where allowed, and collect their answers on a thread.
 
-        ``walk`` (the values level's walk, ``levels.values_walk``; with ``one_pass`` only): release each task to the
+        ``walk`` (the values level's walk, ``values.values_walk``; with ``one_pass`` only): release each task to the
         workers once the walk has read its bytes, and hold the walk within ``window`` OUT bytes of the tasks
         released and not yet answered (:attr:`pace`, which the walk calls; ckpt_tool.verify.one_pass)."""
         if not may_fan_out(self.pool, self.device):

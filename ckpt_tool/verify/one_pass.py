@@ -28,7 +28,7 @@ import heapq
 import threading
 from collections.abc import Callable
 
-# (relpath, file size) per file of a member, members per group, groups in walk order: ``levels._lockstep_groups``
+# (relpath, file size) per file of a member, members per group, groups in walk order: ``values._lockstep_groups``
 Walk = list[list[list[tuple[str, int]]]]
 
 
