@@ -19,15 +19,26 @@ no fork handler: a child whose forking thread opens a parallel region of more th
 enough, an MKL ``sgemm``) waits forever at the team's barrier for threads that were never copied. So the child
 of :func:`fork` first limits torch to one thread (:func:`limit_thread_pools`), before any caller code runs:
 forked workers each compute on one core anyway (the parent starts one per CPU).
+
+A thread joined by Python has not yet left the OS: ``Thread.join`` returns once the interpreter is done with it,
+and only then does the thread run its native exit path, where MKL (torch's BLAS) frees the thread's buffers under
+its process-wide accounting lock (``mm_account_ptr_by_tid``). A fork at that moment copies the lock held by a
+thread the child does not have, and the child's first ``sgemm`` spins on it forever (seen in ``verify --level
+numeric`` right after a pool of compute threads closed: the parent waited for an answer that never came). Threads
+that ran torch are therefore announced when they end (:func:`thread_ending`, the numeric pool does it for its
+own), and :func:`can_fork` and :func:`fork` wait until the OS has no such thread any more
+(:func:`ended_threads_gone`; microseconds to milliseconds).
 """
 
 from __future__ import annotations
 
+import errno
 import marshal
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,6 +49,33 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+_ENDING: set[int] = set()  # native ids of threads that ran torch, ended in Python, maybe not yet in the OS
+ENDING_WAIT_S = 5.0  # how long can_fork waits for them before it gives up (a fork then waits for a later call)
+
+
+def thread_ending(native_ids: Iterable[int]) -> None:
+    """Announce threads that ran torch (MKL) and have been joined: no fork happens until the OS has let them go."""
+    _ENDING.update(native_ids)
+
+
+def ended_threads_gone(wait_s: float | None = None) -> bool:
+    """Whether every thread announced by :func:`thread_ending` has left the OS, waiting up to ``wait_s`` for it
+    (default :data:`ENDING_WAIT_S`)."""
+    deadline = time.monotonic() + (ENDING_WAIT_S if wait_s is None else wait_s)
+    while _ENDING:
+        try:
+            present = {int(tid) for tid in os.listdir("/proc/self/task")}
+        except OSError:  # no /proc: nothing to wait on that can be seen
+            return True
+        _ENDING.intersection_update(present)
+        if not _ENDING:
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def limit_thread_pools() -> None:
@@ -51,8 +89,10 @@ def limit_thread_pools() -> None:
 def fork() -> int:
     """``os.fork()``, with the child's thread pools limited (:func:`limit_thread_pools`) and the stop signals
     (SIGINT, SIGTERM, SIGHUP) left to their default action there (they reach the whole process group: a child just
-    goes, the parent says how to resume), before the caller's code runs. Raises OSError when the system refuses a
-    fork."""
+    goes, the parent says how to resume), before the caller's code runs, and only once every thread announced by
+    :func:`thread_ending` is gone. Raises OSError when the system refuses a fork, or such a thread is still there."""
+    if not ended_threads_gone():
+        raise OSError(errno.EAGAIN, "a thread that ran torch is still ending: a child would inherit its MKL lock")
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child's coverage is not collected)
         for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -63,8 +103,8 @@ def fork() -> int:
 
 def can_fork(*, daemon_threads: bool = False) -> bool:
     """Whether forking is safe here: Linux, ``CKPT_TOOL_NO_FORK`` unset, and no other thread running that could
-    hold a lock the child needs. ``daemon_threads``: daemon threads may run (a terminal's progress-bar refresher:
-    the caller's children touch no lock such a thread takes)."""
+    hold a lock the child needs (nor one still ending, :func:`ended_threads_gone`). ``daemon_threads``: daemon
+    threads may run (a terminal's progress-bar refresher: the caller's children touch no lock such a thread takes)."""
     if sys.platform != "linux" or os.environ.get("CKPT_TOOL_NO_FORK"):
         return False
     threading = sys.modules.get("threading")
@@ -72,7 +112,8 @@ def can_fork(*, daemon_threads: bool = False) -> bool:
         return True
     me = threading.current_thread()
     # a lock held by another Python thread at fork time stays held in the child forever
-    return all(t is me or (daemon_threads and t.daemon) for t in threading.enumerate())
+    alone = all(t is me or (daemon_threads and t.daemon) for t in threading.enumerate())
+    return alone and ended_threads_gone()
 
 
 class TaskQueue:

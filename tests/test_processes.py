@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 
 import pytest
 import torch
 
 from ckpt_tool import processes
 from ckpt_tool.processes import Child
+from ckpt_tool.verify.compute_pool import ComputePool, ForkedTasks, can_fork_workers
 
-CHILD_SECONDS = 60  # a child's matmul takes milliseconds; one stuck at an OpenMP barrier never ends
+CHILD_SECONDS = 60  # a child's matmul takes milliseconds; one stuck on a lock fork copied held never ends
 SIDE = 512  # large enough that torch and MKL split the product over a team of threads
+ROUNDS = 30  # of the numeric level's fork path; without the wait below, a quarter of them hung here
 
 
 def child_result_within(child: Child, seconds: float):
@@ -20,7 +23,7 @@ def child_result_within(child: Child, seconds: float):
     ready, _, _ = select.select([child._pipe], [], [], seconds)
     if not ready:
         child.cancel()
-        pytest.fail(f"the forked child did not finish in {seconds} s: stuck (an OpenMP team copied by fork?)")
+        pytest.fail(f"the forked child did not finish in {seconds} s: stuck on a lock fork copied (OpenMP, MKL)")
     return child.result()
 
 
@@ -42,6 +45,82 @@ def test_a_child_computes_after_the_forking_thread_ran_a_thread_team() -> None:
     finally:
         torch.set_num_threads(threads)
     assert got == (1, float(SIDE**3))
+
+
+def a_tile_product(task: int, pool: object = None) -> float:
+    """What a numeric task's tile costs MKL: a few activation rows times a weight tile (its buffers come from MKL's
+    allocator, the one whose lock a fork must not copy held)."""
+    x = torch.full((4, SIDE), 1.0 + task % 3)
+    w = torch.ones(256 + 64 * (task % 5), SIDE)
+    return float((w @ x.T).sum())
+
+
+def test_forked_numeric_workers_start_after_the_pool_threads_before_them_have_left() -> None:
+    """The numeric level's fork path, 30 times: a compute pool's threads multiply and are joined, then two workers
+    are forked and multiply in threads of their own. A pool thread joined by Python still runs its native exit
+    path, where MKL frees its buffers under a process-wide lock; a fork then gives the child that lock held, and its
+    first product spins forever. Every round must answer within CHILD_SECONDS."""
+    expected = [a_tile_product(task) for task in range(8)]
+    for _ in range(ROUNDS):
+        with ComputePool(4) as pool:
+            list(pool.map(a_tile_product, range(16)))
+        assert can_fork_workers()
+        forked = ForkedTasks(8, 2, a_tile_product).start()
+        answers: dict[int, float] = {}
+        collector = threading.Thread(target=answers.update, args=(forked.results(),), daemon=True)
+        collector.start()
+        collector.join(CHILD_SECONDS)
+        stuck = collector.is_alive()
+        forked.close()
+        assert not stuck, f"a forked worker did not answer in {CHILD_SECONDS} s: it inherited a lock held at the fork"
+        assert [answers[task] for task in range(8)] == expected
+
+
+def a_product_on_a_team_of_two() -> float:
+    """A product MKL splits over this thread's own OpenMP team of two, whose threads end with this one."""
+    torch.set_num_threads(2)
+    return float((torch.ones(64, 256) @ torch.ones(256, 256).T).sum())
+
+
+def a_product_in_a_new_thread() -> float:
+    answer: list[float] = []
+    worker = threading.Thread(target=lambda: answer.append(a_product_on_a_team_of_two()))
+    worker.start()
+    worker.join()
+    return answer[0]
+
+
+def test_a_child_computes_after_threads_that_ran_mkl_ended_just_before_the_fork() -> None:
+    """Eight threads multiply (each on an OpenMP team of two) and are joined, and a child is forked at once: 30
+    times, the child's product in a thread of its own answers. Without the announcement (``thread_ending``) that
+    makes fork wait until they have left the OS, 17 rounds in 60 hung in MKL's ``mm_account_ptr_by_tid``: the
+    ending threads free their MKL buffers under a lock that the fork copied held."""
+    for _ in range(ROUNDS):
+        ended = [threading.Thread(target=a_product_on_a_team_of_two) for _ in range(8)]
+        for thread in ended:
+            thread.start()
+        for thread in ended:
+            thread.join()
+        processes.thread_ending(thread.native_id for thread in ended)
+        with Child(a_product_in_a_new_thread) as child:
+            assert child_result_within(child, CHILD_SECONDS) == 64 * 256 * 256
+
+
+def test_fork_waits_for_announced_threads_to_leave_the_os(monkeypatch) -> None:
+    """A thread announced as ending is waited for; one that never leaves stops the fork (the caller's serial path)."""
+    monkeypatch.setattr(processes, "ENDING_WAIT_S", 0.05)
+    ended = threading.Thread(target=a_tile_product, args=(0,))
+    ended.start()
+    ended.join()
+    processes.thread_ending([ended.native_id])
+    assert processes.can_fork()  # it left the OS while can_fork waited
+    processes.thread_ending([threading.get_native_id()])  # this thread never leaves while it asks
+    try:
+        assert not processes.can_fork()
+        with pytest.raises(OSError, match="still ending"):
+            processes.fork()
+    finally:
+        processes._ENDING.clear()
 
 
 def test_fork_limits_the_child_before_the_callers_code_runs(monkeypatch) -> None:

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckpt_tool.processes import TaskQueue, can_fork, fork, usable_cpus
+from ckpt_tool.processes import TaskQueue, can_fork, fork, thread_ending, usable_cpus
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -55,8 +55,10 @@ class ComputePool:
         self._slots = threading.BoundedSemaphore(self.workers)
         self._executor = ThreadPoolExecutor(2 * self.workers, thread_name_prefix="numeric", initializer=self._enter)
         self._torch_threads = torch.get_num_threads()
+        self._native_ids: list[int] = []  # the pool's threads, announced to processes.thread_ending once joined
 
     def _enter(self) -> None:
+        self._native_ids.append(threading.get_native_id())
         torch.set_num_threads(1)
         torch.set_flush_denormal(True)
         _local.pool = self
@@ -70,6 +72,7 @@ class ComputePool:
 
     def __exit__(self, *exc: object) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        thread_ending(self._native_ids)  # no fork until they have left the OS with MKL's lock (see processes)
         torch.set_num_threads(self._torch_threads)
         torch.set_flush_denormal(False)  # torch's default; it offers no way to read the setting before
 
