@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import chain, compress, repeat
 from operator import itemgetter, not_
 from pathlib import Path
@@ -71,9 +71,10 @@ class InspectReport:
     mtp_missing: list[int]
     mtp_tensor_counts: dict[int, int]
     config_error: str | None = None
-    # the model class vLLM builds for config.json (ckpt_tool.mapping.profiles.model_class): text or vision, the
-    # target and draft classes, the vision tower's size; None without a config
+    # the model class vLLM builds for config.json: text or vision, the target and draft classes, the vision tower's
+    # size; filled by the mapping stage, which knows the classes (ckpt_tool.mapping.inspection); None without a config
     model: dict | None = None
+    config: V4Config | None = field(default=None, repr=False, compare=False)  # what ``model`` is read from; not JSON
     missing_tensors: dict[str, list[str]] = field(default_factory=dict)  # group (layers.L, mtp.i, globals) -> names
     problems: list[str] = field(default_factory=list)
 
@@ -82,7 +83,8 @@ class InspectReport:
         return not self.problems
 
     def to_json(self) -> dict:
-        doc = asdict(self)
+        doc = asdict(replace(self, config=None))
+        del doc["config"]
         doc["ok"] = self.ok
         doc["quant"]["consistent"] = self.quant.consistent
         return doc
@@ -253,7 +255,7 @@ def summarize(
         mtp_missing=missing,
         mtp_tensor_counts=dict(sorted(mtp_counts.items())),
         config_error=config_error,
-        model=_model_of(config),
+        config=config,
         missing_tensors=missing_tensors,
         problems=problems,
     )
@@ -330,14 +332,6 @@ def _config_problems(
             "checkpoint"
         )
     return problems
-
-
-def _model_of(config: V4Config | None) -> dict | None:
-    if config is None:
-        return None
-    from ckpt_tool.mapping.profiles.model_class import model_class_of
-
-    return model_class_of(config).describe(config)
 
 
 def inspect_local(src: str) -> InspectReport:

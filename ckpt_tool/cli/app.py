@@ -29,8 +29,8 @@ from ckpt_tool.cli.common import (
     warning_line,
 )
 from ckpt_tool.cli.jsondoc import json_document, print_json
-from ckpt_tool.environment import auto_target, environment_facts
 from ckpt_tool.errors import CkptToolError, OutputError
+from ckpt_tool.mapping.environment import auto_target, environment_facts
 from ckpt_tool.mapping.profiles import DRAFT_KINDS, PROFILES, known_names, series_of
 from ckpt_tool.mapping.request import convert_request
 from ckpt_tool.mapping.target import installed_vllm, unverified_warning

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ckpt_tool.checkpoint.gc_pause import gc_paused
-from ckpt_tool.checkpoint.hub import hub_headers, parse_hub_ref
 from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, plan_json, print_json, print_json_text
 from ckpt_tool.cli.streams import drop_stdout
 from ckpt_tool.errors import CkptToolError
@@ -129,15 +128,10 @@ def run_inspect(
     src: str, *, as_json: bool, revision: str | None = None, token: str | None = None, cache_dir: str | None = None
 ) -> int:
     """``ckpt-tool inspect``: the report on stdout (a table, or one JSON document); returns the exit code."""
-    from ckpt_tool.checkpoint.summary import inspect_local, inspect_tensors  # inspect's library: not the dry run's
+    from ckpt_tool.mapping.inspection import inspect_source  # inspect's library: not the dry run's
 
     try:
-        ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)
-        if ref is not None:
-            tensors, config, config_error = hub_headers(ref)
-            report = inspect_tensors(src, tensors, config, config_error, whole=not src.endswith(".safetensors"))
-        else:
-            report = inspect_local(src)
+        report = inspect_source(src, revision=revision, token=token, cache_dir=cache_dir)
     except CkptToolError as exc:
         if as_json:
             print_json(json_document("inspect", {"source": src}, error=str(exc)))

@@ -85,7 +85,7 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "unconvert": ("dest", "files", "identical_files", "tensors", "bytes", "missing"),
     "profiles": ("profiles", "installed_vllm", "auto", "auto_verified", "auto_error"),
-    "env": (),  # free-form facts (versions), see ckpt_tool.environment.environment_facts
+    "env": (),  # free-form facts (versions), see ckpt_tool.mapping.environment.environment_facts
 }
 
 

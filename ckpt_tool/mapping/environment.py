@@ -1,6 +1,7 @@
 """The facts ``ckpt-tool env`` reports for a bug report, and what ``--target auto`` picks here: versions of the tool
 and its stack, the installed vLLM and the profile chosen for it, the HF cache in use, CUDA and Triton's interpreter
-setting. Each read without importing more than needed (vLLM is never imported)."""
+setting. Each read without importing more than needed (vLLM is never imported). It lives beside ``target.py``, whose
+question (which profile the installed vLLM wants) is most of the answer."""
 
 from __future__ import annotations
 
