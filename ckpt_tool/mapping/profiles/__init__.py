@@ -1,4 +1,4 @@
-"""Target profiles: one module per engine layout, registered here.
+"""Target profiles: one module per engine release series whose parameters differ, registered here.
 
 Adding a vLLM release whose layout is unchanged is one version in an existing profile's ``covers`` and
 ``verified``; a release that changes the layout is one new module beside these and one entry in
