@@ -109,11 +109,6 @@ def _hf():
     return huggingface_hub, constants
 
 
-def offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import."""
-    return bool(_hf()[1].HF_HUB_OFFLINE)
-
-
 # ---------------------------------------------------------------------------------------------
 # Which files a conversion needs
 
