@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckpt_tool.checkpoint.strict_json import json_problem
 from ckpt_tool.errors import CheckpointError
 
 # Keys every V4 config must carry (the released deepseek-ai/DeepSeek-V4-Flash and -Pro config.json; DeepSeek-V4's
@@ -316,8 +317,6 @@ class V4Config:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, ints over the digit limit, deep nesting
-            from ckpt_tool.checkpoint.strict_json import json_problem
-
             raise CheckpointError(
                 f"{path}: not valid JSON ({json_problem(exc)}); use the model's released config.json"
             ) from None

@@ -12,6 +12,7 @@ This module imports neither torch nor numpy: inspect and planning stay fast.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -162,8 +163,6 @@ def parse_header(raw: bytes, file: str, file_size: int, header_len: int | None =
     JSON, tensors in offset order), which gives up at the first thing it does not expect, and the
     careful one, which then finds the problem and words it.
     """
-    import hashlib
-
     header_len = len(raw) if header_len is None else header_len
     data_start = 8 + header_len
     with gc_paused():
@@ -255,8 +254,6 @@ def _quick_tensors(
 
 def _parse_careful(raw: bytes, file: str, file_size: int, header_len: int) -> ShardHeader:
     """:func:`parse_header`'s exact checks, one tensor at a time, each violation worded."""
-    import hashlib
-
     text = _careful_text(raw, file)
     doc, floats = _careful_doc(text, file)
     metadata = _careful_metadata(doc, file)

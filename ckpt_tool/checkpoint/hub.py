@@ -19,13 +19,14 @@ pays for it.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from ckpt_tool.checkpoint.config import V4Config
-from ckpt_tool.checkpoint.headers import TensorInfo, read_shard_header
+from ckpt_tool.checkpoint.headers import HeaderError, TensorInfo, parse_header, read_shard_header
 from ckpt_tool.checkpoint.index import read_index
 from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError
@@ -102,7 +103,7 @@ def network_error(ref: HubRef, what: str, exc: Exception) -> CheckpointError:
 
 def _hf():
     try:
-        import huggingface_hub
+        import huggingface_hub  # start-up: only hub sources pay for it, never a local folder
         from huggingface_hub import constants
     except ImportError as exc:  # pragma: no cover - huggingface_hub is a declared dependency
         raise CheckpointError(f"reading hub repos needs huggingface_hub ({exc})") from None
@@ -338,7 +339,7 @@ class HubStream:
         self.options = {**self.options, "spool_dir": folder, "spool_bytes": spool_limit()}
 
     def __call__(self):
-        from ckpt_tool.checkpoint.hub_ranges import HubRangeReader
+        from ckpt_tool.checkpoint.hub_ranges import HubRangeReader  # cycle: hub_ranges imports HubRef from here
 
         reader = HubRangeReader(self.ref, self.commit, self.sizes, **self.options)
         self._readers.append(reader)
@@ -352,8 +353,6 @@ class HubStream:
 
 def _positive(name: str, default: float) -> float:
     """A positive number from environment variable ``name`` (``default`` when unset)."""
-    import os
-
     text = os.environ.get(name)
     try:
         value = float(text) if text else default
@@ -374,7 +373,7 @@ def stream_settings() -> dict:
     """The range readers' settings: 64 MiB requests (the hub allows some thousands of requests per 5 minutes), two
     of them ahead of the reads, and the retry policy; ``CKPT_TOOL_HUB_CHUNK_MB``, ``CKPT_TOOL_HUB_ATTEMPTS`` and
     ``CKPT_TOOL_HUB_BACKOFF_S`` change them (docs/hub.md)."""
-    from ckpt_tool.checkpoint.hub_ranges import RetryPolicy
+    from ckpt_tool.checkpoint.hub_ranges import RetryPolicy  # cycle: hub_ranges imports HubRef from here
 
     number = _positive
     backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
@@ -411,8 +410,6 @@ def open_hub_stream(ref: HubRef, needs: ConversionNeeds, **reader_options) -> Ch
     HF cache as usual; every shard's header is read with one range request (the same bytes a download would give,
     so the plan and the source fingerprint equal a local conversion's); the tensors' bytes are read later, as the
     conversion asks for them, by the readers ``Checkpoint.open_bytes`` opens (``reader_options``: theirs)."""
-    from ckpt_tool.checkpoint.headers import HeaderError, parse_header
-
     hf, constants = _hf()
     if constants.HF_HUB_OFFLINE:
         raise CheckpointError(

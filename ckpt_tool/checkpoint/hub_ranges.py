@@ -32,6 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx2
+from huggingface_hub import constants, hf_hub_url
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, parse_ratelimit_headers
+
 from ckpt_tool import __version__
 from ckpt_tool.checkpoint.hub import HubRef, network_error
 from ckpt_tool.checkpoint.reader import Scratch
@@ -175,9 +179,6 @@ class HubRangeReader:
         spool_dir: Path | None = None,
         spool_bytes: int = 0,
     ) -> None:
-        from huggingface_hub import constants, hf_hub_url
-        from huggingface_hub.utils import build_hf_headers
-
         if chunk_bytes <= 0 or cache_bytes < chunk_bytes:
             raise ValueError(
                 f"chunk_bytes must be > 0 and cache_bytes >= chunk_bytes, got {chunk_bytes}, {cache_bytes}"
@@ -474,9 +475,6 @@ class HubRangeReader:
     def _get_range(self, file: str, start: int, end: int, take: Callable[[memoryview], None]) -> None:
         """Bytes ``[start, end)`` of ``file`` to ``take``, in order, each byte once: retried on 408/429/5xx and on a
         dropped connection (resumed from the byte reached), a body of the wrong length refused."""
-        import httpx2
-        from huggingface_hub.utils import get_session
-
         policy = self.retry
         pos, tries, waited, backoff = start, 0, 0.0, policy.backoff_s
         problem = ""
@@ -524,8 +522,6 @@ class HubRangeReader:
     def _check_response(self, r, file: str, pos: int, end: int) -> tuple[str, float | None]:
         """("", None) if ``r`` is the 206 for bytes ``[pos, end)``; else what is wrong and how long to wait
         before retrying (None: the backoff). A refusal (401, 403, 404, ...) raises: retrying cannot help."""
-        from huggingface_hub.utils import hf_raise_for_status, parse_ratelimit_headers
-
         status, size = r.status_code, self.sizes[file]
         if status in RETRY_STATUSES:
             # the wait huggingface_hub's http_backoff takes (2.4.0 utils/_http.py): a 429's RateLimit reset when

@@ -30,10 +30,11 @@ from ckpt_tool.cli.common import (
 )
 from ckpt_tool.cli.jsondoc import json_document, print_json
 from ckpt_tool.errors import CkptToolError, OutputError
+from ckpt_tool.mapping import target as engine_target
 from ckpt_tool.mapping.environment import auto_target, environment_facts
 from ckpt_tool.mapping.profiles import DRAFT_KINDS, PROFILES, known_names, series_of
 from ckpt_tool.mapping.request import convert_request
-from ckpt_tool.mapping.target import installed_vllm, unverified_warning
+from ckpt_tool.mapping.target import unverified_warning
 
 app = typer.Typer(
     name="ckpt-tool",
@@ -675,7 +676,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
     A vLLM newer than every verified release gets the newest profile with a warning; check such an
     OUT with `ckpt-tool verify OUT --engine`.
     """
-    installed = installed_vllm()
+    installed = engine_target.installed_vllm()  # looked up when called: tests stand in for the installed vLLM
     auto = auto_target()
     docs = [
         {

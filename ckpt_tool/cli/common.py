@@ -53,14 +53,14 @@ def apply_global_flags(debug: bool = False, quiet: bool = False) -> None:
         level=logging.DEBUG if STATE["debug"] else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if STATE["quiet"]:
-        from ckpt_tool.cli.render import set_quiet
+        from ckpt_tool.cli.render import set_quiet  # rich: not on the --json paths
 
         set_quiet(True)
 
 
 def report_error(exc: BaseException) -> None:
     """One ``error:`` line on stderr (the traceback too with --debug)."""
-    from ckpt_tool.cli.render import error_line
+    from ckpt_tool.cli.render import error_line  # rich: not on the --json paths until there is an error
 
     if STATE["debug"]:
         traceback.print_exception(exc)
@@ -116,7 +116,7 @@ def interrupted(command: str, exc: BaseException) -> int:
     if isinstance(exc, BrokenPipeError):
         drop_stdout()
         return 0
-    from ckpt_tool.cli.render import error_line
+    from ckpt_tool.cli.render import error_line  # rich: see report_error
 
     signum = exc.signum if isinstance(exc, Preempted) else signal.SIGINT
     how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
@@ -140,12 +140,12 @@ def run_inspect(
     if as_json:
         print_json(json_document("inspect", report.to_json(), error=report.problems[0] if report.problems else None))
         if not report.ok:
-            from ckpt_tool.cli.render import error_line
+            from ckpt_tool.cli.render import error_line  # rich: see report_error
 
             for p in report.problems:
                 error_line(p)
     else:
-        from ckpt_tool.cli.render import render_inspect
+        from ckpt_tool.cli.render import render_inspect  # rich: not for --json
 
         render_inspect(report)
     return 0 if report.ok else 1
@@ -175,7 +175,7 @@ def _print_plan(plan, chosen, as_json: bool) -> None:
 
 def warning_line(message: str) -> None:
     """One ``warning:`` line on stderr (rich, imported only when there is one)."""
-    from ckpt_tool.cli.render import warning_line as show
+    from ckpt_tool.cli.render import warning_line as show  # rich: see the docstring
 
     show(message)
 

@@ -11,6 +11,8 @@ import sys
 from itertools import chain
 from typing import Any
 
+from ckpt_tool.checkpoint.gc_pause import gc_paused
+
 # --json: one document per command, of one shape on success and failure. Every document starts with
 # these four keys; the command's fields follow, null when the command failed before producing them.
 SCHEMA_VERSION = 1
@@ -127,8 +129,6 @@ def _tensor_json(t) -> dict:
 def plan_json(plan) -> dict:
     """The plan as one JSON document: files, tensors with shapes/dtypes/sources, drops, materializations;
     a tensor holding the engine's zero padding also lists its segments (kind ``source`` or ``zero``)."""
-    from ckpt_tool.checkpoint.gc_pause import gc_paused
-
     with gc_paused():  # ~35k small dicts on top of a heap of plan and headers: GC passes cost 5x the building
         return _plan_json(plan)
 

@@ -22,6 +22,7 @@ The rules match the names that are there; which must be there (a compressor on a
 
 from __future__ import annotations
 
+from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.rules import (
     DSPARK_EMBED,
     DSPARK_HEAD,
@@ -115,8 +116,6 @@ def v41_block_rules(src: str, dst: str, component: str, experts_key: str = "n_ro
 def v41_rules(expert_dtype: str) -> list[Rule]:
     """DeepseekV41ForCausalLM: the text model under ``language_model.``, its Engram, the vision tower."""
     if expert_dtype != "fp4":
-        from ckpt_tool.errors import PlanError
-
         raise PlanError(
             f"DeepSeek V4.1 with expert_dtype {expert_dtype!r}: only the released MXFP8 / MXFP4 layout (fp4 experts, "
             "weight_block_size [32, 32]) is supported; convert the original V4.1 checkpoint"

@@ -29,8 +29,9 @@ from pathlib import Path
 from ckpt_tool import __version__
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import OutputError
+from ckpt_tool.mapping import target as engine_target
 from ckpt_tool.mapping.plan import Options, Plan
-from ckpt_tool.mapping.profiles import DRAFT_COMPONENTS
+from ckpt_tool.mapping.profiles import DRAFT_COMPONENTS, get_profile
 
 MANIFEST = "ckpt-tool.json"
 SOURCE_LAYOUT = "ckpt-tool-source.json"
@@ -178,17 +179,14 @@ def target_doc(profile: str) -> dict:
     """The engine a conversion targets: its profile, the vLLM releases that profile is verified against,
     the vLLM installed where it ran (None: none), and whether the profile is verified for that vLLM's
     series (``verified``: false for a vLLM newer than every verified release; None with no vLLM)."""
-    from ckpt_tool.mapping.profiles import get_profile
-    from ckpt_tool.mapping.target import installed_vllm, is_verified
-
     p = get_profile(profile)
-    installed = installed_vllm()
+    installed = engine_target.installed_vllm()  # looked up when called: tests stand in for the installed vLLM
     return {
         "profile": p.name,
         "vllm_verified": list(p.verified),
         "vllm_covers": list(p.covers),
         "installed_vllm": installed,
-        "verified": is_verified(p.name, installed),
+        "verified": engine_target.is_verified(p.name, installed),
     }
 
 

@@ -24,6 +24,7 @@ process together hold at most ``MAX_BUFFERS`` ring buffers (more workers wait fo
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -34,6 +35,8 @@ import struct
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import numpy as np
 
 from ckpt_tool.checkpoint import reader as reads
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
@@ -124,8 +127,6 @@ def files_fed(out: OutFile, sources: dict[str, TensorInfo]) -> list[str]:
 
 
 def _nonfinite(raw: memoryview, dtype: str) -> int:
-    import numpy as np
-
     if dtype == "BF16":
         bits = np.frombuffer(raw, dtype="<u2")
         return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))  # exponent all ones: inf or NaN
@@ -229,8 +230,6 @@ class SegmentReader:
     def gather_columns(self, seg: Segment, info: TensorInfo, out: Callable[[memoryview], None]) -> None:
         """Columns [col0, col1) of rows [row0, row1): read blocks of whole rows (cache-sized) and pack
         the slices with numpy into a reused buffer."""
-        import numpy as np
-
         eb, row_bytes = self.geometry(info)
         c0, width = seg.col0 * eb, (seg.col1 - seg.col0) * eb
         rows_per_block = max(1, PIECE // row_bytes)
@@ -259,8 +258,6 @@ class SegmentReader:
         """Columns [col0, col1) of rows [row0, row1), each row followed by ``seg.pad`` zero elements and written
         ``seg.repeat`` times: blocks of whole source rows are read, the slices checked or converted, and placed row by
         row with numpy in front of the pad (an MXFP8 scale row is small: the repeat stays in cache)."""
-        import numpy as np
-
         eb, row_bytes = self.geometry(info)
         out_dtype = conversions.out_dtype(info.dtype, seg.convert)
         out_eb = DTYPE_BITS[out_dtype] // 8
@@ -479,8 +476,6 @@ class _Pipeline:
 
     def _buffered(self) -> None:
         if self.direct:
-            import fcntl
-
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
 

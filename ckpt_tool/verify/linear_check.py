@@ -54,9 +54,12 @@ from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import Plan
+from ckpt_tool.processes import TaskQueue
 from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.coverage import Coverage
+from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
+from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.tensor_units import ExactUnit, LinearUnit, Part, Unit, tensor_units, unit_label, unit_tensors
 from ckpt_tool.verify.verdict import NoProgress, Progress, VerifyReport, problems_check
@@ -187,8 +190,6 @@ class LinearRunner:
     def _reference(
         self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str
     ) -> torch.Tensor:
-        from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
-
         with compute_slot(self.pool):
             if kind == "bf16":
                 return x @ w.float().T
@@ -200,8 +201,6 @@ class LinearRunner:
             return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
     def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
-        from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
-
         with compute_slot(self.pool):
             if kind == "bf16":
                 return x @ w.float().T
@@ -456,8 +455,6 @@ class TensorCheck:
         skip_mtp_experts: bool = False,
         pool: ComputePool | None = None,
     ) -> None:
-        from ckpt_tool.processes import TaskQueue
-
         self.progress = progress or NoProgress()
         opts, cfg = plan.options, plan.config
         self.components = sorted({f.component for f in plan.files})

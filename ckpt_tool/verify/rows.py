@@ -9,6 +9,7 @@ come back as ``uint8`` (the quant functions and kernels take raw bytes). One rea
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -59,8 +60,6 @@ TRIM_EVERY_BYTES = 256 * 1024 * 1024
 def _malloc_trim():
     """glibc's ``malloc_trim`` (None elsewhere)."""
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt_tool.checkpoint.engram import engram_split
 from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 from ckpt_tool.mapping.rules import Rule, vision_block_rules, vision_tower_rules
 from ckpt_tool.mapping.rules_v41 import v41_rules
@@ -74,8 +75,6 @@ class ModelClass:
 def _engram_doc(config) -> dict | None:
     """V4.1's Engram tables: layers, rows and bytes (FP8 rows + one E8M0 byte per 32 columns), how vLLM splits
     them (by hash head) and the tp values it accepts (ckpt_tool.checkpoint.engram)."""
-    from ckpt_tool.checkpoint.engram import engram_split
-
     layout = engram_split(config)
     if layout is None:
         return None

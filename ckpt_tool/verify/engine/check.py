@@ -21,9 +21,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.errors import CkptToolError
+from ckpt_tool.mapping.engine_table import ENGINES, engine_params
 from ckpt_tool.mapping.plan import selects
-from ckpt_tool.mapping.profiles import series_of
+from ckpt_tool.mapping.profiles import canonical_name, series_of
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST
 from ckpt_tool.verify.engine.judge import HeldTensor, judge_files, judge_load
 from ckpt_tool.verify.verdict import Check, VerifyReport
@@ -156,10 +159,6 @@ def _manifest(out: Path, report: VerifyReport) -> dict | None:
 
 def _documented_prefix(out: Path, manifest: dict, components: list[str]) -> dict[str, set[str]]:
     """Per component, the keys OUT's profile documents as a smaller tensor the loader copies into a slice."""
-    from ckpt_tool.checkpoint.config import V4Config
-    from ckpt_tool.mapping.engine_table import ENGINES, engine_params
-    from ckpt_tool.mapping.profiles import canonical_name
-
     opts = manifest.get("options") or {}
     profile = canonical_name(str(opts.get("profile", manifest.get("profile"))))
     if profile not in ENGINES:
@@ -179,8 +178,6 @@ def _documented_prefix(out: Path, manifest: dict, components: list[str]) -> dict
 
 def _held(files: list[Path]) -> tuple[dict[str, HeldTensor], list[tuple[str, str, str]], list[str]]:
     """(key -> tensor as the files hold it, keys held twice, unreadable files) of one rank's files."""
-    from ckpt_tool.checkpoint.headers import read_shard_header
-
     held: dict[str, HeldTensor] = {}
     duplicates: list[tuple[str, str, str]] = []
     unreadable: list[str] = []

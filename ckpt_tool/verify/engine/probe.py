@@ -94,6 +94,7 @@ def run_job(request: dict, job: dict, stubs) -> dict:
 
 def _real_load(cfg, model_config, component: str, folder: str, where: str, stubs) -> dict:
     """vLLM's ``ShardedStateLoader.load_weights`` on ``folder`` into the class built on the CPU."""
+    # vLLM imports only after vllm_stubs.bootstrap() has run (answer() runs it first)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import get_draft_load_config
@@ -101,7 +102,7 @@ def _real_load(cfg, model_config, component: str, folder: str, where: str, stubs
     with stubs.capture(), stubs.stage(f"build vLLM's {component} class on the CPU ({where})"):
         model = stubs.build_model(cfg, model_config, "cpu")
     with stubs.stage(f"filter the CPU-built state dict ({where})"):
-        from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+        from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader  # see above
 
         cpu_table = _table(ShardedStateLoader._filter_subtensors(model.state_dict()), stubs)
     load_config = cfg.load_config if component == "model" else get_draft_load_config(cfg)

@@ -42,8 +42,10 @@ Every failure to import or build is raised as :class:`EngineUnavailable` naming 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -158,8 +160,6 @@ def install_hint(cause: BaseException) -> str | None:
     """What to install, and where, when ``cause`` is a module missing from this environment (None: it is not)."""
     if not isinstance(cause, ImportError) or not getattr(cause, "name", None):
         return None
-    import importlib.metadata
-
     module = cause.name.split(".")[0]
     if module in ("vllm", "torch"):
         return None  # not one package missing: the installation itself is broken
@@ -355,6 +355,7 @@ def bootstrap(site: str | Path | None = None) -> None:
     _find_vllm(site)
     _set_environment()
     sys.meta_path.insert(0, _StubFinder())
+    # the bootstrap itself: torch and vLLM are imported here, after the finder and the environment they need
     with stage("import torch"):
         import torch
     _stub_torch(torch)
@@ -371,7 +372,7 @@ def bootstrap(site: str | Path | None = None) -> None:
 
         registry._run_in_subprocess = lambda fn: fn()
 
-    import vllm.logger as vllm_logger
+    import vllm.logger as vllm_logger  # the bootstrap: see above
 
     if hasattr(vllm_logger, "dictConfig"):  # keep capture() collecting across vLLM's own logging setup
         vllm_logger.dictConfig = _keep_capturing(vllm_logger.dictConfig)
@@ -427,6 +428,7 @@ def _stub_torch(torch) -> None:
 
 def _fake_sm90_platform():
     """vLLM's CUDA platform answering as an H100 (SM90), with allocations on the CPU."""
+    # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     from vllm.platforms import cuda as vllm_cuda
     from vllm.platforms.interface import DeviceCapability
 
@@ -460,6 +462,7 @@ def _fake_sm90_platform():
 
 def fake_groups(tp: int, rank: int) -> None:
     """vLLM's process groups as one node with ``--tensor-parallel-size tp`` would make them, seen from ``rank``."""
+    # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     import torch
     import vllm.distributed.parallel_state as ps
 
@@ -526,7 +529,7 @@ def gpu_model_runner():
     """Make a DSpark config as on a GPU: vLLM 0.33 picks Model Runner V1 when Triton is not importable (it is on
     every CUDA install) and V1 refuses ``method="dspark"``; ``vllm.config.vllm.HAS_TRITON`` answers True meanwhile
     (only that module's name: no Triton kernel is imported). A release without the name (0.34) is not touched."""
-    import vllm.config.vllm as vllm_config_module
+    import vllm.config.vllm as vllm_config_module  # after bootstrap(): see build_model
 
     if getattr(vllm_config_module, "HAS_TRITON", True):
         yield
@@ -556,9 +559,7 @@ def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, d
     "num_speculative_tokens": 1}`` when config.json has MTP layers, ``{"method": "dspark", "model": draft_dir}``
     (num_speculative_tokens: vLLM's default, dspark_block_size) when it has ``dspark_target_layer_ids``, none
     otherwise; ``draft_dir`` defaults to ``config_dir``."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.arg_utils import EngineArgs  # after bootstrap(): see build_model
 
     method = speculative_method(config_dir)
     draft = str(draft_dir or config_dir)
@@ -693,6 +694,7 @@ def component_vllm_config(cfg, component: str):
     component_model_config(cfg, component)  # checks the component exists
     if component != "dspark":
         return cfg
+    # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     from vllm.config import replace
     from vllm.model_executor.model_loader.utils import get_draft_load_config
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
@@ -740,6 +742,7 @@ def build_model(cfg, model_config, device: str, model_class=None):
     platform's device, the CPU here). ``model_class=None``: the class vLLM's registry picks for the config.
     The DSpark draft (``model_config`` is a dspark speculative config's draft model config) is built under
     :func:`component_vllm_config`'s draft config, as ``load_dspark_model`` builds it."""
+    # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -777,7 +780,7 @@ class _Placed:
         return self._wrap(self._t[index])
 
     def _wrap(self, value):
-        import torch
+        import torch  # after bootstrap(): see build_model
 
         return _Placed(value, self._base) if isinstance(value, torch.Tensor) else value
 
@@ -816,7 +819,7 @@ def filter_tensors(full: dict) -> tuple[dict, dict]:
     storage placed at its own address (:class:`_Placed`), so meta tensors give the keys device tensors give;
     ``kept`` maps each kept key to its real tensor, ``aliases`` each dropped key to the kept key whose memory
     covers it (None if none: an empty tensor)."""
-    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader  # after bootstrap()
 
     bases: dict[tuple, int] = {}
     placed = {}
@@ -846,6 +849,7 @@ def dtype_name(dtype) -> str:
 
 def versions() -> dict:
     """vLLM and torch versions, where vLLM lives, and what was stubbed."""
+    # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     import torch
     import vllm
 

@@ -40,7 +40,7 @@ _TRUE_STRINGS = ("1", "true", "on", "yes")
 @lru_cache(maxsize=1)
 def triton_import_error() -> str | None:
     """Return why ``import triton`` fails, or None if triton (and triton.language) import fine."""
-    try:
+    try:  # triton is optional (absent on many CPU machines): never imported at module import
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception as exc:  # an ImportError, or a broken install raising anything else
@@ -56,7 +56,7 @@ def interpreter_active() -> bool:
     """
     if triton_import_error() is not None:
         return False
-    import triton
+    import triton  # optional, and imported only after triton_import_error() said it imports
 
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
@@ -146,7 +146,7 @@ def get_kernel(source: Callable[..., Any], backend: str) -> Any:
             raise RuntimeError(
                 f"TRITON_INTERPRET changed while resolving backend {backend!r}; resolve the backend again"
             )
-        import triton
+        import triton  # optional: only a Triton backend, resolved above, gets here
 
         kernel = triton.jit(source)
         _KERNELS[key] = kernel
@@ -155,7 +155,7 @@ def get_kernel(source: Callable[..., Any], backend: str) -> Any:
 
 def load_sources() -> Any:
     """Import and return the module holding the kernel sources (it imports triton, hence lazily)."""
-    from ckpt_tool.verify.kernels import _triton_sources
+    from ckpt_tool.verify.kernels import _triton_sources  # it imports triton, an optional dependency
 
     return _triton_sources
 
