@@ -18,6 +18,7 @@ import pytest
 from cli_helpers import run_cli, snapshot
 
 from ckpt_tool.cli.entry import main
+from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import LOCK, MANIFEST, OutputLock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,9 +201,7 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(
     monkeypatch.setattr(conv, "write_output_file", write)
     with pytest.raises(conv.OutputError, match="simulated failure"):
         conv.convert(fixture_dir("fp4"), tmp_path / "out", Options(tp=2, max_shard_size=2_000_000), workers=2)
-    total = len(
-        conv.plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files
-    )
+    total = len(plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files)
     assert total > 6 and len(started) <= 3, (len(started), total)
 
 

@@ -113,10 +113,10 @@ def test_fork_waits_for_announced_threads_to_leave_the_os(monkeypatch) -> None:
     ended.start()
     ended.join()
     processes.thread_ending([ended.native_id])
-    assert processes.can_fork()  # it left the OS while can_fork waited
+    assert processes.ended_threads_gone()  # it left the OS while this waited
     processes.thread_ending([threading.get_native_id()])  # this thread never leaves while it asks
     try:
-        assert not processes.can_fork()
+        assert not processes.ended_threads_gone()
         with pytest.raises(OSError, match="still ending"):
             processes.fork()
     finally:
