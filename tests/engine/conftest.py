@@ -47,6 +47,7 @@ class Release:
 
 
 RELEASES = [Release(v, p) for v, p in verified_releases()]
+NEWEST = max(RELEASES, key=lambda r: tuple(map(int, r.version.split("."))))
 
 
 def pytest_configure(config):
@@ -62,17 +63,30 @@ def vllm_release(request) -> Release:
     return request.param
 
 
-@pytest.fixture(scope="session")
-def engine_site(vllm_release: Release) -> Path:
+def _installed_site(release: Release) -> Path:
     """The release's installed site folder (``ENGINE_SITES`` overrides the folder that holds them).
 
     No wheel (no network, no pip cache) fails the tests: never a skip."""
     install = _load_install()
     root = Path(os.environ.get("ENGINE_SITES") or install.SITES)
     try:
-        return install.ensure_installed(vllm_release.version, install.site_of(vllm_release.version, root), log=print)
+        return install.ensure_installed(release.version, install.site_of(release.version, root), log=print)
     except RuntimeError as e:
-        pytest.fail(f"vLLM {vllm_release.version} could not be installed: {e}", pytrace=False)
+        pytest.fail(f"vLLM {release.version} could not be installed: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def engine_site(vllm_release: Release) -> Path:
+    """The site folder of the release under test (one column of the matrix)."""
+    return _installed_site(vllm_release)
+
+
+@pytest.fixture(scope="session")
+def newest_engine_site() -> Path:
+    """The newest verified release's site folder, for tests of what ckpt-tool does around the engine (how it words a
+    vLLM that cannot be built, which model file a serving interpreter judges with) rather than of what a release
+    holds: they run once, not once a column (CI time)."""
+    return _installed_site(NEWEST)
 
 
 class ServedWorker:
@@ -167,11 +181,21 @@ def converted(fixture_dir, tmp_path_factory, vllm_release):
     """``converted(variant, tp, ep=False, target=None, *extra) -> OUT``: ``ckpt-tool convert`` of a fixture, made once
     a session and shared by every engine test and release that asks for the same (never modify it: copy it first);
     the target defaults to the profile verified against the release under test."""
+    return _converter(fixture_dir, tmp_path_factory, vllm_release.profile)
+
+
+@pytest.fixture(scope="session")
+def newest_converted(fixture_dir, tmp_path_factory):
+    """:func:`converted` for the tests that run on the newest release only (``newest_engine_site``)."""
+    return _converter(fixture_dir, tmp_path_factory, NEWEST.profile)
+
+
+def _converter(fixture_dir, tmp_path_factory, profile: str):
     root = tmp_path_factory.getbasetemp() / "engine-outs"
     root.mkdir(exist_ok=True)
 
     def get(variant: str, tp: int, ep: bool = False, target: str | None = None, *extra: str) -> Path:
-        target = target or vllm_release.profile
+        target = target or profile
         key = (variant, tp, ep, target, extra)
         if key not in _CONVERTED:
             out = root / f"{variant}-tp{tp}{'-ep' if ep else ''}-{target}{''.join(extra).replace('-', '_')}"
