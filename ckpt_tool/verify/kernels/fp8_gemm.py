@@ -104,6 +104,8 @@ def fp8_block_gemm(
     else:
         x_arg = x.to(torch.bfloat16)
         xs_arg = x_arg  # unused by the kernel when ACT_FP8 is off; any pointer will do
+    # A deliberate twin of mxfp4_gemm.mxfp4_gemm's launch: tiles and lock are shared (gemm_tiles, LAUNCH_LOCK);
+    # each kernel's own argument list is spelled out where it is launched.
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m, block_n, grid = gemm_tiles(m, n)
     kernel = get_kernel(load_sources().fp8_block_gemm_kernel, resolved)

@@ -47,6 +47,8 @@ def mxfp4_gemm(
     scale_bits = quant.check_e8m0(w_scale, f"{what} scale" if what else None)
 
     x_arg = x.to(torch.bfloat16)
+    # A deliberate twin of fp8_gemm.fp8_block_gemm's launch: tiles and lock are shared (gemm_tiles, LAUNCH_LOCK);
+    # each kernel's own argument list is spelled out where it is launched.
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m, block_n, grid = gemm_tiles(m, n)
     kernel = get_kernel(load_sources().mxfp4_gemm_kernel, resolved)
