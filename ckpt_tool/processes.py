@@ -23,8 +23,9 @@ forked workers each compute on one core anyway (the parent starts one per CPU).
 A thread joined by Python has not yet left the OS: ``Thread.join`` returns once the interpreter is done with it,
 and only then does the thread run its native exit path, where MKL (torch's BLAS) frees the thread's buffers under
 its process-wide accounting lock (``mm_account_ptr_by_tid``). A fork at that moment copies the lock held by a
-thread the child does not have, and the child's first ``sgemm`` spins on it forever (seen in ``verify --level
-numeric`` right after a pool of compute threads closed: the parent waited for an answer that never came). Threads
+thread the child does not have, and the child's first ``sgemm`` spins on it forever (seen in a test of the numeric
+level forking right after an earlier run's compute pool closed: the parent waited for an answer that never came,
+and reproduced with threads on OpenMP teams: docs/performance.md). Threads
 that ran torch are therefore announced when they end (:func:`thread_ending`, the numeric pool does it for its
 own), and :func:`can_fork` and :func:`fork` wait until the OS has no such thread any more
 (:func:`ended_threads_gone`; microseconds to milliseconds).
