@@ -10,7 +10,6 @@ import json
 import marshal
 import math
 import struct
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -242,7 +241,10 @@ def test_parse_header_valid_then_mutated(case) -> None:
     parse_or_header_error(raw, size)
 
 
-_TMP = Path(tempfile.mkdtemp(prefix="ckpt-props-"))
+@pytest.fixture(scope="module")
+def scratch_dir(tmp_path_factory) -> Path:
+    """One folder for the whole module (hypothesis runs a test many times per fixture), removed with pytest's."""
+    return tmp_path_factory.mktemp("props")
 
 
 @SETTINGS
@@ -250,8 +252,8 @@ _TMP = Path(tempfile.mkdtemp(prefix="ckpt-props-"))
     prefix=st.one_of(st.integers(0, 2**64 - 1).map(lambda n: struct.pack("<Q", n)), st.binary(max_size=8)),
     body=st.binary(max_size=300),
 )
-def test_read_shard_header_arbitrary_files(prefix: bytes, body: bytes) -> None:
-    path = _TMP / "f.safetensors"
+def test_read_shard_header_arbitrary_files(scratch_dir: Path, prefix: bytes, body: bytes) -> None:
+    path = scratch_dir / "f.safetensors"
     path.write_bytes(prefix + body)
     try:
         h = read_shard_header(path)
