@@ -26,6 +26,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import struct
 import sys
 import tempfile
@@ -405,6 +406,7 @@ def run(n: int, seed: int, fixture: Path | None, crash_dir: Path, files_every: i
             crashes.setdefault(key, (key, raw))
         done += 1
     elapsed = time.perf_counter() - t0
+    shutil.rmtree(tmpdir, ignore_errors=True)  # the one file the inputs went through
 
     print(
         f"fuzz_header: {done} inputs in {elapsed:.1f} s ({done / elapsed:,.0f} inputs/s), seed {seed}, "
