@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +76,18 @@ class HubReadStats:
     waited_s: float
     peak_cached_bytes: int
     peak_spooled_bytes: int = 0  # the most the spool file held
+    spooled_bytes: int = 0  # written to the spool file in all
+
+
+def chunk_counts(reads: Iterable[tuple[str, int, int]], chunk_bytes: int) -> dict[tuple[str, int], int]:
+    """Bytes read from each chunk (file, index) of ``chunk_bytes``, summed over ``reads`` (file, offset, length)."""
+    counts: dict[tuple[str, int], int] = {}
+    for file, offset, n in reads:
+        end = offset + n
+        for i in range(offset // chunk_bytes, (end - 1) // chunk_bytes + 1 if n > 0 else 0):
+            key = (file, i)
+            counts[key] = counts.get(key, 0) + min(end, (i + 1) * chunk_bytes) - max(offset, i * chunk_bytes)
+    return counts
 
 
 class _RangeError(Exception):
@@ -117,7 +129,9 @@ class _Spool:
         self.fd, self.chunk, self.slots_max = fd, chunk, max(1, limit // chunk)
         self.slots: OrderedDict[tuple[str, int], int] = OrderedDict()  # chunk -> slot
         self.used = 0  # slots handed out so far
+        self.free: list[int] = []  # slots of chunks dropped (nothing left to read in them)
         self.peak = 0
+        self.written = 0
         self.lock = threading.Lock()
 
     def __contains__(self, key: tuple[str, int]) -> bool:
@@ -128,13 +142,23 @@ class _Spool:
         with self.lock:
             if key in self.slots:
                 return
-            if self.used < self.slots_max:
+            if self.free:
+                slot = self.free.pop()
+            elif self.used < self.slots_max:
                 slot, self.used = self.used, self.used + 1
             else:
                 _, slot = self.slots.popitem(last=False)
             os.pwrite(self.fd, data, slot * self.chunk)  # (under the lock: a reader never sees a half-written slot)
             self.slots[key] = slot
+            self.written += len(data)
             self.peak = max(self.peak, len(self.slots) * self.chunk)
+
+    def drop(self, key: tuple[str, int]) -> None:
+        """Give chunk ``key``'s slot to the next chunk put (nothing will read it again)."""
+        with self.lock:
+            slot = self.slots.pop(key, None)
+            if slot is not None:
+                self.free.append(slot)
 
     def read(self, key: tuple[str, int], into: memoryview, at: int) -> bool:
         """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold it. (Under the lock: the
@@ -162,6 +186,13 @@ class HubRangeReader:
     ``sizes``: every file that may be read, with its size in bytes (from the headers the plan was made from);
     a read past the end, or a file the hub says has another size, is an error. ``endpoint``: the hub
     (default: huggingface_hub's ``HF_ENDPOINT``). Threads may call :meth:`read_into` concurrently.
+
+    ``reads``: where the caller knows every read it will make (a conversion's plan: ``writer.source_reads``), a
+    function giving them as (file, offset, length), each as often as it will be made. The reader then counts the
+    bytes still to be read from each chunk: a chunk read to the end of its count leaves the memory cache and the
+    spool at once, a prefetch skips it, and the memory cache lets go to the spool only chunks with bytes left to
+    read. A read beyond the counts is still served (fetched again if need be). Without ``reads``, every chunk the
+    memory cache lets go is spooled.
     """
 
     def __init__(
@@ -178,6 +209,7 @@ class HubRangeReader:
         readahead: int = 0,
         spool_dir: Path | None = None,
         spool_bytes: int = 0,
+        reads: Callable[[], Iterable[tuple[str, int, int]]] | None = None,
     ) -> None:
         if chunk_bytes <= 0 or cache_bytes < chunk_bytes:
             raise ValueError(
@@ -217,6 +249,8 @@ class HubRangeReader:
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
         self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
         self._closed = False
+        # chunk -> bytes of it still to be read (None: unknown, every chunk may be read again)
+        self._left: dict[tuple[str, int], int] | None = None if reads is None else chunk_counts(reads(), chunk_bytes)
 
     # -- the ByteSource API
 
@@ -241,6 +275,14 @@ class HubRangeReader:
                 (file, i), into[lo - offset : hi - offset], lo % self.chunk_bytes
             )
 
+        def served(upto: int) -> None:  # chunks i.. upto (inclusive) delivered: their counts go down
+            nonlocal i
+            if self._left is not None:
+                for k in range(i, upto + 1):
+                    lo, hi = part(k)
+                    self._consumed((file, k), hi - lo)
+            i = upto + 1
+
         first, last = offset // self.chunk_bytes, (end - 1) // self.chunk_bytes
         i = first
         try:
@@ -249,7 +291,7 @@ class HubRangeReader:
                     data = self._cache_get((file, i))
                     pending = None if data is not None else self._inflight.get((file, i))
                 if data is None and pending is None and from_spool(i):
-                    i += 1
+                    served(i)
                     continue
                 claimed = {}
                 if data is None and pending is None:
@@ -260,13 +302,13 @@ class HubRangeReader:
                             claimed = self._claim(file, i, last)
                 if data is not None:
                     deliver(i, data)
-                    i += 1
+                    served(i)
                 elif pending is not None:
                     deliver(i, pending.result())
-                    i += 1
+                    served(i)
                 else:
                     self._fetch(file, claimed, deliver)
-                    i = max(claimed) + 1
+                    served(max(claimed))
         except _RangeError as exc:
             raise CheckpointError(f"{file}: {what + ': ' if what else ''}{exc.tail}") from None
         if self.readahead:  # the writer reads a file front to back: have the next request in flight already
@@ -318,7 +360,12 @@ class HubRangeReader:
             runs, i = [], first
             while i <= last:
                 key = (file, i)
-                if key in self._cache or key in self._inflight or (self._spool is not None and key in self._spool):
+                if (
+                    key in self._cache
+                    or key in self._inflight
+                    or (self._left is not None and key not in self._left)  # nothing (left) to read in it
+                    or (self._spool is not None and key in self._spool)
+                ):
                     i += 1
                     continue
                 run = self._claim(file, i, last)
@@ -329,8 +376,10 @@ class HubRangeReader:
 
     def stats(self) -> HubReadStats:
         with self._lock:
-            spooled = self._spool.peak if self._spool is not None else 0
-            return HubReadStats(self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes, spooled)
+            peak, written = (self._spool.peak, self._spool.written) if self._spool is not None else (0, 0)
+            return HubReadStats(
+                self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes, peak, written
+            )
 
     def close(self) -> None:
         """Stop the prefetch threads and drop the cache (huggingface_hub's shared session stays open)."""
@@ -365,6 +414,23 @@ class HubRangeReader:
 
     def _chunk_len(self, file: str, i: int) -> int:
         return min(self.chunk_bytes, self.sizes[file] - i * self.chunk_bytes)
+
+    def _consumed(self, key: tuple[str, int], n: int) -> None:
+        """``n`` bytes of chunk ``key`` were read: once none are left, it leaves the memory cache and the spool."""
+        with self._lock:
+            left = self._left.get(key) if self._left is not None else None
+            if left is None:
+                return
+            if left > n:
+                self._left[key] = left - n
+                return
+            del self._left[key]
+            data = self._cache.pop(key, None)
+            if data is not None:
+                self._cached_bytes -= len(data)
+            spool = self._spool
+        if spool is not None:
+            spool.drop(key)
 
     def _cache_get(self, key: tuple[str, int]) -> bytearray | None:
         data = self._cache.get(key)
@@ -402,7 +468,8 @@ class HubRangeReader:
             while self._cached_bytes > self.cache_bytes:
                 old_key, old = self._cache.popitem(last=False)
                 self._cached_bytes -= len(old)
-                evicted.append((old_key, old))
+                if self._left is None or old_key in self._left:  # else nothing will read it again
+                    evicted.append((old_key, old))
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
         return evicted
 
