@@ -19,7 +19,7 @@ from hub_server import Fault, HubServer, Request
 
 from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.hub import HubRef
-from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy, chunk_counts
+from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy, block_counts
 from ckpt_tool.checkpoint.reader import LocalFiles
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError
@@ -354,20 +354,24 @@ def test_with_the_reads_known_a_chunk_with_nothing_left_to_read_is_not_spooled(h
 
 
 def test_with_the_reads_known_a_chunk_read_again_later_is_spooled_and_read_from_there(hub, src, tmp_path) -> None:
-    """Chunks 8-11 are read a second time after the whole file: they (and only they) wait in the spool, the second
-    read fetches nothing, and the spool lets them go once their last byte is read."""
+    """Chunks 8-11 and a few KiB of chunk 3 are read a second time after the whole file: they (and only they) wait in
+    the spool, of chunk 3 just the blocks read again; the second reads fetch nothing, and the spool lets each chunk go
+    once its last byte is read."""
     size = shard_sizes(src)[BIG]
     data = (src / BIG).read_bytes()
-    again = (8 * CHUNK + 10, 3 * CHUNK)  # bytes of chunks 8, 9, 10 and 11
-    reads = [(BIG, 0, size), (BIG, *again)]
+    block = CHUNK // 64
+    again = [(8 * CHUNK + 10, 3 * CHUNK), (3 * CHUNK + block + 904, 2 * block + 100)]  # chunks 8-11; 3, blocks 1-3
+    reads = [(BIG, 0, size), *((BIG, at, n) for at, n in again)]
     kw = {"cache_bytes": 2 * CHUNK, "spool_dir": tmp_path, "spool_bytes": 100 * CHUNK}
     with reader_for(hub, src, reads=lambda: reads, **kw) as reader:
         for at in range(0, size, 100_000):
             assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
-        assert set(reader._spool.slots) <= {(BIG, i) for i in range(8, 12)}
+        assert set(reader._spool.slots) <= {(BIG, i) for i in (3, 8, 9, 10, 11)}
+        assert reader._spool.held[(BIG, 3)] == [(block, 4 * block)]
         spooled = reader.stats().spooled_bytes
-        assert CHUNK <= spooled <= 4 * CHUNK
-        assert reader.read(BIG, *again) == data[again[0] : again[0] + again[1]]
+        assert 3 * block <= spooled <= 4 * CHUNK + 3 * block
+        for at, n in again:
+            assert reader.read(BIG, at, n) == data[at : at + n]
         stats = reader.stats()
         assert stats.requests == math.ceil(size / CHUNK) and stats.bytes_fetched == size  # each byte once
         assert stats.spooled_bytes == spooled and reader._spool.slots == {} and reader._left == {}
@@ -390,4 +394,4 @@ def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path
         for f in plan.files:
             write_output_file(f, tmp_path / f.name, files, plan.sources)
     announced = source_reads(plan.files, plan.sources)
-    assert chunk_counts(announced, 4096) == chunk_counts(made, 4096)
+    assert block_counts(announced, 64 * 4096) == block_counts(made, 64 * 4096)  # bytes a 4 KiB block
