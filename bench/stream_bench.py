@@ -13,8 +13,9 @@ random valid bytes), each from a cold page cache (``timing.drop_caches``):
 2. ``convert SRC OUT --tp T`` from the folder;
 3. ``convert hf://bench/skeleton OUT --tp T --stream`` against that server (``HF_ENDPOINT``), the real client.
 
-Reported: seconds, peak RSS, bytes read from disk; for the stream also bytes fetched and range requests (its
-``--json``) against the bytes the plan reads and ``ceil(bytes / 64 MiB)`` plus one header read a shard. The two
+Reported: seconds, peak RSS, bytes read from and written to disk (the stream's writes beyond the local
+convert's, the same OUT, are its spool's); for the stream also bytes fetched and range requests (its ``--json``)
+against the bytes the plan reads and ``ceil(bytes / 64 MiB)`` plus one header read a shard. The two
 OUTs must be byte-identical (every file's sha256 in the two manifests). Targets (issue 32): stream <= 1.3 x the
 local convert, peak RSS <= 1 GiB, fetched <= 1.02 x what the plan reads, requests <= one per 64 MiB + headers.
 The server runs in this process (its threads share the 2 cores with the conversion, as a local hub would).
@@ -152,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             "stream_peak_rss_mib": round(streamed.peak_rss_mib),
             "local_disk_read_gib": round(local.disk_read_bytes / GiB, 3),
             "stream_disk_read_gib": round(streamed.disk_read_bytes / GiB, 3),
+            "local_disk_write_gib": round(local.disk_write_bytes / GiB, 3),
+            "stream_disk_write_gib": round(streamed.disk_write_bytes / GiB, 3),
+            # the same OUT either way: what the stream wrote beyond it went to its spool file
+            "spooled_gib": round((streamed.disk_write_bytes - local.disk_write_bytes) / GiB, 3),
             "fetched_gib": round(fetched / GiB, 3),
             "fetched_vs_plan": round(fetched / need, 4),
             "requests": requests,

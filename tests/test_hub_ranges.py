@@ -19,8 +19,13 @@ from hub_server import Fault, HubServer, Request
 
 from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.hub import HubRef
-from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy
+from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy, block_counts
+from ckpt_tool.checkpoint.reader import LocalFiles
+from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.errors import CheckpointError
+from ckpt_tool.mapping.plan import Options
+from ckpt_tool.mapping.planner import plan_conversion
+from ckpt_tool.output.writer import SourceFiles, source_reads, write_output_file
 
 REPO_ID = "deepseek-ai/Tiny-V4"
 CHUNK = 256 * 1024
@@ -326,3 +331,67 @@ def test_a_spool_that_cannot_be_written_is_given_up_and_the_reads_go_on(hub, src
                 assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
         assert reader.stats().bytes_fetched > size
     assert "cannot be written" in caplog.text
+
+
+def test_with_the_reads_known_a_chunk_with_nothing_left_to_read_is_not_spooled(hub, src, tmp_path) -> None:
+    """Every chunk of a file read once, front to back: none goes to the spool, each leaves the memory cache as its
+    last byte is read; a read the counts did not announce is still served (fetched again)."""
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    kw = {"cache_bytes": 2 * CHUNK, "spool_dir": tmp_path, "spool_bytes": 100 * CHUNK}
+    with reader_for(hub, src, reads=lambda: [(BIG, 0, size)], **kw) as reader:
+        for at in range(0, size, 100_000):
+            assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        stats = reader.stats()
+        assert stats.bytes_fetched == size and stats.spooled_bytes == 0 and stats.peak_spooled_bytes == 0
+        assert reader._cached_bytes == 0 and reader._left == {}
+        assert reader.read(BIG, 5 * CHUNK, 10) == data[5 * CHUNK : 5 * CHUNK + 10]
+        assert reader.stats().requests == stats.requests + 1
+    with reader_for(hub, src, **kw) as reader:  # no counts: today's behaviour, every chunk let go is spooled
+        for at in range(0, size, 100_000):
+            reader.read(BIG, at, min(100_000, size - at))
+        assert reader.stats().spooled_bytes >= size - 3 * CHUNK
+
+
+def test_with_the_reads_known_a_chunk_read_again_later_is_spooled_and_read_from_there(hub, src, tmp_path) -> None:
+    """Chunks 8-11 and a few KiB of chunk 3 are read a second time after the whole file: they (and only they) wait in
+    the spool, of chunk 3 just the blocks read again; the second reads fetch nothing, and the spool lets each chunk go
+    once its last byte is read."""
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    block = CHUNK // 64
+    again = [(8 * CHUNK + 10, 3 * CHUNK), (3 * CHUNK + block + 904, 2 * block + 100)]  # chunks 8-11; 3, blocks 1-3
+    reads = [(BIG, 0, size), *((BIG, at, n) for at, n in again)]
+    kw = {"cache_bytes": 2 * CHUNK, "spool_dir": tmp_path, "spool_bytes": 100 * CHUNK}
+    with reader_for(hub, src, reads=lambda: reads, **kw) as reader:
+        for at in range(0, size, 100_000):
+            assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        assert set(reader._spool.slots) <= {(BIG, i) for i in (3, 8, 9, 10, 11)}
+        assert reader._spool.held[(BIG, 3)] == [(block, 4 * block)]
+        spooled = reader.stats().spooled_bytes
+        assert 3 * block <= spooled <= 4 * CHUNK + 3 * block
+        for at, n in again:
+            assert reader.read(BIG, at, n) == data[at : at + n]
+        stats = reader.stats()
+        assert stats.requests == math.ceil(size / CHUNK) and stats.bytes_fetched == size  # each byte once
+        assert stats.spooled_bytes == spooled and reader._spool.slots == {} and reader._left == {}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path, tp) -> None:
+    """``source_reads`` counts, chunk by chunk, exactly the bytes writing the plan's files reads (whole tensors, row
+    splits, gathered column slices, padded and converted segments, a replicated tensor once a rank)."""
+    ckpt = open_checkpoint(src)
+    plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp))
+    made: list[tuple[str, int, int]] = []
+
+    class Recording(LocalFiles):
+        def read_into(self, file, into, offset, *, what=""):
+            made.append((str(file), offset, len(into)))
+            super().read_into(file, into, offset, what=what)
+
+    with SourceFiles(src, {}, Recording(src)) as files:
+        for f in plan.files:
+            write_output_file(f, tmp_path / f.name, files, plan.sources)
+    announced = source_reads(plan.files, plan.sources)
+    assert block_counts(announced, 64 * 4096) == block_counts(made, 64 * 4096)  # bytes a 4 KiB block

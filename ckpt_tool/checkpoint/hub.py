@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -333,10 +334,11 @@ class HubStream:
     def header_bytes(self, file: str) -> bytes:
         return self.headers[file]
 
-    def spool_in(self, folder: Path) -> None:
+    def spool_in(self, folder: Path, reads: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
         """Readers opened from now on keep the chunks their memory cache lets go in an unlinked file in ``folder``
-        (OUT: its file system has room for OUT), up to ``CKPT_TOOL_HUB_SPOOL_GB`` (docs/hub.md)."""
-        self.options = {**self.options, "spool_dir": folder, "spool_bytes": spool_limit()}
+        (OUT: its file system has room for OUT), up to ``CKPT_TOOL_HUB_SPOOL_GB`` (docs/hub.md). ``reads``: every
+        read they will serve (``HubRangeReader``'s ``reads``), so that only chunks read again are kept."""
+        self.options = {**self.options, "spool_dir": folder, "spool_bytes": spool_limit(), "reads": reads}
 
     def __call__(self):
         from ckpt_tool.checkpoint.hub_ranges import HubRangeReader  # cycle: hub_ranges imports HubRef from here

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +76,32 @@ class HubReadStats:
     waited_s: float
     peak_cached_bytes: int
     peak_spooled_bytes: int = 0  # the most the spool file held
+    spooled_bytes: int = 0  # written to the spool file in all
+
+
+BLOCKS = 64  # a chunk's counts of bytes still to be read are kept per 1/BLOCKS of it (1 MiB of a 64 MiB chunk)
+
+
+def block_counts(reads: Iterable[tuple[str, int, int]], chunk_bytes: int) -> dict[tuple[str, int], list[int]]:
+    """Bytes read from each block of each chunk (file, index) of ``chunk_bytes``, summed over ``reads`` (file,
+    offset, length): a block is ``chunk_bytes // BLOCKS`` bytes, the last one of a chunk takes the rest."""
+    block = _block_bytes(chunk_bytes)
+    counts: dict[tuple[str, int], list[int]] = {}
+    for file, offset, n in reads:
+        end = offset + n
+        for i in range(offset // chunk_bytes, (end - 1) // chunk_bytes + 1 if n > 0 else 0):
+            base = i * chunk_bytes
+            lo, hi = max(offset, base), min(end, base + chunk_bytes)
+            blocks = counts.get((file, i))
+            if blocks is None:
+                blocks = counts[(file, i)] = [0] * BLOCKS
+            for b in range((lo - base) // block, (hi - 1 - base) // block + 1):
+                blocks[min(b, BLOCKS - 1)] += min(hi, base + (b + 1) * block) - max(lo, base + b * block)
+    return counts
+
+
+def _block_bytes(chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // BLOCKS)
 
 
 class _RangeError(Exception):
@@ -116,32 +142,58 @@ class _Spool:
         os.unlink(name)
         self.fd, self.chunk, self.slots_max = fd, chunk, max(1, limit // chunk)
         self.slots: OrderedDict[tuple[str, int], int] = OrderedDict()  # chunk -> slot
+        self.held: dict[tuple[str, int], list[tuple[int, int]]] = {}  # chunk -> the [lo, hi) of it written, if not all
         self.used = 0  # slots handed out so far
+        self.free: list[int] = []  # slots of chunks dropped (nothing left to read in them)
         self.peak = 0
+        self.written = 0
         self.lock = threading.Lock()
 
     def __contains__(self, key: tuple[str, int]) -> bool:
         with self.lock:
             return key in self.slots
 
-    def put(self, key: tuple[str, int], data: bytearray) -> None:
+    def put(self, key: tuple[str, int], data: bytearray, parts: list[tuple[int, int]] | None = None) -> None:
+        """Keep chunk ``key``: all of ``data``, or only its byte ranges ``parts`` ([lo, hi), apart and in order)."""
         with self.lock:
             if key in self.slots:
                 return
-            if self.used < self.slots_max:
+            if self.free:
+                slot = self.free.pop()
+            elif self.used < self.slots_max:
                 slot, self.used = self.used, self.used + 1
             else:
-                _, slot = self.slots.popitem(last=False)
-            os.pwrite(self.fd, data, slot * self.chunk)  # (under the lock: a reader never sees a half-written slot)
+                old, slot = self.slots.popitem(last=False)
+                self.held.pop(old, None)
+            if parts is None:  # (under the lock: a reader never sees a half-written slot)
+                os.pwrite(self.fd, data, slot * self.chunk)
+                self.written += len(data)
+            else:
+                view = memoryview(data)
+                for lo, hi in parts:
+                    os.pwrite(self.fd, view[lo:hi], slot * self.chunk + lo)
+                    self.written += hi - lo
+                self.held[key] = parts
             self.slots[key] = slot
             self.peak = max(self.peak, len(self.slots) * self.chunk)
 
+    def drop(self, key: tuple[str, int]) -> None:
+        """Give chunk ``key``'s slot to the next chunk put (nothing will read it again)."""
+        with self.lock:
+            slot = self.slots.pop(key, None)
+            self.held.pop(key, None)
+            if slot is not None:
+                self.free.append(slot)
+
     def read(self, key: tuple[str, int], into: memoryview, at: int) -> bool:
-        """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold it. (Under the lock: the
-        slot cannot be given to another chunk meanwhile.)"""
+        """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold those bytes. (Under the
+        lock: the slot cannot be given to another chunk meanwhile.)"""
         with self.lock:
             slot = self.slots.get(key)
             if slot is None:
+                return False
+            parts = self.held.get(key)
+            if parts is not None and not any(lo <= at and at + len(into) <= hi for lo, hi in parts):
                 return False
             self.slots.move_to_end(key)
             pos = slot * self.chunk + at
@@ -162,6 +214,13 @@ class HubRangeReader:
     ``sizes``: every file that may be read, with its size in bytes (from the headers the plan was made from);
     a read past the end, or a file the hub says has another size, is an error. ``endpoint``: the hub
     (default: huggingface_hub's ``HF_ENDPOINT``). Threads may call :meth:`read_into` concurrently.
+
+    ``reads``: where the caller knows every read it will make (a conversion's plan: ``writer.source_reads``), a
+    function giving them as (file, offset, length), each as often as it will be made. The reader then counts the
+    bytes still to be read from each chunk: a chunk read to the end of its count leaves the memory cache and the
+    spool at once, a prefetch skips it, and the memory cache lets go to the spool only chunks with bytes left to
+    read. A read beyond the counts is still served (fetched again if need be). Without ``reads``, every chunk the
+    memory cache lets go is spooled.
     """
 
     def __init__(
@@ -178,6 +237,7 @@ class HubRangeReader:
         readahead: int = 0,
         spool_dir: Path | None = None,
         spool_bytes: int = 0,
+        reads: Callable[[], Iterable[tuple[str, int, int]]] | None = None,
     ) -> None:
         if chunk_bytes <= 0 or cache_bytes < chunk_bytes:
             raise ValueError(
@@ -217,6 +277,11 @@ class HubRangeReader:
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
         self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
         self._closed = False
+        # chunk -> bytes of it still to be read, by block (None: unknown, every chunk may be read again)
+        self._left: dict[tuple[str, int], list[int]] | None = (
+            None if reads is None else block_counts(reads(), chunk_bytes)
+        )
+        self._block = _block_bytes(chunk_bytes)
 
     # -- the ByteSource API
 
@@ -241,6 +306,13 @@ class HubRangeReader:
                 (file, i), into[lo - offset : hi - offset], lo % self.chunk_bytes
             )
 
+        def served(upto: int) -> None:  # chunks i.. upto (inclusive) delivered: their counts go down
+            nonlocal i
+            if self._left is not None:
+                for k in range(i, upto + 1):
+                    self._consumed((file, k), *part(k))
+            i = upto + 1
+
         first, last = offset // self.chunk_bytes, (end - 1) // self.chunk_bytes
         i = first
         try:
@@ -249,7 +321,7 @@ class HubRangeReader:
                     data = self._cache_get((file, i))
                     pending = None if data is not None else self._inflight.get((file, i))
                 if data is None and pending is None and from_spool(i):
-                    i += 1
+                    served(i)
                     continue
                 claimed = {}
                 if data is None and pending is None:
@@ -260,13 +332,13 @@ class HubRangeReader:
                             claimed = self._claim(file, i, last)
                 if data is not None:
                     deliver(i, data)
-                    i += 1
+                    served(i)
                 elif pending is not None:
                     deliver(i, pending.result())
-                    i += 1
+                    served(i)
                 else:
                     self._fetch(file, claimed, deliver)
-                    i = max(claimed) + 1
+                    served(max(claimed))
         except _RangeError as exc:
             raise CheckpointError(f"{file}: {what + ': ' if what else ''}{exc.tail}") from None
         if self.readahead:  # the writer reads a file front to back: have the next request in flight already
@@ -318,7 +390,12 @@ class HubRangeReader:
             runs, i = [], first
             while i <= last:
                 key = (file, i)
-                if key in self._cache or key in self._inflight or (self._spool is not None and key in self._spool):
+                if (
+                    key in self._cache
+                    or key in self._inflight
+                    or (self._left is not None and key not in self._left)  # nothing (left) to read in it
+                    or (self._spool is not None and key in self._spool)
+                ):
                     i += 1
                     continue
                 run = self._claim(file, i, last)
@@ -329,8 +406,10 @@ class HubRangeReader:
 
     def stats(self) -> HubReadStats:
         with self._lock:
-            spooled = self._spool.peak if self._spool is not None else 0
-            return HubReadStats(self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes, spooled)
+            peak, written = (self._spool.peak, self._spool.written) if self._spool is not None else (0, 0)
+            return HubReadStats(
+                self._requests, self._bytes_fetched, self._waited_s, self._peak_cached_bytes, peak, written
+            )
 
     def close(self) -> None:
         """Stop the prefetch threads and drop the cache (huggingface_hub's shared session stays open)."""
@@ -366,6 +445,27 @@ class HubRangeReader:
     def _chunk_len(self, file: str, i: int) -> int:
         return min(self.chunk_bytes, self.sizes[file] - i * self.chunk_bytes)
 
+    def _consumed(self, key: tuple[str, int], lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of the file, in chunk ``key``, were read: once none of the chunk is left to read, it
+        leaves the memory cache and the spool."""
+        block, base = self._block, key[1] * self.chunk_bytes
+        with self._lock:
+            left = self._left.get(key) if self._left is not None else None
+            if left is None:
+                return
+            for b in range((lo - base) // block, (hi - 1 - base) // block + 1):
+                k, n = min(b, BLOCKS - 1), min(hi, base + (b + 1) * block) - max(lo, base + b * block)
+                left[k] = max(0, left[k] - n)
+            if any(left):
+                return
+            del self._left[key]
+            data = self._cache.pop(key, None)
+            if data is not None:
+                self._cached_bytes -= len(data)
+            spool = self._spool
+        if spool is not None:
+            spool.drop(key)
+
     def _cache_get(self, key: tuple[str, int]) -> bytearray | None:
         data = self._cache.get(key)
         if data is not None:
@@ -392,7 +492,9 @@ class HubRangeReader:
         pending.done.set()  # before the spill: a waiter never waits on the local disk
         self._spill(evicted)
 
-    def _keep(self, key: tuple[str, int], data: bytearray) -> list[tuple[tuple[str, int], bytearray]]:
+    def _keep(
+        self, key: tuple[str, int], data: bytearray
+    ) -> list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]:
         """Put a chunk that was in flight in the memory cache; the chunks it pushes out, for :meth:`_spill`."""
         evicted = []
         with self._lock:
@@ -402,11 +504,26 @@ class HubRangeReader:
             while self._cached_bytes > self.cache_bytes:
                 old_key, old = self._cache.popitem(last=False)
                 self._cached_bytes -= len(old)
-                evicted.append((old_key, old))
+                if self._left is None:
+                    evicted.append((old_key, old, None))
+                elif old_key in self._left:  # (else nothing will read it again) the parts of it still to be read
+                    evicted.append((old_key, old, self._parts(self._left[old_key], len(old))))
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
         return evicted
 
-    def _spill(self, evicted: list[tuple[tuple[str, int], bytearray]]) -> None:
+    def _parts(self, left: list[int], n: int) -> list[tuple[int, int]]:
+        """The byte ranges of an ``n``-byte chunk whose blocks have bytes ``left`` to be read, adjacent ones merged."""
+        parts: list[tuple[int, int]] = []
+        for b, count in enumerate(left):
+            if count:
+                lo, hi = b * self._block, n if b == BLOCKS - 1 else min(n, (b + 1) * self._block)
+                if parts and parts[-1][1] == lo:
+                    parts[-1] = (parts[-1][0], hi)
+                elif lo < hi:
+                    parts.append((lo, hi))
+        return parts
+
+    def _spill(self, evicted: list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]) -> None:
         """Chunks the memory cache let go into the spool, where there is one. A spool that cannot be written (the
         disk is full) is given up with a warning: chunks wanted again are then fetched again."""
         if not evicted or self._spool_dir is None or self._spool_bytes < self.chunk_bytes:
@@ -416,8 +533,8 @@ class HubRangeReader:
                 if self._spool is None:
                     self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
                 spool = self._spool
-            for key, old in evicted:
-                spool.put(key, old)
+            for key, old, parts in evicted:
+                spool.put(key, old, parts)
         except OSError as exc:
             log.warning(
                 "the spool in %s cannot be written (%s): chunks wanted again will be fetched again",

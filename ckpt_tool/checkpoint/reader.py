@@ -27,6 +27,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -64,8 +65,9 @@ class RemoteSource(Protocol):
         """The JSON header of ``file`` as stored (without its 8-byte length)."""
         ...
 
-    def spool_in(self, folder: Path) -> None:
-        """Byte sources opened from now on may keep fetched bytes in an unnamed file in ``folder``."""
+    def spool_in(self, folder: Path, reads: Callable[[], Iterable[tuple[str, int, int]]] | None = None) -> None:
+        """Byte sources opened from now on may keep fetched bytes in an unnamed file in ``folder``; ``reads``: every
+        (file, offset, length) they will be asked for, where the caller knows (only bytes read again are kept)."""
         ...
 
 

@@ -63,6 +63,7 @@ from ckpt_tool.output.writer import (
     file_size,
     files_fed,
     output_error,
+    source_reads,
     write_output_file,
 )
 
@@ -231,8 +232,8 @@ def _write_run(
         journal_path = out / journal_name(shard)
         journal = _start_journal(out, journal_path, plan, source.fingerprint, force=force, partial=partial)
         todo = _unfinished(out, plan, journal, journal_path, source, result, progress)
-        if ckpt.remote is not None:
-            ckpt.remote.spool_in(out)
+        if ckpt.remote is not None:  # the reads of the files this run writes: only chunks read again are spooled
+            ckpt.remote.spool_in(out, functools.partial(source_reads, todo, plan.sources))
         watched = source.identities if ckpt.remote is None else {}  # a streamed source's bytes are its commit's
         with SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True)) as files:
             lockstep = ckpt.remote is not None  # every source byte crosses the network: each once, for all ranks

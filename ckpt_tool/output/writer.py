@@ -33,7 +33,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +126,17 @@ def files_fed(out: OutFile, sources: dict[str, TensorInfo]) -> list[str]:
     return sorted({sources[name].file for t in out.tensors for name in t.sources})
 
 
+def source_reads(outs: Iterable[OutFile], sources: dict[str, TensorInfo]) -> Iterator[tuple[str, int, int]]:
+    """(source file, absolute offset, length) of every read writing ``outs`` makes, each as many times as it is made
+    (a replicated tensor once a rank): what a streamed source still has to serve (``HubStream.spool_in``)."""
+    reader = SegmentReader(SourceFiles(Path()), sources)  # (its geometry only: nothing is opened or read)
+    for out in outs:
+        for t in out.tensors:
+            for seg in t.segments:
+                for offset, length in reader.footprint(seg):
+                    yield sources[seg.src].file, offset, length
+
+
 def _nonfinite(raw: memoryview, dtype: str) -> int:
     if dtype == "BF16":
         bits = np.frombuffer(raw, dtype="<u2")
@@ -200,6 +211,18 @@ class SegmentReader:
         if width >= SMALL_COLUMN_SLICE or row_bytes > CHUNK:
             return [(info.start + row * row_bytes + c0, width) for row in range(seg.row0, seg.row1)]
         return None  # narrow slices of many rows: gathered
+
+    def footprint(self, seg: Segment) -> list[tuple[int, int]]:
+        """(absolute offset, length) of every source byte writing ``seg`` reads, as :func:`_fill_segment` and
+        :meth:`stream` read them: its ranges where it is copied as it is, else the whole rows it is cut from."""
+        if seg.src == ZERO:
+            return []
+        info = self.sources[seg.src]
+        ranges = None if seg.pad or seg.repeat > 1 else self._ranges(seg, info)
+        if ranges is not None:
+            return ranges
+        _, row_bytes = self.geometry(info)  # gather_columns / gather_padded: blocks of whole rows
+        return [(info.start + seg.row0 * row_bytes, (seg.row1 - seg.row0) * row_bytes)]
 
     def stream(self, seg: Segment, emit: Callable[[memoryview | bytes], None]) -> None:
         """Call ``emit`` with the output bytes of a source segment, in order, in pieces of at most ``CHUNK``."""
