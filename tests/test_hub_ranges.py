@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hub_server import Fault, HubServer, Request
 
+from ckpt_tool.checkpoint import hub_ranges
 from ckpt_tool.checkpoint.headers import read_shard_header
 from ckpt_tool.checkpoint.hub import HubRef
 from ckpt_tool.checkpoint.hub_ranges import HubRangeReader, RetryPolicy, block_counts
@@ -309,6 +310,7 @@ def test_chunks_the_memory_cache_lets_go_are_read_again_from_the_spool_not_the_h
         for _ in range(2):
             for at in range(0, size, 100_000):
                 assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        reader.spool_settled()
         stats = reader.stats()
         assert stats.requests == chunks and stats.bytes_fetched == size  # each byte once, over two passes
         assert stats.peak_cached_bytes <= 2 * CHUNK and 0 < stats.peak_spooled_bytes <= chunks * CHUNK
@@ -316,6 +318,7 @@ def test_chunks_the_memory_cache_lets_go_are_read_again_from_the_spool_not_the_h
     with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path, spool_bytes=4 * CHUNK) as reader:
         assert reader.read(BIG, 0, size) == data
         assert reader.read(BIG, 0, size) == data
+        reader.spool_settled()
         assert reader.stats().bytes_fetched > size  # the early chunks left the small spool: fetched again
         assert reader.stats().peak_spooled_bytes == 4 * CHUNK
 
@@ -350,6 +353,7 @@ def test_with_the_reads_known_a_chunk_with_nothing_left_to_read_is_not_spooled(h
     with reader_for(hub, src, **kw) as reader:  # no counts: today's behaviour, every chunk let go is spooled
         for at in range(0, size, 100_000):
             reader.read(BIG, at, min(100_000, size - at))
+        reader.spool_settled()
         assert reader.stats().spooled_bytes >= size - 3 * CHUNK
 
 
@@ -366,12 +370,14 @@ def test_with_the_reads_known_a_chunk_read_again_later_is_spooled_and_read_from_
     with reader_for(hub, src, reads=lambda: reads, **kw) as reader:
         for at in range(0, size, 100_000):
             assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
+        reader.spool_settled()
         assert set(reader._spool.slots) <= {(BIG, i) for i in (3, 8, 9, 10, 11)}
         assert reader._spool.held[(BIG, 3)] == [(block, 4 * block)]
         spooled = reader.stats().spooled_bytes
         assert 3 * block <= spooled <= 4 * CHUNK + 3 * block
         for at, n in again:
             assert reader.read(BIG, at, n) == data[at : at + n]
+        reader.spool_settled()
         stats = reader.stats()
         assert stats.requests == math.ceil(size / CHUNK) and stats.bytes_fetched == size  # each byte once
         assert stats.spooled_bytes == spooled and reader._spool.slots == {} and reader._left == {}
@@ -395,3 +401,32 @@ def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path
             write_output_file(f, tmp_path / f.name, files, plan.sources)
     announced = source_reads(plan.files, plan.sources)
     assert block_counts(announced, 64 * 4096) == block_counts(made, 64 * 4096)  # bytes a 4 KiB block
+
+
+def test_a_fetch_goes_on_while_the_spool_is_written_and_a_chunk_waiting_for_it_is_read_from_memory(
+    hub, src, tmp_path, monkeypatch
+) -> None:
+    """The spool's writer is held up (a slow local disk): the file is still read front to back without a stall, and a
+    chunk the memory cache let go that is still waiting for the spool is read from memory, not fetched again."""
+    size = shard_sizes(src)[BIG]
+    data = (src / BIG).read_bytes()
+    release = threading.Event()
+    real_put = hub_ranges._Spool.put
+
+    def slow_put(spool, *args, **kw):
+        assert release.wait(30), "the spool's writer was never released"
+        return real_put(spool, *args, **kw)
+
+    monkeypatch.setattr(hub_ranges, "SPILL_QUEUE", 100)
+    monkeypatch.setattr(hub_ranges._Spool, "put", slow_put)
+    with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path, spool_bytes=100 * CHUNK) as reader:
+        try:
+            assert reader.read(BIG, 0, size) == data  # no put has finished: a fetch waiting on one would hang here
+            assert (BIG, 0) in reader._spilling  # the first chunk let go waits for the spool, in memory
+            requests = reader.stats().requests
+            assert reader.read(BIG, 0, CHUNK) == data[:CHUNK]
+            assert reader.stats().requests == requests  # read from memory: nothing fetched again
+        finally:
+            release.set()
+        reader.spool_settled()
+        assert not reader._spilling and reader.stats().spooled_bytes > 0

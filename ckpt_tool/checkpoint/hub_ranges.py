@@ -9,7 +9,10 @@ A file is cut into aligned chunks (``chunk_bytes``; the last one of a file short
 LRU cache of chunks; the chunks it misses are fetched with one range request per run of adjacent missing chunks,
 and a chunk another thread is already fetching is waited for, not fetched again. The cache holds at most
 ``cache_bytes``; on top of it each fetch in progress holds the one chunk it is filling. :meth:`prefetch` starts
-fetches on ``workers`` background threads so several requests are in flight.
+fetches on ``workers`` background threads so several requests are in flight. With a spool (``spool_dir``), a chunk
+the cache lets go that will be read again is written to an unnamed local file by a thread of its own, so that a
+fetch never waits on the local disk; until it is written it is still read from memory (at most ``SPILL_QUEUE``
+chunks wait).
 
 Requests go through huggingface_hub's own HTTP client (``get_session``, the URL from ``hf_hub_url``, the token and
 user agent from ``build_hf_headers``): proxies, ``HF_ENDPOINT`` and a client factory set by the user apply. The
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import tempfile
 import threading
@@ -79,6 +83,7 @@ class HubReadStats:
     spooled_bytes: int = 0  # written to the spool file in all
 
 
+SPILL_QUEUE = 1  # chunks let go by the memory cache that may wait for the spool's writer; more and a fetch waits
 BLOCKS = 64  # a chunk's counts of bytes still to be read are kept per 1/BLOCKS of it (1 MiB of a 64 MiB chunk)
 
 
@@ -276,6 +281,9 @@ class HubRangeReader:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
         self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
+        # chunks the memory cache let go, readable until the spool's writer thread has written them (:meth:`_spill`)
+        self._spilling: dict[tuple[str, int], bytearray] = {}
+        self._spiller: tuple[int, queue.Queue, threading.Thread] | None = None  # (pid, its queue, its thread)
         self._closed = False
         # chunk -> bytes of it still to be read, by block (None: unknown, every chunk may be read again)
         self._left: dict[tuple[str, int], list[int]] | None = (
@@ -392,6 +400,7 @@ class HubRangeReader:
                 key = (file, i)
                 if (
                     key in self._cache
+                    or key in self._spilling
                     or key in self._inflight
                     or (self._left is not None and key not in self._left)  # nothing (left) to read in it
                     or (self._spool is not None and key in self._spool)
@@ -415,8 +424,10 @@ class HubRangeReader:
         """Stop the prefetch threads and drop the cache (huggingface_hub's shared session stays open)."""
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_spiller()
         with self._lock:
             self._cache.clear()
+            self._spilling.clear()
             self._cached_bytes = 0
             if self._spool is not None:
                 self._spool.close()
@@ -462,6 +473,7 @@ class HubRangeReader:
             data = self._cache.pop(key, None)
             if data is not None:
                 self._cached_bytes -= len(data)
+            self._spilling.pop(key, None)
             spool = self._spool
         if spool is not None:
             spool.drop(key)
@@ -470,7 +482,8 @@ class HubRangeReader:
         data = self._cache.get(key)
         if data is not None:
             self._cache.move_to_end(key)
-        return data
+            return data
+        return self._spilling.get(key)
 
     def _claim(self, file: str, first: int, last: int) -> dict[int, _Pending]:
         """Mark chunks ``first..`` (up to ``last``, stopping at one cached or in flight) as fetched by the caller."""
@@ -479,6 +492,7 @@ class HubRangeReader:
         while (
             i <= last
             and (file, i) not in self._cache
+            and (file, i) not in self._spilling
             and (file, i) not in self._inflight
             and (i == first or self._spool is None or (file, i) not in self._spool)
         ):
@@ -497,6 +511,7 @@ class HubRangeReader:
     ) -> list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]:
         """Put a chunk that was in flight in the memory cache; the chunks it pushes out, for :meth:`_spill`."""
         evicted = []
+        spilling = self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes
         with self._lock:
             del self._inflight[key]
             self._cache[key] = data
@@ -508,6 +523,10 @@ class HubRangeReader:
                     evicted.append((old_key, old, None))
                 elif old_key in self._left:  # (else nothing will read it again) the parts of it still to be read
                     evicted.append((old_key, old, self._parts(self._left[old_key], len(old))))
+                else:
+                    continue
+                if spilling:
+                    self._spilling[old_key] = old  # still served from memory until the spool holds it
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
         return evicted
 
@@ -524,24 +543,64 @@ class HubRangeReader:
         return parts
 
     def _spill(self, evicted: list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]) -> None:
-        """Chunks the memory cache let go into the spool, where there is one. A spool that cannot be written (the
-        disk is full) is given up with a warning: chunks wanted again are then fetched again."""
+        """Hand chunks the memory cache let go to the spool's writer thread, where there is a spool: the fetch that
+        evicted them goes on receiving while they are written. It waits only while ``SPILL_QUEUE`` chunks are
+        already waiting (the memory they hold is bounded); until written, a waiting chunk is read from memory."""
         if not evicted or self._spool_dir is None or self._spool_bytes < self.chunk_bytes:
             return
-        try:
-            with self._lock:
-                if self._spool is None:
-                    self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
-                spool = self._spool
-            for key, old, parts in evicted:
-                spool.put(key, old, parts)
-        except OSError as exc:
-            log.warning(
-                "the spool in %s cannot be written (%s): chunks wanted again will be fetched again",
-                self._spool_dir,
-                exc.strerror or exc,
-            )
-            self._spool_bytes = 0
+        with self._lock:
+            if self._spiller is None or self._spiller[0] != os.getpid():  # none yet in this process (or forked)
+                q: queue.Queue = queue.Queue(maxsize=SPILL_QUEUE)
+                thread = threading.Thread(target=self._spill_run, args=(q,), name="hub-spool", daemon=True)
+                thread.start()
+                self._spiller = (os.getpid(), q, thread)
+            q = self._spiller[1]
+        for item in evicted:
+            q.put(item)
+
+    def _spill_run(self, q: queue.Queue) -> None:
+        """The spool's writer: each chunk handed over goes to the spool file (unless nothing is left to read in it),
+        then stops being served from memory. A spool that cannot be written (the disk is full) is given up with a
+        warning: chunks wanted again are then fetched again."""
+        while (item := q.get()) is not None:
+            key, data, parts = item
+            try:
+                with self._lock:
+                    wanted = self._spool_bytes >= self.chunk_bytes and (self._left is None or key in self._left)
+                    if wanted and self._spool is None:
+                        self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
+                    spool = self._spool
+                if wanted and spool is not None:
+                    spool.put(key, data, parts)
+                    with self._lock:
+                        read_meanwhile = self._left is not None and key not in self._left
+                    if read_meanwhile:  # its last bytes were read from memory while it was written
+                        spool.drop(key)
+            except Exception as exc:  # (a fetch must never wait on a writer that is gone) the spool is given up
+                log.warning(
+                    "the spool in %s cannot be written (%s): chunks wanted again will be fetched again",
+                    self._spool_dir,
+                    getattr(exc, "strerror", None) or exc,
+                )
+                self._spool_bytes = 0
+            finally:
+                with self._lock:
+                    if self._spilling.get(key) is data:
+                        del self._spilling[key]
+                q.task_done()
+
+    def spool_settled(self) -> None:
+        """Wait until every chunk handed to the spool's writer so far is in the spool (or given up)."""
+        spiller = self._spiller
+        if spiller is not None and spiller[0] == os.getpid():
+            spiller[1].join()
+
+    def _stop_spiller(self) -> None:
+        """Let the spool's writer finish what it was handed, then end it (in the process that started it)."""
+        spiller, self._spiller = self._spiller, None
+        if spiller is not None and spiller[0] == os.getpid():
+            spiller[1].put(None)
+            spiller[2].join()
 
     def _fail(self, file: str, claimed: dict[int, _Pending], error: _RangeError) -> None:
         with self._lock:
@@ -603,6 +662,7 @@ class HubRangeReader:
                 self._requests += 1
             problem, wait = "", None
             headers = {**self._headers, "Range": f"bytes={pos}-{end - 1}"}
+            received = 0  # body bytes of this request: counted once it ends (a lock a 64 KiB piece would contend)
             try:
                 with get_session().stream("GET", self._urls[file], headers=headers, timeout=self._timeout) as r:
                     problem, wait = self._check_response(r, file, pos, end)
@@ -611,8 +671,7 @@ class HubRangeReader:
                             if pos + len(piece) > end:
                                 problem = f"the body ran past byte {end - 1}"
                                 break
-                            with self._lock:
-                                self._bytes_fetched += len(piece)
+                            received += len(piece)
                             take(memoryview(piece))
                             pos += len(piece)
                             tries, backoff = 0, policy.backoff_s  # progress: a fresh count for what is left
@@ -621,6 +680,9 @@ class HubRangeReader:
                                 problem = f"the body ended at byte {pos}, short of {end}"
             except httpx2.TransportError as exc:  # connect, timeout, a connection dropped mid-body
                 problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}"
+            finally:
+                with self._lock:
+                    self._bytes_fetched += received
             if not problem:
                 continue
             log.warning("%s: bytes %d-%d: %s (attempt %d of %d)", file, pos, end - 1, problem, tries, policy.attempts)
