@@ -382,8 +382,8 @@ def stream_settings() -> dict:
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
         "cache_bytes": 192 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
-        "workers": 2,
-        "readahead": 1,
+        "workers": 3,
+        "readahead": 2,
         "retry": RetryPolicy(
             attempts=int(number("CKPT_TOOL_HUB_ATTEMPTS", 6)), backoff_s=backoff, backoff_max_s=max(30.0, backoff)
         ),
