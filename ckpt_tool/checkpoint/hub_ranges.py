@@ -8,7 +8,8 @@ requests on the resolve URL of one commit (``/{repo}/resolve/{commit}/{file}``),
 A file is cut into aligned chunks (``chunk_bytes``; the last one of a file shorter). A read is served from an
 LRU cache of chunks; the chunks it misses are fetched with one range request per run of adjacent missing chunks,
 and a chunk another thread is already fetching is waited for, not fetched again. The cache holds at most
-``cache_bytes``; on top of it each fetch in progress holds the one chunk it is filling. :meth:`prefetch` starts
+``cache_bytes``; on top of it each fetch in progress holds the one chunk it is filling, and at most ``workers + 1``
+fetches run at once. :meth:`prefetch` starts
 fetches on ``workers`` background threads so several requests are in flight. With a spool (``spool_dir``), a chunk
 the cache lets go that will be read again is written to an unnamed local file by a thread of its own, so that a
 fetch never waits on the local disk; until it is written it is still read from memory (at most ``SPILL_QUEUE``
@@ -279,6 +280,8 @@ class HubRangeReader:
         self._waited_s = 0.0
         self._peak_cached_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
+        # fetches filling a chunk at once: the prefetch workers and one read (the others that miss wait for it)
+        self._filling = threading.BoundedSemaphore(workers + 1)
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
         self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
         # chunks the memory cache let go, readable until the spool's writer thread has written them (:meth:`_spill`)
@@ -622,7 +625,7 @@ class HubRangeReader:
         """Fetch the claimed chunks (adjacent) with one range request, publishing each as soon as it is whole."""
         first, last = min(claimed), max(claimed)
         left = dict(claimed)
-        i, buf, fill = first, bytearray(self._chunk_len(file, first)), 0
+        i, buf, fill = first, bytearray(), 0
 
         def take(piece: memoryview) -> None:
             nonlocal i, buf, fill
@@ -640,7 +643,9 @@ class HubRangeReader:
         start = first * self.chunk_bytes
         end = last * self.chunk_bytes + self._chunk_len(file, last)
         try:
-            self._get_range(file, start, end, take)
+            with self._filling:  # (the memory bound) at most ``workers + 1`` chunks are being filled at once
+                buf = bytearray(self._chunk_len(file, first))
+                self._get_range(file, start, end, take)
         except _RangeError as exc:
             self._fail(file, left, exc)
             raise
