@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import socket
 import sys
@@ -410,6 +411,9 @@ class _Handler(BaseHTTPRequestHandler):
         left = end - start if drop is None else min(drop, end - start)
         self.wfile.flush()  # the status line and headers go first; the body goes from the file to the socket
         with blob.path.open("rb") as f:
+            # the whole range is read from disk ahead of the socket (a CDN serves from memory): without it, three
+            # ranges served at once from a cold page cache made convert --stream 12-17 % slower (bench/stream_bench.py)
+            os.posix_fadvise(f.fileno(), start, left, os.POSIX_FADV_WILLNEED)
             pos = start
             while left > 0:
                 n = min(CHUNK, left)
