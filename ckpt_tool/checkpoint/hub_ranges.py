@@ -388,15 +388,15 @@ class HubRangeReader:
     def prefetch(self, file: str, offset: int, n: int) -> None:
         """Start fetching the chunks of ``file`` under ``[offset, offset + n)`` in the background.
 
-        A hint: the chunks already cached or in flight are skipped, at most half the cache is claimed (more
-        would evict what was prefetched before it is read). A failure (retries spent) is raised by the reads
+        A hint: the chunks already cached or in flight are skipped, and at most the cache less one chunk is claimed
+        (the chunk being read stays; more would evict what was prefetched before it is read). A failure (retries spent) is raised by the reads
         waiting for those chunks at that moment; a later read fetches them again.
         """
         end = min(offset + n, self.sizes.get(file, 0))
         if end <= offset or self._closed:
             return
         first = offset // self.chunk_bytes
-        last = min((end - 1) // self.chunk_bytes, first + max(1, self.cache_bytes // (2 * self.chunk_bytes)) - 1)
+        last = min((end - 1) // self.chunk_bytes, first + max(1, self.cache_bytes // self.chunk_bytes - 1) - 1)
         with self._lock:
             runs, i = [], first
             while i <= last:
