@@ -164,7 +164,7 @@ def _print_plan(plan, chosen, as_json: bool) -> None:
     if as_json:
         fields = {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning}
         doc = json_document("convert", fields)
-        print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
+        print_json_text(dumps_sharing(doc, ("files",), "tensors"))
         return
     from ckpt_tool.cli.render import note_line, render_plan  # rich: not for --json
 
