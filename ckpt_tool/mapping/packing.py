@@ -35,12 +35,13 @@ def pack_files(outputs: dict[tuple[str, int], list[tuple[tuple, OutTensor]]], op
         size = 0
         n = 0
         for t in ts:
-            if part and size + t.nbytes > opts.max_shard_size:
+            nbytes = t.nbytes  # a property computed each time (see OutTensor.nbytes): once a tensor here
+            if part and size + nbytes > opts.max_shard_size:
                 files.append(OutFile(component, rank, n, tuple(part)))
                 n += 1
                 part, size = [], 0
             part.append(t)
-            size += t.nbytes
+            size += nbytes
         if part:
             files.append(OutFile(component, rank, n, tuple(part)))
     return tuple(files)
