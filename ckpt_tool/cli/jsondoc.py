@@ -135,7 +135,7 @@ def plan_json(plan) -> dict:
 
 def _plan_json(plan) -> dict:
     # the ranks of a split tensor hold equal documents (same name, dtype, shape, sources, rule): they share one dict,
-    # which dumps_sharing then encodes once (a V4-Pro plan at tp 8: 17k tensors on its ranks, 2k distinct)
+    # which json_pieces_sharing then encodes once (a V4-Pro plan at tp 8: 17k tensors on its ranks, 2k distinct)
     shared: dict[tuple, dict] = {}
 
     def tensor_doc(t) -> dict:
@@ -174,25 +174,32 @@ def print_json(doc: Any, *, compact: bool = False) -> None:
     ``compact``: no indentation. indent=2 makes CPython use its pure-Python encoder, and a V4 plan
     (--dry-run --json: ~30 MB) then takes seconds to print; compact output goes through the C encoder.
     """
-    print_json_text(json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str))
+    print_json_pieces([json.dumps(doc, default=str) if compact else json.dumps(doc, indent=2, default=str)])
 
 
-def print_json_text(text: str) -> None:
-    """A JSON document already encoded (see :func:`dumps_sharing`) on stdout."""
-    sys.stdout.write(text)  # and the newline apart: ``text + "\n"`` would copy a dry run's 20-50 MB once more
+def print_json_pieces(pieces: list[str]) -> None:
+    """A JSON document already encoded, as the pieces that make its text (see :func:`json_pieces_sharing`), on
+    stdout: written one after another, not joined first (a dry run's 20-50 MB would be copied twice more: joined,
+    then encoded whole)."""
+    sys.stdout.writelines(pieces)
     sys.stdout.write("\n")
     sys.stdout.flush()
 
 
-# What a shared list's holder holds while the rest of the document is encoded (see dumps_sharing): a string no
+# What a shared list's holder holds while the rest of the document is encoded (see json_pieces_sharing): a string no
 # checkpoint names a tensor, and if one did, the holders' count of it would not match and plain json.dumps runs
 SHARED = "\x00shared list\x00"
 
 
 def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
-    """``json.dumps(doc, default=str)`` (compact), byte for byte, with each ``key`` list encoded once per distinct
-    run of items and each distinct item (by identity) encoded once, spliced into the text. ``lists`` is the path of
-    list-valued keys to the dicts holding ``key``: ``("files",)`` and ``"tensors"`` means every
+    """``json.dumps(doc, default=str)`` (compact), byte for byte: :func:`json_pieces_sharing` joined."""
+    return "".join(json_pieces_sharing(doc, lists, key))
+
+
+def json_pieces_sharing(doc: dict, lists: tuple[str, ...], key: str) -> list[str]:
+    """Pieces whose concatenation is ``json.dumps(doc, default=str)`` (compact), byte for byte, with each ``key``
+    list encoded once per distinct run of items and each distinct item (by identity) encoded once. ``lists`` is the
+    path of list-valued keys to the dicts holding ``key``: ``("files",)`` and ``"tensors"`` means every
     ``doc["files"][i]["tensors"]``.
 
     A dry run's plan lists each tensor on every rank: of V4-Pro's 47 MB plan at tp 8, the ranks' 17k tensor
@@ -226,6 +233,6 @@ def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
             holder[key] = value
     parts = text.split(json.dumps(key) + ": " + json.dumps(SHARED))
     if len(parts) != len(holders) + 1:  # the document holds the marker itself
-        return json.dumps(doc, default=str)
+        return [json.dumps(doc, default=str)]
     cut = json.dumps(key) + ": "
-    return parts[0] + "".join(chain.from_iterable(zip(repeat(cut), texts, parts[1:])))
+    return [parts[0], *chain.from_iterable(zip(repeat(cut), texts, parts[1:]))]
