@@ -57,15 +57,20 @@ SETS = {
 }
 
 
-def median_times(cmds: dict, rounds: int) -> dict:
+def median_times(cmds: dict, rounds: int, cwd: Path) -> dict:
     """Median wall time and last exit code of each ``key -> (argv, env)``, the commands taking turns round by round
-    (one untimed run each first: bytecode written, headers in the page cache)."""
+    (one untimed run each first: bytecode written, headers in the page cache).
+
+    They run in ``cwd``, a folder holding no ckpt_tool: ``python -m`` puts the working folder first on
+    ``sys.path``, so run from a checkout every tree would import that checkout, not its ``PYTHONPATH``."""
     times: dict = {key: [] for key in cmds}
     rcs: dict = {}
     for timed in [False] + [True] * rounds:
         for key, (argv, env) in cmds.items():
             t = time.perf_counter()
-            rcs[key] = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env).returncode
+            rcs[key] = subprocess.run(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd
+            ).returncode
             if timed:
                 times[key].append(time.perf_counter() - t)
     return {key: (statistics.median(times[key]), rcs[key]) for key in cmds}
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, label, tool_args, extra in cases(src, root / "out", plans):
                 for tree in trees:
                     cmds[(kind, label, tree)] = ([*tool, *tool_args], {**envs[tree], **extra})
-            results[model] = median_times(cmds, args.rounds)
+            results[model] = median_times(cmds, args.rounds, pycache)
             loads.append(os.getloadavg())
     finally:
         if args.keep or args.sets:

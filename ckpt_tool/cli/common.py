@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ckpt_tool.checkpoint.gc_pause import gc_paused
-from ckpt_tool.cli.jsondoc import dumps_sharing, json_document, plan_json, print_json, print_json_text
+from ckpt_tool.cli.jsondoc import json_document, json_pieces_sharing, plan_json, print_json, print_json_pieces
 from ckpt_tool.cli.streams import drop_stdout
 from ckpt_tool.errors import CkptToolError
 
@@ -164,7 +164,7 @@ def _print_plan(plan, chosen, as_json: bool) -> None:
     if as_json:
         fields = {**plan_json(plan), "dry_run": True, "target_note": chosen.note, "target_warning": chosen.warning}
         doc = json_document("convert", fields)
-        print_json_text(dumps_sharing(doc, ("files", "tensors"), "sources"))
+        print_json_pieces(json_pieces_sharing(doc, ("files",), "tensors"))
         return
     from ckpt_tool.cli.render import note_line, render_plan  # rich: not for --json
 

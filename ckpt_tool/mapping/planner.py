@@ -164,13 +164,14 @@ def _plan_outputs(
             continue
         first = next(iter(g.parts.values()))
         dtype = conversions.out_dtype(first.dtype, rule.convert)
+        rule_id = rule.id  # (a property formatted each time: once a group, not once a rank)
         for rank, (shape, segs, head, zeros) in enumerate(
             plan_group(g, config, opts, sources, srcs, uniform_stacks, padded)
         ):
             info = sources[head]
             read = segs.names if isinstance(segs, Segments) else srcs  # under ep a rank reads its own experts only
             outputs[(rule.component, rank)].append(
-                ((info.file, info.start, target), out_tensor(target, dtype, shape, segs, rule.id, read, zeros))
+                ((info.file, info.start, target), out_tensor(target, dtype, shape, segs, rule_id, read, zeros))
             )
     return outputs, unused_by_selection, padded
 
