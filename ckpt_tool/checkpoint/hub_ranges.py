@@ -389,8 +389,8 @@ class HubRangeReader:
         """Start fetching the chunks of ``file`` under ``[offset, offset + n)`` in the background.
 
         A hint: the chunks already cached or in flight are skipped, and at most the cache less one chunk is claimed
-        (the chunk being read stays; more would evict what was prefetched before it is read). A failure (retries spent) is raised by the reads
-        waiting for those chunks at that moment; a later read fetches them again.
+        (the chunk being read stays; more would evict what was prefetched before it is read). A failure (retries
+        spent) is raised by the reads waiting for those chunks at that moment; a later read fetches them again.
         """
         end = min(offset + n, self.sizes.get(file, 0))
         if end <= offset or self._closed:
