@@ -333,6 +333,8 @@ def test_a_spool_that_cannot_be_written_is_given_up_and_the_reads_go_on(hub, src
             for at in range(0, size, 100_000):
                 assert reader.read(BIG, at, min(100_000, size - at)) == data[at : at + 100_000]
         assert reader.stats().bytes_fetched > size
+        reader.spool_settled()
+        assert not reader._spilling  # no chunk let go is held in memory for a spool that is given up
     assert "cannot be written" in caplog.text
 
 
@@ -430,3 +432,17 @@ def test_a_fetch_goes_on_while_the_spool_is_written_and_a_chunk_waiting_for_it_i
             release.set()
         reader.spool_settled()
         assert not reader._spilling and reader.stats().spooled_bytes > 0
+
+
+def test_a_chunk_let_go_just_as_the_spool_is_given_up_is_not_held_in_memory(hub, src, tmp_path) -> None:
+    """A fetch lets a chunk go while the spool is on; before it hands it over, the spool's writer gives the spool up
+    (a full disk): the chunk is dropped from memory, not kept there for a writer that will never take it."""
+    with reader_for(hub, src, cache_bytes=2 * CHUNK, spool_dir=tmp_path, spool_bytes=100 * CHUNK) as reader:
+        evicted = []
+        for i in range(3):
+            reader._inflight[(BIG, i)] = hub_ranges._Pending()
+            evicted += reader._keep((BIG, i), bytearray(CHUNK))
+        assert [key for key, _, _ in evicted] == [(BIG, 0)] and (BIG, 0) in reader._spilling
+        reader._spool_bytes = 0  # given up meanwhile
+        reader._spill(evicted)
+        assert not reader._spilling

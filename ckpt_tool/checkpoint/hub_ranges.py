@@ -9,11 +9,10 @@ A file is cut into aligned chunks (``chunk_bytes``; the last one of a file short
 LRU cache of chunks; the chunks it misses are fetched with one range request per run of adjacent missing chunks,
 and a chunk another thread is already fetching is waited for, not fetched again. The cache holds at most
 ``cache_bytes``; on top of it each fetch in progress holds the one chunk it is filling, and at most ``workers + 1``
-fetches run at once. :meth:`prefetch` starts
-fetches on ``workers`` background threads so several requests are in flight. With a spool (``spool_dir``), a chunk
-the cache lets go that will be read again is written to an unnamed local file by a thread of its own, so that a
-fetch never waits on the local disk; until it is written it is still read from memory (at most ``SPILL_QUEUE``
-chunks wait).
+fetches run at once. :meth:`prefetch` starts fetches on ``workers`` background threads so several requests are in
+flight. With a spool (``spool_dir``), a chunk the cache lets go that will be read again is written to an unnamed
+local file by a thread of its own, so that a fetch never waits on the local disk; until it is written it is still
+read from memory (at most ``SPILL_QUEUE`` chunks wait).
 
 Requests go through huggingface_hub's own HTTP client (``get_session``, the URL from ``hf_hub_url``, the token and
 user agent from ``build_hf_headers``): proxies, ``HF_ENDPOINT`` and a client factory set by the user apply. The
@@ -549,7 +548,13 @@ class HubRangeReader:
         """Hand chunks the memory cache let go to the spool's writer thread, where there is a spool: the fetch that
         evicted them goes on receiving while they are written. It waits only while ``SPILL_QUEUE`` chunks are
         already waiting (the memory they hold is bounded); until written, a waiting chunk is read from memory."""
-        if not evicted or self._spool_dir is None or self._spool_bytes < self.chunk_bytes:
+        if not evicted:
+            return
+        if self._spool_dir is None or self._spool_bytes < self.chunk_bytes:  # none, or given up since they were let go
+            with self._lock:
+                for key, data, _ in evicted:
+                    if self._spilling.get(key) is data:
+                        del self._spilling[key]
             return
         with self._lock:
             if self._spiller is None or self._spiller[0] != os.getpid():  # none yet in this process (or forked)
