@@ -643,8 +643,9 @@ def test_under_ep_a_ranks_stacked_experts_name_only_its_own_experts_as_sources(f
 
 @pytest.mark.parametrize("args", [["--tp", "2"], ["--tp", "4", "--moe-parallel", "ep"], ["--tp", "1", "--only", "mtp"]])
 def test_dry_run_json_text_is_exactly_what_json_dumps_prints(fixture_dir, tmp_path, capsys, args: list[str]) -> None:
-    """The dry run splices each distinct sources list in once (jsondoc.dumps_sharing): the text must be the
-    plain encoder's, byte for byte."""
+    """The dry run encodes each tensor document its ranks share, and each distinct list of a file's tensors, once,
+    and writes the pieces one after another (jsondoc.json_pieces_sharing): the text must be the plain encoder's,
+    byte for byte."""
     code, stdout, err = run_cli(
         capsys, "convert", fixture_dir("fp4-2mtp"), tmp_path / "out", *args, "--dry-run", "--json"
     )
