@@ -1,4 +1,4 @@
-"""jsondoc.dumps_sharing: the same text as json.dumps, with repeated lists encoded once."""
+"""jsondoc.json_pieces_sharing: pieces that join to the text of json.dumps, with repeated lists encoded once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from ckpt_tool.cli.jsondoc import dumps_sharing
+from ckpt_tool.cli.jsondoc import json_pieces_sharing
+
+
+def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
+    return "".join(json_pieces_sharing(doc, lists, key))
 
 
 def test_dumps_sharing_is_byte_for_byte_json_dumps() -> None:

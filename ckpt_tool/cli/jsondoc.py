@@ -191,11 +191,6 @@ def print_json_pieces(pieces: list[str]) -> None:
 SHARED = "\x00shared list\x00"
 
 
-def dumps_sharing(doc: dict, lists: tuple[str, ...], key: str) -> str:
-    """``json.dumps(doc, default=str)`` (compact), byte for byte: :func:`json_pieces_sharing` joined."""
-    return "".join(json_pieces_sharing(doc, lists, key))
-
-
 def json_pieces_sharing(doc: dict, lists: tuple[str, ...], key: str) -> list[str]:
     """Pieces whose concatenation is ``json.dumps(doc, default=str)`` (compact), byte for byte, with each ``key``
     list encoded once per distinct run of items and each distinct item (by identity) encoded once. ``lists`` is the
