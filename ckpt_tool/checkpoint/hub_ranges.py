@@ -513,7 +513,7 @@ class HubRangeReader:
     ) -> list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]:
         """Put a chunk that was in flight in the memory cache; the chunks it pushes out, for :meth:`_spill`."""
         evicted = []
-        spilling = self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes
+        spilling = self._spooling()
         with self._lock:
             del self._inflight[key]
             self._cache[key] = data
@@ -531,6 +531,16 @@ class HubRangeReader:
                     self._spilling[old_key] = old  # still served from memory until the spool holds it
             self._peak_cached_bytes = max(self._peak_cached_bytes, self._cached_bytes)
         return evicted
+
+    def _spooling(self) -> bool:
+        """A spool is on: asked for, and not given up (a spool write failed)."""
+        return self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes
+
+    def _unspill(self, key: tuple[str, int], data: bytearray) -> None:
+        """Chunk ``key`` (these bytes, not a later fetch of it) stops being served from memory as waiting for the
+        spool. The caller holds the lock."""
+        if self._spilling.get(key) is data:
+            del self._spilling[key]
 
     def _parts(self, left: list[int], n: int) -> list[tuple[int, int]]:
         """The byte ranges of an ``n``-byte chunk whose blocks have bytes ``left`` to be read, adjacent ones merged."""
@@ -550,11 +560,10 @@ class HubRangeReader:
         already waiting (the memory they hold is bounded); until written, a waiting chunk is read from memory."""
         if not evicted:
             return
-        if self._spool_dir is None or self._spool_bytes < self.chunk_bytes:  # none, or given up since they were let go
+        if not self._spooling():  # none, or given up since they were let go
             with self._lock:
                 for key, data, _ in evicted:
-                    if self._spilling.get(key) is data:
-                        del self._spilling[key]
+                    self._unspill(key, data)
             return
         with self._lock:
             if self._spiller is None or self._spiller[0] != os.getpid():  # none yet in this process (or forked)
@@ -574,7 +583,7 @@ class HubRangeReader:
             key, data, parts = item
             try:
                 with self._lock:
-                    wanted = self._spool_bytes >= self.chunk_bytes and (self._left is None or key in self._left)
+                    wanted = self._spooling() and (self._left is None or key in self._left)
                     if wanted and self._spool is None:
                         self._spool = _Spool(self._spool_dir, self._spool_bytes, self.chunk_bytes)
                     spool = self._spool
@@ -593,8 +602,7 @@ class HubRangeReader:
                 self._spool_bytes = 0
             finally:
                 with self._lock:
-                    if self._spilling.get(key) is data:
-                        del self._spilling[key]
+                    self._unspill(key, data)
                 q.task_done()
 
     def spool_settled(self) -> None:
