@@ -1216,21 +1216,24 @@ def test_values_reads_tensors_spanning_many_read_blocks(
 
 
 @pytest.mark.parametrize("moe", ["tp", "ep"])
-def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir, tmp_path, monkeypatch, moe) -> None:
-    """The values level asks for each source row once per rank, and the ranks of a group ask close together: when a
-    rank asks for source bytes, no file of its group (the other ranks' same part; under ep, whose parts may differ,
-    the other ranks' component) is more than the window (+ the steps a position takes) past that rank's position.
-    So the first rank's read is still in the page cache for the last one: the disk reads each source byte once.
-    Rank 0 is slowed down (a sleep per source read): without the lockstep the other ranks run away from it."""
+def test_values_reads_each_source_block_once_for_every_rank_within_the_window(
+    fixture_dir, tmp_path, monkeypatch, moe
+) -> None:
+    """The values level reads each source block once for all the ranks cut from it (a split tensor's block is taken by
+    every rank, and read by one; a block two groups cut from, the MTP draft's copy of the embedding, is read once by
+    each, through the page cache), and the ranks of a group stay close: when a source block is read, no file of the
+    reading rank's group (the other ranks' same part; under ep, whose parts may differ, the other ranks' component) is
+    more than the window (+ the steps a position takes) past that rank's position. Rank 0 is slowed down (a sleep per
+    OUT read): without the lockstep the other ranks run away from it."""
     import threading
     import time
 
     from ckpt_tool.checkpoint.reader import LocalFiles, SequentialRead
-    from ckpt_tool.verify import values
+    from ckpt_tool.verify import shared_rows, values
 
     block, window, tp = 4096, 8 * 4096, 4
     monkeypatch.setattr(values, "VALUE_BLOCK_BYTES", block)
-    monkeypatch.setattr(values, "LOCKSTEP_WINDOW", window)
+    monkeypatch.setattr(values, "LOCKSTEP_WINDOW", window * tp)  # divided among a group's members
     src = fixture_dir("fp4")
     out = do_convert(src, tmp_path / "out", tp, moe)
     ckpt = open_checkpoint(src)
@@ -1251,7 +1254,9 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
         for rel in files
     }
     mine = threading.local()
-    leads: list[tuple[int, str, tuple]] = []  # (how far the group's leader is past the asking rank, file, range)
+    leads: list[tuple[int, str, tuple]] = []  # (how far the group's leader is past the reading rank, file, range)
+    taken: dict[tuple, set[int]] = {}  # source block -> the ranks that cut from it
+    cached: dict[tuple, list[bool]] = {}  # source block -> read through the page cache, per read
 
     class Tracked(SequentialRead):
         def __init__(self, path, size, block_bytes=4096, **how):
@@ -1263,30 +1268,114 @@ def test_values_ranks_ask_for_the_same_source_rows_within_the_window(fixture_dir
         def read(self, start, n):
             with lock:
                 pos[mine.rel] = base[mine.rel] + start
+            if files[mine.rel].rank == 0:
+                time.sleep(0.002)
             return super().read(start, n)
 
     class Watched(LocalFiles):
-        def read_into(self, file, into, offset, *, what=""):
+        def read_span(self, file, offset, n, scratch, **how):
             rel = mine.rel
             with lock:
                 here = pos[rel]
                 lead = max(pos.get(g.relpath, 0) for g in groups[rel]) - here
-                leads.append((lead, rel, (str(file), offset, len(into))))
-            if files[rel].rank == 0:
-                time.sleep(0.002)
-            super().read_into(file, into, offset, what=what)
+                leads.append((lead, rel, (str(file), offset, n)))
+                cached.setdefault((str(file), offset, n), []).append(how.get("again", False))
+            return super().read_span(file, offset, n, scratch, **how)
+
+    class Noted(shared_rows.SharedRows):
+        def rows(self, key, *, what=""):
+            with lock:
+                taken.setdefault((str(key[0]), key[1], key[2]), set()).add(files[mine.rel].rank)
+            return super().rows(key, what=what)
 
     monkeypatch.setattr(values, "SequentialRead", Tracked)
-    monkeypatch.setattr(type(ckpt), "open_bytes", lambda self: Watched(self.root))
+    monkeypatch.setattr(values, "SharedRows", Noted)
+    monkeypatch.setattr(type(ckpt), "open_bytes", lambda self, **how: Watched(self.root))
     report = verify(out, ckpt, level="values")
     assert report.ok, [(c.name, c.message) for c in report.failures]
-    asked_by = {}
-    for _, rel, rng in leads:
-        asked_by.setdefault(rng, set()).add(files[rel].rank)
-    assert any(len(r) == tp for r in asked_by.values()), "every rank asks for the rows of a split tensor"
+    assert set(cached) == set(taken)
+    once = [how for how in cached.values() if how == [False]]
+    twice = [how for how in cached.values() if how == [True, True]]  # the MTP draft's embedding and head
+    assert once and twice and len(once) + len(twice) == len(cached), "each block read once a group, and cached if twice"
+    assert any(len(r) == tp for r in taken.values()), "every rank cuts from the blocks of a split tensor"
     header = max(read_shard_header(out / rel, rel).data_start for rel in files)
     worst = max(leads)
     assert worst[0] <= window + 2 * block + header, worst
+
+
+def test_shared_rows_reads_a_block_once_and_lets_it_go_after_its_last_request(tmp_path) -> None:
+    """SharedRows: a block wanted three times is read once and kept until the third request; one given up (skip)
+    counts as made; a block wanted once, or read while the kept ones fill ``most``, is not kept; a failed read
+    fails every request waiting on it, and is let go."""
+    import threading
+    from collections import Counter
+
+    from ckpt_tool.checkpoint.reader import LocalFiles
+    from ckpt_tool.errors import CheckpointError
+    from ckpt_tool.verify.shared_rows import SharedRows
+
+    (tmp_path / "f").write_bytes(bytes(range(256)) * 64)
+    a, b, c = ("f", 0, 4096), ("f", 4096, 4096), ("f", 8192, 4096)
+    rows = SharedRows(LocalFiles(tmp_path), Counter({a: 3, b: 1, c: 2}), most=4096)
+    for _ in range(2):
+        with rows.rows(a) as view:
+            assert bytes(view) == bytes(range(256)) * 16
+    assert (rows.reads, rows.held) == (1, 1)
+    with rows.rows(c) as view:  # a is kept, filling most: c is read for this request only
+        assert bytes(view[:2]) == b"\x00\x01"
+    assert (rows.reads, rows.held) == (2, 1)
+    rows.skip([a])  # a's third request will not come
+    assert rows.held == 0
+    with rows.rows(b):
+        pass
+    with rows.rows(c):  # read again: it was not kept
+        pass
+    assert (rows.reads, rows.held) == (4, 0)
+
+    failing = SharedRows(LocalFiles(tmp_path), Counter({("f", 1 << 20, 4096): 2}), most=1 << 20)
+    errors = []
+
+    def ask() -> None:
+        try:
+            with failing.rows(("f", 1 << 20, 4096)):
+                pass
+        except CheckpointError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 2 and "ended early" in errors[0] and failing.held == 0
+
+
+def test_a_rank_that_stops_at_a_mismatch_leaves_no_source_block_kept(fixture_dir, tmp_path, monkeypatch) -> None:
+    """A rank whose tensor differs stops reading it there: the source blocks it will not ask for are given up, so the
+    other ranks' last requests let them go (nothing is kept to the end of the group), and the mismatch is named."""
+    from ckpt_tool.verify import shared_rows, values
+
+    made: list[shared_rows.SharedRows] = []
+
+    class Noted(shared_rows.SharedRows):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    def flip_first(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(torch.uint8).view(-1)[0] ^= 0x01
+        return t
+
+    monkeypatch.setattr(values, "VALUE_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(values, "SharedRows", Noted)
+    src = fixture_dir("fp4")
+    out = do_convert(src, tmp_path / "out", 2)
+    rewrite_tensors(out, 1, {WO_B: flip_first})  # row-parallel: both ranks cut from every block of its rows
+    report = verify(out, src, level="values")
+    assert not report.ok and report.failures[0].tensor == WO_B
+    assert "first at source element [0, " in report.failures[0].message
+    assert made and all(r.held == 0 and r._kept_bytes == 0 and not r._left for r in made)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096, 3 * 4096 + 7])

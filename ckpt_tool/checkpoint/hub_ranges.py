@@ -355,10 +355,19 @@ class HubRangeReader:
             self.prefetch(file, (last + 1) * self.chunk_bytes, self.readahead * self.chunk_bytes)
 
     def read_span(
-        self, file: str, offset: int, n: int, scratch: Scratch, *, what: str = "", short_ok: bool = False
+        self,
+        file: str,
+        offset: int,
+        n: int,
+        scratch: Scratch,
+        *,
+        what: str = "",
+        short_ok: bool = False,
+        again: bool = False,
     ) -> memoryview:
-        """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (the ``ByteSource`` call the numeric
-        level makes); ``short_ok``: a span past the end of the file gives the bytes there are."""
+        """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (the ``ByteSource`` call verify's
+        levels make); ``short_ok``: a span past the end of the file gives the bytes there are. (``again``: not used;
+        what the chunk cache lets go is kept in the spool where one is set, ``Checkpoint.remote.spool_in``.)"""
         if short_ok:
             n = max(0, min(n, self.sizes.get(file, 0) - offset))
         view = scratch.take(n)

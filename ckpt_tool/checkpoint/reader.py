@@ -46,9 +46,18 @@ class ByteSource(Protocol):
         """Fill ``into`` from byte ``offset`` of ``file``, or raise a CheckpointError naming file and range."""
 
     def read_span(
-        self, file: str | Path, offset: int, n: int, scratch: Scratch, *, what: str = "", short_ok: bool = False
+        self,
+        file: str | Path,
+        offset: int,
+        n: int,
+        scratch: Scratch,
+        *,
+        what: str = "",
+        short_ok: bool = False,
+        again: bool = False,
     ) -> memoryview:
-        """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (a source may read more, aligned)."""
+        """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (a source may read more, aligned);
+        ``again``: they will be read again, so a source with a cache keeps them there."""
 
     def close(self) -> None: ...
 
@@ -160,12 +169,21 @@ class LocalFiles:
         return buf
 
     def read_span(
-        self, file: str | Path, offset: int, n: int, scratch: Scratch, *, what: str = "", short_ok: bool = False
+        self,
+        file: str | Path,
+        offset: int,
+        n: int,
+        scratch: Scratch,
+        *,
+        what: str = "",
+        short_ok: bool = False,
+        again: bool = False,
     ) -> memoryview:
         """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (valid until its next read): read
         with ``O_DIRECT`` (whole pages, no copy) where this reader's policy says so, else through the cache.
-        ``short_ok``: a read past the end of the file returns what there is instead of raising."""
-        fd, direct = self._fd(file, buffered=n < DIRECT_FROM)
+        ``short_ok``: a read past the end of the file returns what there is instead of raising. ``again``: the bytes
+        will be read again, so through the page cache, where the next read finds them (both reads with ``again``)."""
+        fd, direct = self._fd(file, buffered=n < DIRECT_FROM or again)
         if direct:
             a0 = offset - offset % DIRECT_ALIGN
             a1 = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
@@ -174,7 +192,7 @@ class LocalFiles:
                 got = self._pread(fd, file, page, a0, what, direct=True)
             except _DirectRefused:
                 self._refused_direct(file)
-                return self.read_span(file, offset, n, scratch, what=what, short_ok=short_ok)
+                return self.read_span(file, offset, n, scratch, what=what, short_ok=short_ok, again=again)
             view = page[offset - a0 : offset - a0 + max(0, min(n, got - (offset - a0)))]
         else:
             view = scratch.take(n)

@@ -121,7 +121,9 @@ def verify(
             numeric.start(values_walk(plan, headers), ONE_PASS_WINDOW)
         if deep and report.ok:
             pace = numeric.pace if numeric is not None else None
-            with closing(ckpt.open_bytes()) as source_bytes:
+            # alone, this level reads each source block once (shared by the ranks cut from it): with O_DIRECT, no copy
+            # through the page cache; in one pass with the numeric level, whose workers read the source again from it
+            with closing(ckpt.open_bytes(direct=pace is None)) as source_bytes:
                 check_values(
                     out, plan, source_bytes, headers, report, progress, workers=workers, manifest=manifest, pace=pace
                 )

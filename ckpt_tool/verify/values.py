@@ -9,8 +9,12 @@ so the disk serves each source byte once for all of them (and, in one pass, for 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +26,17 @@ from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment
 from ckpt_tool.verify.one_pass import OnePass, Walk
+from ckpt_tool.verify.shared_rows import Key, SharedRows
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport
 
 VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few copies live at a time)
-# how far (bytes of its own file) one rank's comparison may run ahead of the slowest rank of its group: the source
-# rows the first rank reads must still be in the page cache when the last one asks. One OUT byte of a row-parallel
-# weight is cut from tp source bytes, so at tp 8 up to ~1 GiB of source rows is held between the first and last
-# read — far below the RAM of any machine that verifies (24 GiB here), while 16 blocks of slack let the ranks'
-# threads take turns on the cores without waiting on each other's every block.
-LOCKSTEP_WINDOW = 128 * 1024 * 1024
+# the source bytes a group's ranks may be apart by: a source block read for the first rank is kept in memory for the
+# others (ckpt_tool.verify.shared_rows) until the last one has cut from it. One OUT byte of a row-parallel weight is
+# cut from tp source bytes, so the ranks are kept within LOCKSTEP_WINDOW / tp bytes of their own files of each other
+# (at tp 8: 32 MiB, four 8 MiB blocks, enough for the ranks' threads to take turns on the cores without waiting on
+# each other's every block) and a group keeps at most twice this (``SharedRows(most=...)``: the slack for ep, whose
+# ranks meet a block at different places of their files).
+LOCKSTEP_WINDOW = 256 * 1024 * 1024
 
 
 def _out_width(t: OutTensor) -> int:
@@ -57,15 +63,18 @@ def check_values(
     is read with ``pread`` in row blocks and cut with numpy, independently of the writer's gather code.
 
     The ranks' files cut from the same source tensors (:func:`_lockstep_groups`) are compared at once, one thread
-    each, kept within ``window`` (default ``LOCKSTEP_WINDOW``) bytes of their own files of each other
-    (ckpt_tool.checkpoint.lockstep): each rank
-    asks for the source rows it cuts its slice from, and the first rank's read leaves them in the page cache for
-    the others, so the disk serves each source byte once for all the ranks checked. ``workers`` files are compared
-    at once where a group has fewer files than that (pread, sha256 and the comparisons release the GIL).
+    each, kept within ``window`` (default ``LOCKSTEP_WINDOW`` divided among the group's members) bytes of their own
+    files of each other (ckpt_tool.checkpoint.lockstep): each rank asks for the source rows it cuts its slice from,
+    and the first rank's read is kept for the others (ckpt_tool.verify.shared_rows), so each source block is read
+    once for all the ranks checked. ``workers`` files are compared at once where a group has fewer files than that
+    (pread, sha256 and the comparisons release the GIL).
+
+    ``source`` is read as it was opened: verify opens it with ``O_DIRECT`` for this level alone (no copy through the
+    page cache), buffered under ``pace``.
 
     ``pace`` (verify --level numeric, ckpt_tool.verify.one_pass): every thread reports its progress to it before each
     block and may be held there, and OUT is read through the page cache (the numeric workers read it again from
-    there); without it OUT is read with ``O_DIRECT``, as nothing reads it again.
+    there, and the source too); without it OUT is read with ``O_DIRECT``, as nothing reads it again.
     """
     jobs = [f for f in plan.files if f.relpath in headers]
     progress.stage("values", sum(f.data_bytes for f in jobs))
@@ -75,7 +84,27 @@ def check_values(
     # source rows and their cut: blocks shrink so that many ranks at once stay within what 8 threads hold
     block = max(min(VALUE_BLOCK_BYTES, 1 << 20), min(VALUE_BLOCK_BYTES, (8 * VALUE_BLOCK_BYTES // threads) >> 12 << 12))
 
+    wanted = [
+        Counter(key for member in g for f in member for t in f.tensors for key in _tensor_reads(t, plan, block))
+        for g in groups
+    ]
+    groups_of = Counter(key for reads in wanted for key in reads)
+    again = {key for key, n in groups_of.items() if n > 1}  # blocks more than one group reads
+    shared: dict[int, SharedRows] = {}
+    running = [len(g) for g in groups]  # members of each group not finished
+    lock = threading.Lock()
+
+    def group_rows(g: int) -> SharedRows:
+        """Group ``g``'s shared source blocks, made when its first member starts, let go when its last ends."""
+        with lock:
+            if g not in shared:
+                shared[g] = SharedRows(source, wanted[g], most=2 * LOCKSTEP_WINDOW, again=again)
+                wanted[g] = Counter()
+            return shared[g]
+
     def member(files: list, group: Lockstep, g: int, m: int) -> list[tuple[list[str], str | None, str]]:
+        rows = group_rows(g)
+
         def at(pos: int) -> None:
             if pace is not None:
                 pace.advance(g, m, pos)
@@ -90,7 +119,7 @@ def check_values(
                         f,
                         headers[f.relpath],
                         plan,
-                        source,
+                        rows,
                         progress,
                         block,
                         lambda pos, done=done: at(done + pos),
@@ -103,6 +132,10 @@ def check_values(
             group.done(m)
             if pace is not None:
                 pace.done(g, m)
+            with lock:
+                running[g] -= 1
+                if not running[g]:
+                    del shared[g]  # (and the memory it kept for blocks)
 
     # one pool, the members of a group submitted together: the pool has a thread for every member of the largest
     # group and takes tasks in order, so a group's members all run once the groups before it are done (a member
@@ -111,7 +144,7 @@ def check_values(
     with ThreadPoolExecutor(threads) as pool:
         futures = []
         for gi, g in enumerate(groups):
-            lockstep = Lockstep(len(g), window or LOCKSTEP_WINDOW)
+            lockstep = Lockstep(len(g), window or max(4 * block, LOCKSTEP_WINDOW // len(g)))
             futures += [(files, pool.submit(member, files, lockstep, gi, m)) for m, files in enumerate(g)]
         for files, fut in futures:
             results.update(zip((f.relpath for f in files), fut.result()))
@@ -201,7 +234,7 @@ def _values_of_file(
     f: OutFile,
     header: ShardHeader,
     plan: Plan,
-    src: ByteSource,
+    rows: SharedRows,
     progress: Progress,
     block: int = VALUE_BLOCK_BYTES,
     at: Callable[[int], None] = lambda pos: None,
@@ -215,7 +248,7 @@ def _values_of_file(
         found: list[tuple[int, str, str]] = []
         order = {t.name: i for i, t in enumerate(f.tensors)}
         for t in sorted(f.tensors, key=lambda t: header.tensors[t.name].start):  # read in file order
-            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, src, block, at)
+            msg = _compare_tensor(t, header.tensors[t.name], reader, plan, rows, block, at)
             if msg:
                 found.append((order[t.name], msg, t.name))
             progress.advance(t.nbytes, f.relpath)
@@ -231,9 +264,35 @@ def _compare_tensor(
     got: TensorInfo,
     reader: SequentialRead,
     plan: Plan,
-    src: ByteSource,
+    rows: SharedRows,
     block: int = VALUE_BLOCK_BYTES,
     at: Callable[[int], None] = lambda pos: None,
+) -> str | None:
+    """``t`` compared with the source rows it is cut from: None, or what differs first. The source reads are
+    ``_tensor_reads(t)``, through ``rows``; those a mismatch leaves unmade are given up there."""
+    made = 0
+
+    @contextmanager
+    def take(key: Key, what: str) -> Iterator[memoryview]:
+        nonlocal made
+        made += 1
+        with rows.rows(key, what=what) as view:
+            yield view
+
+    try:
+        return _compare_segments(t, got, reader, take, block, at, plan)
+    finally:
+        rows.skip(islice(_tensor_reads(t, plan, block), made, None))
+
+
+def _compare_segments(
+    t: OutTensor,
+    got: TensorInfo,
+    reader: SequentialRead,
+    take: Callable[[Key, str], AbstractContextManager[memoryview]],
+    block: int,
+    at: Callable[[int], None],
+    plan: Plan,
 ) -> str | None:
     width = _out_width(t)
     out_eb = DTYPE_BITS[t.dtype] // 8
@@ -259,23 +318,18 @@ def _compare_tensor(
             continue
         info = plan.sources[seg.src]  # a materialized alias carries the offsets of the tensor it aliases
         src_eb = DTYPE_BITS[info.dtype] // 8
-        src_row = (info.numel // info.shape[0] if info.shape else 1) * src_eb
-        rows_per_block = max(1, block // max(1, src_row, width * out_eb))
+        src_row = _source_row_bytes(info)
         whole_rows = seg.col0 == 0 and seg.col1 * src_eb == src_row
-        r = seg.row0
-        while r < seg.row1:
-            n = min(rows_per_block, seg.row1 - r)
+        for r, n, key in _seg_blocks(seg, info, width * out_eb, block):
             at(pos)  # (held back here while more than the window ahead of the group's slowest file)
-            raw = bytearray(n * src_row)
-            src.read_into(info.file, memoryview(raw), info.start + r * src_row, what=f"tensor {info.name!r}")
-            raw = bytes(raw)
-            want = (
-                raw
-                if whole_rows
-                else np.frombuffer(raw, np.uint8)
-                .reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb]
-                .tobytes()
-            )
+            with take(key, f"tensor {info.name!r}") as raw:
+                want = (
+                    bytes(raw)
+                    if whole_rows
+                    else np.frombuffer(raw, np.uint8)
+                    .reshape(n, src_row)[:, seg.col0 * src_eb : seg.col1 * src_eb]
+                    .tobytes()
+                )
             if seg.convert not in conversions.BYTEWISE:
                 want = conversions.forward(seg.convert, want, info)
             if seg.pad:  # each row followed by the engine's zero padding
@@ -303,8 +357,31 @@ def _compare_tensor(
                     f"[{r + row}, {seg.col0 + col}]"
                 )
             pos += nbytes
-            r += n
     return None
+
+
+def _source_row_bytes(info: TensorInfo) -> int:
+    """Bytes of one row of source tensor ``info`` seen as 2-D (its first dimension the rows)."""
+    return (info.numel // info.shape[0] if info.shape else 1) * (DTYPE_BITS[info.dtype] // 8)
+
+
+def _seg_blocks(seg: Segment, info: TensorInfo, out_row: int, block: int) -> Iterator[tuple[int, int, Key]]:
+    """The source reads a segment is compared in: ``(first row, rows, (file, offset, length))``, whole source rows of
+    about ``block`` bytes (and about ``block`` bytes of output rows ``out_row`` bytes long)."""
+    src_row = _source_row_bytes(info)
+    step = max(1, block // max(1, src_row, out_row))
+    for r in range(seg.row0, seg.row1, step):
+        n = min(step, seg.row1 - r)
+        yield r, n, (info.file, info.start + r * src_row, n * src_row)
+
+
+def _tensor_reads(t: OutTensor, plan: Plan, block: int) -> Iterator[Key]:
+    """Every source read :func:`_compare_tensor` makes for ``t``, in order."""
+    out_row = _out_width(t) * DTYPE_BITS[t.dtype] // 8
+    for seg in t.segments:
+        if seg.src != ZERO:
+            for _, _, key in _seg_blocks(seg, plan.sources[seg.src], out_row, block):
+                yield key
 
 
 def _pad_message(t: OutTensor, seg: Segment, row: int, col: int) -> str:
