@@ -126,36 +126,41 @@ def checkpoint_gib(model: str) -> float:
 
 def source_reads(out: Path, src: Path) -> tuple[int, int]:
     """Source bytes the plan of OUT needs — every source row a segment names, once — and the bytes the values level
-    asks for: each segment's source rows whole, once per rank (``values._compare_tensor`` cuts a rank's columns out
-    of whole rows; with the ranks of a part in lockstep, all but the first are served by the page cache)."""
+    reads: the rows of each lockstep group (the ranks' same part, ``values._lockstep_groups``) once for all its ranks
+    (``ckpt_tool/verify/shared_rows.py``), so a row two groups cut from (the MTP draft's copy of the embedding and
+    head) is read once by each, the second time from the page cache."""
     from ckpt_tool.checkpoint.source import open_checkpoint
     from ckpt_tool.mapping.plan import ZERO
     from ckpt_tool.mapping.planner import plan_conversion
     from ckpt_tool.output.layout import options_from_manifest, read_manifest
+    from ckpt_tool.verify.values import _lockstep_groups
 
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, options_from_manifest(read_manifest(out)))
-    asked = 0
-    rows: dict[tuple[str, int], set[tuple[int, int]]] = {}  # (file, start) of a source tensor -> row ranges
-    row_bytes: dict[tuple[str, int], int] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            for seg in t.segments:
-                if seg.src == ZERO:
-                    continue
-                info = plan.sources[seg.src]
-                row = info.nbytes // info.shape[0] if info.shape else info.nbytes
-                asked += (seg.row1 - seg.row0) * row
-                key = (info.file, info.start)  # a materialized alias is the bytes of the tensor it aliases
-                rows.setdefault(key, set()).add((seg.row0, seg.row1))
-                row_bytes[key] = row
-    needed = 0
-    for key, ranges in rows.items():
-        end = 0
-        for r0, r1 in sorted(ranges):
-            needed += max(0, r1 - max(r0, end)) * row_bytes[key]
-            end = max(end, r1)
-    return needed, asked
+
+    def rows_bytes(files) -> int:
+        """Bytes of the source rows the segments of ``files`` name, each row once."""
+        rows: dict[tuple[str, int], set[tuple[int, int]]] = {}  # (file, start) of a source tensor -> row ranges
+        row_bytes: dict[tuple[str, int], int] = {}
+        for f in files:
+            for t in f.tensors:
+                for seg in t.segments:
+                    if seg.src == ZERO:
+                        continue
+                    info = plan.sources[seg.src]
+                    key = (info.file, info.start)  # a materialized alias is the bytes of the tensor it aliases
+                    rows.setdefault(key, set()).add((seg.row0, seg.row1))
+                    row_bytes[key] = info.nbytes // info.shape[0] if info.shape else info.nbytes
+        total = 0
+        for key, ranges in rows.items():
+            end = 0
+            for r0, r1 in sorted(ranges):
+                total += max(0, r1 - max(r0, end)) * row_bytes[key]
+                end = max(end, r1)
+        return total
+
+    groups = _lockstep_groups(list(plan.files))
+    return rows_bytes(plan.files), sum(rows_bytes([f for member in g for f in member]) for g in groups)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"disk: {disk_rate:.2f} GiB/s direct read of OUT's largest file")
         log(
             f"the plan needs {needed_gib:.2f} GiB of the source (convert read {conv['disk_read_x_needed']:.2f} x "
-            f"that); the values level asks for {values_src_gib:.2f} GiB of it (whole rows, once per rank); "
+            f"that); the values level reads {values_src_gib:.2f} GiB of it (each row once per lockstep group); "
             f"OUT {out_gib:.2f} GiB; convert's disk reads by /proc/self/io: {conv['io_cross_check_gib']:.2f} GiB"
         )
         extra = ["--workers", str(args.workers)] if args.workers else []
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             "out_gib": out_gib,
             "disk_gib_per_s": disk_rate,
             "source_needed_gib": needed_gib,
-            "values_source_asked_gib": values_src_gib,
+            "values_source_read_gib": values_src_gib,
             "convert": {k: v for k, v in conv.items() if k != "stdout"},
             "rows": rows,
             "projection": projection,
