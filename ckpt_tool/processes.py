@@ -28,7 +28,10 @@ level forking right after an earlier run's compute pool closed: the parent waite
 and reproduced with threads on OpenMP teams: docs/performance.md). Threads
 that ran torch are therefore announced when they end (:func:`thread_ending`, the numeric pool does it for its
 own), and :func:`can_fork` and :func:`fork` wait until the OS has no such thread any more
-(:func:`ended_threads_gone`; microseconds to milliseconds).
+(:func:`ended_threads_gone`; microseconds to milliseconds). An announced thread that ran an OpenMP team of two or
+more leaves its team's threads behind it: libgomp releases them at the thread's exit and they run the same native
+exit path after it, unannounced (their ids are libgomp's). So once the announced threads are gone the wait goes on
+until no thread of the process has ended for ``QUIET_S``: a fork then copies no thread midway through its exit.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def usable_cpus() -> int:
 
 _ENDING: set[int] = set()  # native ids of threads that ran torch, ended in Python, maybe not yet in the OS
 ENDING_WAIT_S = 5.0  # how long can_fork waits for them before it gives up (a fork then waits for a later call)
+QUIET_S = 0.02  # no thread of the process ended for this long: none is midway through its exit (a team thread's takes
+# microseconds once it runs; 20 ms leaves room for a busy core's scheduling)
 
 
 def thread_ending(native_ids: Iterable[int]) -> None:
@@ -62,21 +67,31 @@ def thread_ending(native_ids: Iterable[int]) -> None:
 
 
 def ended_threads_gone(wait_s: float | None = None) -> bool:
-    """Whether every thread announced by :func:`thread_ending` has left the OS, waiting up to ``wait_s`` for it
-    (default :data:`ENDING_WAIT_S`)."""
+    """Whether every thread announced by :func:`thread_ending` has left the OS, and then no thread of the process has
+    ended for :data:`QUIET_S` (the OpenMP team threads of an announced thread end after it), waiting up to ``wait_s``
+    for it (default :data:`ENDING_WAIT_S`). Nothing announced: True at once."""
+    if not _ENDING:
+        return True
     deadline = time.monotonic() + (ENDING_WAIT_S if wait_s is None else wait_s)
-    while _ENDING:
+    quiet_since, before = None, None
+    while True:
         try:
             present = {int(tid) for tid in os.listdir("/proc/self/task")}
         except OSError:  # no /proc: nothing to wait on that can be seen
+            _ENDING.clear()
             return True
         _ENDING.intersection_update(present)
-        if not _ENDING:
-            break
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if _ENDING or (before is not None and not before <= present):  # announced ones left, or a thread ended
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= QUIET_S:
+            return True
+        if now >= deadline:
             return False
+        before = present
         time.sleep(0.0005)
-    return True
 
 
 def limit_thread_pools() -> None:

@@ -4,7 +4,8 @@ Byte-equal for renames/slices/fusions/stacks, value-equal for E8M0 → float32; 
 experts at a tp their blocks do not divide) must hold the zero element. The source side is read through its own
 reader (``pread`` in bounded row blocks, cut with numpy), not the writer's gather code; each output file is read once,
 sequentially, and hashed while it is compared. The ranks cut from the same source tensors are compared in lockstep,
-so the disk serves each source byte once for all of them (and, in one pass, for the numeric level's workers).
+and each source block is read once for all of them (``ckpt_tool.verify.shared_rows``; in one pass, through the page
+cache, where the numeric level's workers read it again).
 """
 
 from __future__ import annotations
