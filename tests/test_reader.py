@@ -93,6 +93,25 @@ def test_a_file_system_that_refuses_direct_io_is_read_through_the_cache(data_fil
         assert files._fd(path.name, buffered=False)[1] is False
 
 
+def test_small_reads_of_a_direct_reader_ask_the_kernel_for_no_read_ahead(data_file, monkeypatch) -> None:
+    """A direct reader's small reads go through a buffered descriptor that reads no further than asked
+    (POSIX_FADV_RANDOM): the kernel's read-ahead would bring in the large neighbours, which are read directly, so
+    from the disk twice. A buffered reader's descriptors keep their read-ahead (sequential: the hint for it)."""
+    path, data = data_file
+    hints: dict[int, int] = {}
+    monkeypatch.setattr(reads, "DIRECT_IO", True)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: hints.__setitem__(fd, advice))
+    with LocalFiles(direct=True) as files:
+        assert bytes(files.read_span(path, 10, 100, Scratch())) == data[10:110]
+        assert bytes(files.read_span(path, 0, reads.DIRECT_FROM, Scratch())) == data[: reads.DIRECT_FROM]
+        (small,) = [fd for (_, buffered), (fd, _) in files._fds.items() if buffered]
+        assert hints == {small: os.POSIX_FADV_RANDOM}
+    hints.clear()
+    with LocalFiles(sequential=True) as files:
+        files.read_span(path, 10, 100, Scratch())
+        assert list(hints.values()) == [os.POSIX_FADV_SEQUENTIAL]
+
+
 @pytest.mark.parametrize("block", [4096, 10_000, 1 << 20])
 def test_a_front_to_back_read_hashes_every_byte_once(data_file, block) -> None:
     import hashlib

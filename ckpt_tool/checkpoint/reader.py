@@ -8,7 +8,9 @@ decided here, once:
 - ``direct`` files are read with ``O_DIRECT`` where the file system allows it: whole 4 KiB pages into page-aligned
   memory, nothing copied through or left in the page cache (convert writes OUT that way, so it is not cached; the
   numeric level reads each source byte once). A read under ``DIRECT_FROM`` bytes (the scales of one expert's rank
-  slice: 32 KiB) goes through a second, buffered descriptor instead, whose read-ahead serves the next ones;
+  slice: 32 KiB) goes through a second, buffered descriptor instead, without read-ahead (``POSIX_FADV_RANDOM``):
+  the kernel's would read up to ``read_ahead_kb`` (8 MiB on this VM) of the weights beside it, which are read
+  directly, so from the disk a second time (values level, 3-layer skeleton: 2.3 GiB more than the plan's bytes);
   a file system that refuses ``O_DIRECT`` (at the open or at the first read) is read through the cache;
   ``CKPT_TOOL_DIRECT_IO=0`` turns direct I/O off everywhere (the writer's too);
 - ``sequential`` files (convert's source) get the kernel's sequential read-ahead hint;
@@ -121,10 +123,12 @@ class LocalFiles:
         with self._lock:
             hit = self._fds.get(key)
             if hit is None:
-                hit = self._fds[key] = self._open(path, direct=not key[1])
+                hit = self._fds[key] = self._open(path, direct=not key[1], small=key[1] and self.direct)
             return hit
 
-    def _open(self, path: Path, direct: bool) -> tuple[int, bool]:
+    def _open(self, path: Path, direct: bool, small: bool = False) -> tuple[int, bool]:
+        """A descriptor of ``path`` (and whether it reads directly). ``small``: the buffered one of a direct reader,
+        for reads under ``DIRECT_FROM``, without read-ahead (see the module docstring)."""
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         try:
             if direct:
@@ -136,9 +140,10 @@ class LocalFiles:
             fd = os.open(path, flags)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot be opened for reading ({exc.strerror})") from None
-        if self.sequential and hasattr(os, "posix_fadvise"):
+        hint = "POSIX_FADV_RANDOM" if small else "POSIX_FADV_SEQUENTIAL" if self.sequential else None
+        if hint is not None and hasattr(os, "posix_fadvise"):
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                os.posix_fadvise(fd, 0, 0, getattr(os, hint))
             except OSError:
                 pass
         return fd, False

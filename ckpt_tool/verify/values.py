@@ -39,6 +39,8 @@ VALUE_BLOCK_BYTES = 8 * 1024 * 1024  # bytes compared at once per worker (a few 
 # ranks meet a block at different places of their files).
 LOCKSTEP_WINDOW = 256 * 1024 * 1024
 
+SMALL_TENSORS = 8  # a source tensor of at most 1/8 of a read block is read whole, once for every rank (_seg_blocks)
+
 
 def _out_width(t: OutTensor) -> int:
     return t.segments[0].width
@@ -323,7 +325,9 @@ def _compare_segments(
         whole_rows = seg.col0 == 0 and seg.col1 * src_eb == src_row
         for r, n, key in _seg_blocks(seg, info, width * out_eb, block):
             at(pos)  # (held back here while more than the window ahead of the group's slowest file)
-            with take(key, f"tensor {info.name!r}") as raw:
+            with take(key, f"tensor {info.name!r}") as block_rows:
+                skip = info.start + r * src_row - key[1]  # (a small tensor's block is the whole tensor)
+                raw = block_rows[skip : skip + n * src_row]
                 want = (
                     bytes(raw)
                     if whole_rows
@@ -368,8 +372,14 @@ def _source_row_bytes(info: TensorInfo) -> int:
 
 def _seg_blocks(seg: Segment, info: TensorInfo, out_row: int, block: int) -> Iterator[tuple[int, int, Key]]:
     """The source reads a segment is compared in: ``(first row, rows, (file, offset, length))``, whole source rows of
-    about ``block`` bytes (and about ``block`` bytes of output rows ``out_row`` bytes long)."""
+    about ``block`` bytes (and about ``block`` bytes of output rows ``out_row`` bytes long). A tensor of at most
+    ``block / SMALL_TENSORS`` bytes (1 MiB at tp 8) is one block, whole, whatever rows the segment takes: the ranks'
+    row slices of an expert's scale (32 KiB each at tp 8) are one read shared by all of them, large enough to go
+    around the page cache (``reader.DIRECT_FROM``), instead of eight small ones."""
     src_row = _source_row_bytes(info)
+    if info.nbytes <= block // SMALL_TENSORS:
+        yield seg.row0, seg.row1 - seg.row0, (info.file, info.start, info.nbytes)
+        return
     step = max(1, block // max(1, src_row, out_row))
     for r in range(seg.row0, seg.row1, step):
         n = min(step, seg.row1 - r)
