@@ -50,7 +50,9 @@ import make_skeleton  # noqa: E402
 from timing import drop_caches, evicting, run_timed  # noqa: E402
 
 GiB = 1024**3
-PROJECTED_CORES = (2, 32)
+PROJECTED = ((2, None), (32, 3e9 / GiB))
+"""(cores, disk GiB/s) of each machine projected: this one (its disk as measured), and a 32-core runner with a
+3 GB/s disk."""
 
 
 def timed(
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     projection = {}
     if ratios:
-        projection = project(rows, sizes, src_gib, out_gib, needed_gib, disk_rate)
+        projection = project(rows, conv, sizes, src_gib, out_gib, needed_gib, disk_rate)
     if args.json:
         doc = {
             "cpus": os.cpu_count(),
@@ -297,29 +299,37 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def project(rows, sizes, src_gib, out_gib, needed_gib, disk_rate) -> dict:
-    """Per model of ``sizes`` and level: max(CPU s / cores, bytes read / disk rate), printed and returned."""
-    # projection: max(CPU / cores, bytes asked for / disk rate), per level
-    reads = {"values": needed_gib + out_gib, "numeric": needed_gib + out_gib}  # numeric: one pass (verify/one_pass.py)
-    cpu = {lv: statistics.median(r["cpu_seconds"] for r in rows if r["level"] == lv) / src_gib for lv in reads}
+def project(rows, conv, sizes, src_gib, out_gib, needed_gib, disk_rate) -> dict:
+    """Per model of ``sizes``, command (convert, each verify level) and machine of ``PROJECTED``: max(CPU s / cores,
+    bytes the disk moves / disk rate), printed and returned. Convert reads the source and writes OUT; each level reads
+    both once (numeric: one pass, ckpt_tool/verify/one_pass.py)."""
+    reads = {"convert": needed_gib + out_gib, "values": needed_gib + out_gib, "numeric": needed_gib + out_gib}
+    cpu = {
+        lv: statistics.median(r["cpu_seconds"] for r in rows if r["level"] == lv) / src_gib
+        for lv in reads
+        if lv != "convert"
+    }
+    cpu["convert"] = conv["cpu_seconds"] / src_gib
+    machines = [(cores, rate or disk_rate) for cores, rate in PROJECTED]
     print(
-        f"\nprojection: max(CPU s/GiB x size / cores, GiB asked for x size / {disk_rate:.2f} GiB/s); per GiB of "
-        f"source: values {cpu['values']:.2f} CPU s and {reads['values'] / src_gib:.2f} GiB read, numeric "
-        f"{cpu['numeric']:.2f} CPU s and {reads['numeric'] / src_gib:.2f} GiB read\n"
+        f"\nprojection: max(CPU s/GiB x size / cores, GiB moved x size / disk GiB/s); per GiB of source: convert "
+        f"{cpu['convert']:.2f} CPU s, values {cpu['values']:.2f}, numeric {cpu['numeric']:.2f}; each moves "
+        f"{reads['values'] / src_gib:.2f} GiB\n"
     )
-    cols = " | ".join(f"{c} cores" for c in PROJECTED_CORES)
-    print(f"| model | GiB | verify | {cols} |\n|---|---:|---|" + "---:|" * len(PROJECTED_CORES))
+    cols = " | ".join(f"{c} cores, {r:.2f} GiB/s" for c, r in machines)
+    print(f"| model | GiB | command | {cols} |\n|---|---:|---|" + "---:|" * len(machines))
     projection = {}
     for model, gib in sizes.items():
         per = {}
         for lv in reads:
-            per[lv] = [max(cpu[lv] * gib / c, reads[lv] / src_gib * gib / disk_rate) for c in PROJECTED_CORES]
-            print(f"| {model} | {gib:.0f} | --level {lv} | " + " | ".join(f"{s / 60:.1f} min" for s in per[lv]) + " |")
+            per[lv] = [max(cpu[lv] * gib / c, reads[lv] / src_gib * gib / r) for c, r in machines]
+            what = "convert" if lv == "convert" else f"verify --level {lv}"
+            print(f"| {model} | {gib:.0f} | {what} | " + " | ".join(f"{s / 60:.1f} min" for s in per[lv]) + " |")
         ratio = [n / v for n, v in zip(per["numeric"], per["values"])]
         print(f"| {model} | | numeric / values | " + " | ".join(f"{x:.2f}" for x in ratio) + " |")
         projection[model] = {
             "gib": gib,
-            "cores": list(PROJECTED_CORES),
+            "machines": [{"cores": c, "disk_gib_per_s": r} for c, r in machines],
             **{f"{lv}_seconds": s for lv, s in per.items()},
         }
     return projection
