@@ -388,7 +388,7 @@ def _seg_blocks(seg: Segment, info: TensorInfo, out_row: int, block: int) -> Ite
 
 def _tensor_reads(t: OutTensor, plan: Plan, block: int) -> Iterator[Key]:
     """Every source read :func:`_compare_tensor` makes for ``t``, in order."""
-    out_row = _out_width(t) * DTYPE_BITS[t.dtype] // 8
+    out_row = _out_width(t) * (DTYPE_BITS[t.dtype] // 8)  # as _compare_segments computes it
     for seg in t.segments:
         if seg.src != ZERO:
             for _, _, key in _seg_blocks(seg, plan.sources[seg.src], out_row, block):
