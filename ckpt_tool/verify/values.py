@@ -282,10 +282,14 @@ def _compare_tensor(
         with rows.rows(key, what=what) as view:
             yield view
 
+    finished = False  # every read made: nothing to give up (the reads are listed again only after a mismatch)
     try:
-        return _compare_segments(t, got, reader, take, block, at, plan)
+        found = _compare_segments(t, got, reader, take, block, at, plan)
+        finished = found is None
+        return found
     finally:
-        rows.skip(islice(_tensor_reads(t, plan, block), made, None))
+        if not finished:
+            rows.skip(islice(_tensor_reads(t, plan, block), made, None))
 
 
 def _compare_segments(
