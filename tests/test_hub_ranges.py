@@ -446,3 +446,60 @@ def test_a_chunk_let_go_just_as_the_spool_is_given_up_is_not_held_in_memory(hub,
         reader._spool_bytes = 0  # given up meanwhile
         reader._spill(evicted)
         assert not reader._spilling
+
+
+def test_a_spool_read_from_the_disk_holds_up_no_other_reader_and_a_slot_given_away_meanwhile_is_refused(
+    tmp_path, monkeypatch
+) -> None:
+    """A spool read waiting on the local disk leaves the spool free: another chunk is put and read meanwhile (the lock
+    was held for the whole read, and a prefetch waiting on it held every reader up). A read whose slot was given to
+    another chunk while it read says so (False), so that its bytes are fetched again rather than served."""
+    spool = hub_ranges._Spool(tmp_path, 4 * CHUNK, CHUNK)
+    chunks = {i: hub_ranges.new_chunk(CHUNK) for i in range(3)}
+    for i, data in chunks.items():
+        data[:] = bytes([i + 1]) * CHUNK
+    spool.put(("a", 0), chunks[0])
+    spool.put(("a", 1), chunks[1])
+    entered, release = threading.Event(), threading.Event()
+    real_preadv = hub_ranges.os.preadv
+
+    def slow_preadv(fd, buffers, offset):
+        if threading.current_thread().name == "slow-reader":
+            entered.set()
+            assert release.wait(30), "the slow read was never released"
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(hub_ranges.os, "preadv", slow_preadv)
+    got: dict[str, bool] = {}
+    into = memoryview(bytearray(4096))
+
+    def slow_read() -> None:
+        got["a0"] = spool.read(("a", 0), into, 100)
+
+    reader = threading.Thread(target=slow_read, name="slow-reader")
+    reader.start()
+    try:
+        assert entered.wait(30)
+        spool.put(("a", 2), chunks[2])  # neither waits for the slow read
+        other = memoryview(bytearray(10))
+        assert spool.read(("a", 1), other, 5) and bytes(other) == b"\x02" * 10
+        spool.drop(("a", 0))  # its slot goes to the next chunk put, while the slow read is still reading it
+        spool.put(("b", 0), chunks[2])
+    finally:
+        release.set()
+        reader.join()
+    assert got == {"a0": False}
+    fresh = memoryview(bytearray(10))
+    assert spool.read(("b", 0), fresh, 0) and bytes(fresh) == b"\x03" * 10
+    spool.close()
+
+
+def test_the_hub_client_reads_a_body_a_mebibyte_per_socket_read(hub, src) -> None:
+    """huggingface_hub's HTTP stack (httpcore2) reads 64 KiB per socket read unless told otherwise; a range reader
+    raises it to ``SOCKET_READ``, and the reads are still the file's bytes."""
+    from httpcore2._sync.http11 import HTTP11Connection
+
+    with reader_for(hub, src) as reader:
+        assert HTTP11Connection.READ_NUM_BYTES == hub_ranges.SOCKET_READ == 1 << 20
+        size = shard_sizes(src)[BIG]
+        assert reader.read(BIG, 0, size) == (src / BIG).read_bytes()

@@ -24,6 +24,7 @@ counted; ``http_backoff`` does none of these for a streamed body.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import re
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
+import numpy as np
 from huggingface_hub import constants, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, parse_ratelimit_headers
 
@@ -117,6 +119,46 @@ class _RangeError(Exception):
         self.tail = tail
 
 
+Buffer = bytearray | mmap.mmap  # a chunk's bytes (an anonymous map where this module made it: :func:`new_chunk`)
+
+
+def new_chunk(n: int) -> mmap.mmap:
+    """A buffer of ``n`` bytes for a chunk, its pages zeroed by the kernel as they are first written (a ``bytearray``
+    is zeroed again by a ``memset`` over all of it first). Private, so that a forked child's chunks are its own."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+
+
+RELEASED_COPY = 64 * 1024  # copies of this size and more are made with the GIL released
+
+
+def copy_released(dst: memoryview, src: memoryview | bytes) -> None:
+    """``dst[:] = src``, with the GIL released while the bytes move where there are many (numpy's array assignment
+    releases it; a memoryview's does not). Every fetched byte is copied into its chunk and out of it again by the
+    reading threads: holding the GIL for those copies would stall the fetches and writers of every other thread."""
+    if len(dst) < RELEASED_COPY:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+SOCKET_READ = 1 << 20  # bytes asked of the socket per read of a response body
+
+
+def read_sockets_in_larger_pieces() -> None:
+    """Have huggingface_hub's HTTP stack read a response body ``SOCKET_READ`` bytes per socket read, not 64 KiB.
+
+    Its client (httpx2 over httpcore2) reads an HTTP/1.1 body ``HTTP11Connection.READ_NUM_BYTES`` bytes at a time
+    (64 KiB in httpcore2 2.17, ``_sync/http11.py``) and passes each piece through h11, in Python, holding the GIL: for
+    a 64 MiB range that is 1,024 pieces, and the per-piece work took a third of a streamed conversion's time on a
+    2-core machine. The attribute has no public setter; where it is absent (another release) nothing changes."""
+    try:
+        from httpcore2._sync.http11 import HTTP11Connection
+    except ImportError:  # pragma: no cover - another HTTP stack under huggingface_hub
+        return
+    if getattr(HTTP11Connection, "READ_NUM_BYTES", SOCKET_READ) < SOCKET_READ:
+        HTTP11Connection.READ_NUM_BYTES = SOCKET_READ
+
+
 class _Pending:
     """A chunk some thread is fetching: the others wait on ``done`` and take ``data`` (or ``error``)."""
 
@@ -124,10 +166,10 @@ class _Pending:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.data: bytearray | None = None
+        self.data: Buffer | None = None
         self.error: _RangeError | None = None
 
-    def result(self) -> bytearray:
+    def result(self) -> Buffer:
         self.done.wait()
         if self.error is not None:
             raise _RangeError(self.error.tail)
@@ -150,6 +192,7 @@ class _Spool:
         self.held: dict[tuple[str, int], list[tuple[int, int]]] = {}  # chunk -> the [lo, hi) of it written, if not all
         self.used = 0  # slots handed out so far
         self.free: list[int] = []  # slots of chunks dropped (nothing left to read in them)
+        self.generation: dict[int, int] = {}  # slot -> times it was given to a chunk
         self.peak = 0
         self.written = 0
         self.lock = threading.Lock()
@@ -158,8 +201,9 @@ class _Spool:
         with self.lock:
             return key in self.slots
 
-    def put(self, key: tuple[str, int], data: bytearray, parts: list[tuple[int, int]] | None = None) -> None:
-        """Keep chunk ``key``: all of ``data``, or only its byte ranges ``parts`` ([lo, hi), apart and in order)."""
+    def put(self, key: tuple[str, int], data: Buffer, parts: list[tuple[int, int]] | None = None) -> None:
+        """Keep chunk ``key``: all of ``data``, or only its byte ranges ``parts`` ([lo, hi), apart and in order). The
+        slot is taken under the lock, written outside it, and readable once written."""
         with self.lock:
             if key in self.slots:
                 return
@@ -170,14 +214,16 @@ class _Spool:
             else:
                 old, slot = self.slots.popitem(last=False)
                 self.held.pop(old, None)
-            if parts is None:  # (under the lock: a reader never sees a half-written slot)
-                os.pwrite(self.fd, data, slot * self.chunk)
-                self.written += len(data)
-            else:
-                view = memoryview(data)
-                for lo, hi in parts:
-                    os.pwrite(self.fd, view[lo:hi], slot * self.chunk + lo)
-                    self.written += hi - lo
+            self.generation[slot] = self.generation.get(slot, 0) + 1  # a read of what it held before is stale
+        spans = parts if parts is not None else [(0, len(data))]
+        view, base = memoryview(data), slot * self.chunk
+        for lo, hi in spans:
+            at = lo
+            while at < hi:
+                at += os.pwrite(self.fd, view[at:hi], base + at)
+        with self.lock:
+            self.written += sum(hi - lo for lo, hi in spans)
+            if parts is not None:
                 self.held[key] = parts
             self.slots[key] = slot
             self.peak = max(self.peak, len(self.slots) * self.chunk)
@@ -191,8 +237,9 @@ class _Spool:
                 self.free.append(slot)
 
     def read(self, key: tuple[str, int], into: memoryview, at: int) -> bool:
-        """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold those bytes. (Under the
-        lock: the slot cannot be given to another chunk meanwhile.)"""
+        """Fill ``into`` from byte ``at`` of chunk ``key``; False when the spool does not hold those bytes, or gave
+        the slot to another chunk while they were read (the bytes read are then not the chunk's). The lock is not
+        held while reading: a read from the disk must not stall every other reader and the spool's writer."""
         with self.lock:
             slot = self.slots.get(key)
             if slot is None:
@@ -201,13 +248,15 @@ class _Spool:
             if parts is not None and not any(lo <= at and at + len(into) <= hi for lo, hi in parts):
                 return False
             self.slots.move_to_end(key)
-            pos = slot * self.chunk + at
-            while into:
-                n = os.preadv(self.fd, [into], pos)
-                if n <= 0:
-                    raise OSError(f"spool file ended early at byte {pos}")
-                into, pos = into[n:], pos + n
-            return True
+            generation = self.generation[slot]
+        pos = slot * self.chunk + at
+        while into:
+            n = os.preadv(self.fd, [into], pos)
+            if n <= 0:
+                raise OSError(f"spool file ended early at byte {pos}")
+            into, pos = into[n:], pos + n
+        with self.lock:
+            return self.slots.get(key) == slot and self.generation[slot] == generation
 
     def close(self) -> None:
         os.close(self.fd)
@@ -272,7 +321,7 @@ class HubRangeReader:
         # http_get's timeout for downloads (2.4.0 file_download.py): seconds without a byte, not for the whole body
         self._timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, int], bytearray] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], Buffer] = OrderedDict()
         self._cached_bytes = 0
         self._inflight: dict[tuple[str, int], _Pending] = {}
         self._requests = self._bytes_fetched = 0
@@ -284,7 +333,7 @@ class HubRangeReader:
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
         self._spool: _Spool | None = None  # made at the first eviction (in the process that evicts: a forked child)
         # chunks the memory cache let go, readable until the spool's writer thread has written them (:meth:`_spill`)
-        self._spilling: dict[tuple[str, int], bytearray] = {}
+        self._spilling: dict[tuple[str, int], Buffer] = {}
         self._spiller: tuple[int, queue.Queue, threading.Thread] | None = None  # (pid, its queue, its thread)
         self._closed = False
         # chunk -> bytes of it still to be read, by block (None: unknown, every chunk may be read again)
@@ -292,6 +341,7 @@ class HubRangeReader:
             None if reads is None else block_counts(reads(), chunk_bytes)
         )
         self._block = _block_bytes(chunk_bytes)
+        read_sockets_in_larger_pieces()
 
     # -- the ByteSource API
 
@@ -306,9 +356,11 @@ class HubRangeReader:
         def part(i: int) -> tuple[int, int]:  # the bytes of chunk i this read wants: [lo, hi) of the file
             return max(offset, i * self.chunk_bytes), min(end, (i + 1) * self.chunk_bytes)
 
-        def deliver(i: int, data: bytearray) -> None:
+        def deliver(i: int, data: Buffer) -> None:
             lo, hi = part(i)
-            into[lo - offset : hi - offset] = memoryview(data)[lo - i * self.chunk_bytes : hi - i * self.chunk_bytes]
+            copy_released(
+                into[lo - offset : hi - offset], memoryview(data)[lo - i * self.chunk_bytes : hi - i * self.chunk_bytes]
+            )
 
         def from_spool(i: int) -> bool:  # just the bytes wanted, from the spool file (the page cache, mostly)
             lo, hi = part(i)
@@ -489,7 +541,7 @@ class HubRangeReader:
         if spool is not None:
             spool.drop(key)
 
-    def _cache_get(self, key: tuple[str, int]) -> bytearray | None:
+    def _cache_get(self, key: tuple[str, int]) -> Buffer | None:
         data = self._cache.get(key)
         if data is not None:
             self._cache.move_to_end(key)
@@ -511,15 +563,15 @@ class HubRangeReader:
             i += 1
         return claimed
 
-    def _publish(self, file: str, i: int, data: bytearray, pending: _Pending) -> None:
+    def _publish(self, file: str, i: int, data: Buffer, pending: _Pending) -> None:
         evicted = self._keep((file, i), data)
         pending.data = data
         pending.done.set()  # before the spill: a waiter never waits on the local disk
         self._spill(evicted)
 
     def _keep(
-        self, key: tuple[str, int], data: bytearray
-    ) -> list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]:
+        self, key: tuple[str, int], data: Buffer
+    ) -> list[tuple[tuple[str, int], Buffer, list[tuple[int, int]] | None]]:
         """Put a chunk that was in flight in the memory cache; the chunks it pushes out, for :meth:`_spill`."""
         evicted = []
         spilling = self._spooling()
@@ -545,7 +597,7 @@ class HubRangeReader:
         """A spool is on: asked for, and not given up (a spool write failed)."""
         return self._spool_dir is not None and self._spool_bytes >= self.chunk_bytes
 
-    def _unspill(self, key: tuple[str, int], data: bytearray) -> None:
+    def _unspill(self, key: tuple[str, int], data: Buffer) -> None:
         """Chunk ``key`` (these bytes, not a later fetch of it) stops being served from memory as waiting for the
         spool. The caller holds the lock."""
         if self._spilling.get(key) is data:
@@ -563,7 +615,7 @@ class HubRangeReader:
                     parts.append((lo, hi))
         return parts
 
-    def _spill(self, evicted: list[tuple[tuple[str, int], bytearray, list[tuple[int, int]] | None]]) -> None:
+    def _spill(self, evicted: list[tuple[tuple[str, int], Buffer, list[tuple[int, int]] | None]]) -> None:
         """Hand chunks the memory cache let go to the spool's writer thread, where there is a spool: the fetch that
         evicted them goes on receiving while they are written. It waits only while ``SPILL_QUEUE`` chunks are
         already waiting (the memory they hold is bounded); until written, a waiting chunk is read from memory."""
@@ -643,30 +695,30 @@ class HubRangeReader:
         except _RangeError as exc:
             log.debug("prefetch of %s failed (a read will retry it): %s", file, exc.tail)
 
-    def _fetch(self, file: str, claimed: dict[int, _Pending], deliver: Callable[[int, bytearray], None] | None) -> None:
+    def _fetch(self, file: str, claimed: dict[int, _Pending], deliver: Callable[[int, Buffer], None] | None) -> None:
         """Fetch the claimed chunks (adjacent) with one range request, publishing each as soon as it is whole."""
         first, last = min(claimed), max(claimed)
         left = dict(claimed)
-        i, buf, fill = first, bytearray(), 0
+        i, buf, fill = first, None, 0
 
         def take(piece: memoryview) -> None:
             nonlocal i, buf, fill
             while len(piece):
                 k = min(len(buf) - fill, len(piece))
-                buf[fill : fill + k] = piece[:k]
+                copy_released(memoryview(buf)[fill : fill + k], piece[:k])
                 fill, piece = fill + k, piece[k:]
                 if fill == len(buf):
                     self._publish(file, i, buf, left.pop(i))
                     if deliver is not None:
                         deliver(i, buf)
                     if i < last:
-                        i, buf, fill = i + 1, bytearray(self._chunk_len(file, i + 1)), 0
+                        i, buf, fill = i + 1, new_chunk(self._chunk_len(file, i + 1)), 0
 
         start = first * self.chunk_bytes
         end = last * self.chunk_bytes + self._chunk_len(file, last)
         try:
             with self._filling:  # (the memory bound) at most ``workers + 1`` chunks are being filled at once
-                buf = bytearray(self._chunk_len(file, first))
+                buf = new_chunk(self._chunk_len(file, first))
                 self._get_range(file, start, end, take)
         except _RangeError as exc:
             self._fail(file, left, exc)
