@@ -59,9 +59,14 @@ def needed_bytes(src: Path, tp: int) -> tuple[int, dict[str, int]]:
 
 
 def server_read(hub, files: list[str]) -> float:
-    """Seconds to fetch every file whole from ``hub`` through huggingface_hub's client, bytes discarded."""
+    """Seconds to fetch every file whole from ``hub`` through huggingface_hub's client, bytes discarded (the client
+    reading its socket in the pieces a range reader has it read in: ``read_sockets_in_larger_pieces``)."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import get_session
+
+    from ckpt_tool.checkpoint.hub_ranges import read_sockets_in_larger_pieces
+
+    read_sockets_in_larger_pieces()
 
     t0 = time.perf_counter()
     for f in files:
