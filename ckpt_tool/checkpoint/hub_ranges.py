@@ -149,8 +149,9 @@ def read_sockets_in_larger_pieces() -> None:
 
     Its client (httpx2 over httpcore2) reads an HTTP/1.1 body ``HTTP11Connection.READ_NUM_BYTES`` bytes at a time
     (64 KiB in httpcore2 2.17, ``_sync/http11.py``) and passes each piece through h11, in Python, holding the GIL: for
-    a 64 MiB range that is 1,024 pieces, and the per-piece work took a third of a streamed conversion's time on a
-    2-core machine. The attribute has no public setter; where it is absent (another release) nothing changes."""
+    a 64 MiB range that is 1,024 pieces. With 1 MiB pieces a streamed conversion took 18-25 % less time on a 2-core
+    machine (docs/performance.md). The attribute has no public setter; where it is absent (another release), nothing
+    changes."""
     try:
         from httpcore2._sync.http11 import HTTP11Connection
     except ImportError:  # pragma: no cover - another HTTP stack under huggingface_hub
