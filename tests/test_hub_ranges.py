@@ -385,10 +385,12 @@ def test_with_the_reads_known_a_chunk_read_again_later_is_spooled_and_read_from_
         assert stats.spooled_bytes == spooled and reader._spool.slots == {} and reader._left == {}
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["usual", "one-pass"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path, tp) -> None:
+def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path, tp, one_pass) -> None:
     """``source_reads`` counts, chunk by chunk, exactly the bytes writing the plan's files reads (whole tensors, row
-    splits, gathered column slices, padded and converted segments, a replicated tensor once a rank)."""
+    splits, gathered column slices, padded and converted segments, a replicated tensor once a rank), whether the
+    writer takes interleaved tensors one after the other or in one pass (as a streamed conversion does)."""
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp))
     made: list[tuple[str, int, int]] = []
@@ -400,7 +402,7 @@ def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path
 
     with SourceFiles(src, {}, Recording(src)) as files:
         for f in plan.files:
-            write_output_file(f, tmp_path / f.name, files, plan.sources)
+            write_output_file(f, tmp_path / f.name, files, plan.sources, one_pass=one_pass)
     announced = source_reads(plan.files, plan.sources)
     assert block_counts(announced, 64 * 4096) == block_counts(made, 64 * 4096)  # bytes a 4 KiB block
 

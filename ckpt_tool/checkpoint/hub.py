@@ -382,7 +382,7 @@ def stream_settings() -> dict:
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
         "cache_bytes": 192 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
-        "workers": 4,  # 4 against 3: 28-32 s against 32-33 s, peak RSS 912-944 MiB (bench/stream_bench.py, 2 cores)
+        "workers": 3,  # 4: no faster with the one-pass writer, peak RSS up to 1,020 MiB (bench/stream_bench.py)
         "readahead": 2,
         "retry": RetryPolicy(
             attempts=int(number("CKPT_TOOL_HUB_ATTEMPTS", 6)), backoff_s=backoff, backoff_max_s=max(30.0, backoff)

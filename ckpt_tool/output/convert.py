@@ -347,7 +347,9 @@ def _write_files(
         if failed.is_set():
             return
         try:
-            size, digest = write_output_file(f, out / f.relpath, files, plan.sources, progress, result.warnings, pace)
+            size, digest = write_output_file(
+                f, out / f.relpath, files, plan.sources, progress, result.warnings, pace, one_pass=lockstep
+            )
         except BaseException:
             failed.set()
             raise

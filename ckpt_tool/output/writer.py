@@ -45,7 +45,7 @@ from ckpt_tool.checkpoint.identity import FileIdentity, changed_while_converting
 from ckpt_tool.checkpoint.reader import DIRECT_ALIGN, ByteSource, LocalFiles
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
-from ckpt_tool.mapping.plan import ZERO, OutFile, Segment
+from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Segment
 from ckpt_tool.processes import usable_cpus
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
@@ -343,9 +343,15 @@ class _Pipeline:
     """
 
     def __init__(
-        self, fd: int, direct: bool, progress: ProgressFn | None, pace: Callable[[int], None] | None = None
+        self,
+        fd: int,
+        direct: bool,
+        progress: ProgressFn | None,
+        pace: Callable[[int], None] | None = None,
+        plain_fd: int | None = None,
     ) -> None:
         self.fd = fd
+        self.plain_fd = plain_fd if plain_fd is not None else fd  # (without O_DIRECT: the bytes of partial pages)
         self.direct = direct
         self.progress = progress
         self.pace = pace
@@ -368,7 +374,8 @@ class _Pipeline:
         self.write_q: queue.SimpleQueue = queue.SimpleQueue()
         self.cur: int | None = None
         self.fill = 0
-        self.offset = 0  # file offset of the current buffer
+        self.lead = 0  # where the current buffer's bytes start: at the file offset's place in a page (direct writes)
+        self.offset = 0  # file offset of the current buffer's first byte
         self.threads = [
             threading.Thread(target=self._run, args=(self.hash_q, self._hash), name="ckpt-tool-hash", daemon=True),
             threading.Thread(target=self._run, args=(self.write_q, self._write), name="ckpt-tool-write", daemon=True),
@@ -379,7 +386,7 @@ class _Pipeline:
 
     @property
     def written(self) -> int:
-        return self.offset + self.fill
+        return self.offset + self.fill - self.lead
 
     # -- caller side ----------------------------------------------------------------------------
 
@@ -395,7 +402,7 @@ class _Pipeline:
                     break
                 except queue.Empty:
                     self._check()
-            self.fill = 0
+            self.fill = self.lead = self.offset % DIRECT_ALIGN if self.direct else 0
         return self.views[self.cur][self.fill :]
 
     def commit(self, n: int) -> None:
@@ -414,15 +421,27 @@ class _Pipeline:
 
     def _submit(self) -> None:
         assert self.cur is not None
-        i, n, off = self.cur, self.fill, self.offset
+        i, lead, n, off = self.cur, self.lead, self.fill - self.lead, self.offset
         self.pending[i] = 2
-        self.hash_q.put((i, n, off))
-        self.write_q.put((i, n, off))
-        self.cur, self.fill = None, 0
+        self.hash_q.put((i, lead, n, off))
+        self.write_q.put((i, lead, n, off))
+        self.cur, self.fill, self.lead = None, 0, 0
         self.offset = off + n
 
+    def defer(self, n: int) -> None:
+        """The next ``n`` bytes of the file are written by others (:class:`_Region`), and are there now: they are
+        hashed in their place, read back from the file, and this pipeline goes on after them."""
+        self._check()
+        if self.cur is not None and self.fill > self.lead:
+            self._submit()
+        elif self.cur is not None:  # an empty buffer, started for an offset that is no longer the next one
+            self.free.put(self.cur)
+            self.cur, self.fill, self.lead = None, 0, 0
+        self.hash_q.put((-1, 0, n, self.offset))
+        self.offset += n
+
     def finish(self) -> str:
-        if self.cur is not None and self.fill:
+        if self.cur is not None and self.fill > self.lead:
             self._submit()
         self._stop()
         self._check()
@@ -457,45 +476,62 @@ class _Pipeline:
 
     # -- consumer threads -------------------------------------------------------------------------
 
-    def _run(self, q: queue.SimpleQueue, work: Callable[[int, int, int], None]) -> None:
+    def _run(self, q: queue.SimpleQueue, work: Callable[[int, int, int, int], None]) -> None:
         while (item := q.get()) is not None:
-            i, n, off = item
+            i, lead, n, off = item
             try:
                 if self.error is None:
-                    work(i, n, off)
+                    work(i, lead, n, off)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 with self.lock:
                     if self.error is None:
                         self.error = exc
+            if i < 0:  # (a deferred range: no buffer of the ring)
+                continue
             with self.lock:
                 self.pending[i] -= 1
                 done = self.pending[i] == 0
             if done:
                 self.free.put(i)
 
-    def _hash(self, i: int, n: int, off: int) -> None:
-        self.digest.update(self.views[i][:n])
+    def _hash(self, i: int, lead: int, n: int, off: int) -> None:
+        if i >= 0:
+            self.digest.update(self.views[i][lead : lead + n])
+            return
+        scratch = memoryview(bytearray(min(n, PIECE)))  # a deferred range: read back from the file, in order
+        done = 0
+        while done < n:
+            k = min(len(scratch), n - done)
+            got = os.preadv(self.plain_fd, [scratch[:k]], off + done)
+            if got <= 0:  # pragma: no cover - the range was written before it was deferred
+                raise OSError(errno.EIO, f"the file ended at byte {off + done}, before its deferred bytes")
+            self.digest.update(scratch[:got])
+            done += got
 
-    def _write(self, i: int, n: int, off: int) -> None:
-        self._write_at(self.views[i][:n], off)
+    def _write(self, i: int, lead: int, n: int, off: int) -> None:
+        self._write_at(self.views[i][lead : lead + n], off)
         if self.progress:  # counted once the bytes are in the file, not when they were queued
             self.progress(n)
 
     def _write_at(self, view: memoryview, off: int) -> None:
+        """``view`` (which starts at ``off``'s place in a page of its buffer) at file offset ``off``: its whole pages
+        with a direct write, the bytes of partial pages at either end through the page cache."""
         n = len(view)
         if self.direct:
-            aligned = n - n % DIRECT_ALIGN
+            head = min(n, -off % DIRECT_ALIGN)
+            body = (n - head) - (n - head) % DIRECT_ALIGN
+            if head:
+                _pwrite_all(self.plain_fd, view[:head], off)
             try:
-                done = _pwrite_all(self.fd, view[:aligned], off) if aligned else 0
+                done = head + (_pwrite_all(self.fd, view[head : head + body], off + head) if body else 0)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                done = 0  # the file system takes no direct I/O here after all
-            if done == n:
-                return
-            self._buffered()  # the tail (or everything, after EINVAL): through the page cache
+                self._buffered()  # the file system takes no direct I/O here after all
+                done = head
             view, off = view[done:], off + done
-        _pwrite_all(self.fd, view, off)
+        if len(view):
+            _pwrite_all(self.plain_fd, view, off)
 
     def _buffered(self) -> None:
         if self.direct:
@@ -505,6 +541,48 @@ class _Pipeline:
 
 class _Aborted(Exception):
     pass
+
+
+class _Region:
+    """One tensor of an interleaved group (:func:`interleaved_groups`) after the group's first: written at its own
+    place in the file (``offset``) through the page cache, a ``PIECE`` at a time, while the pipeline writes the
+    group's first tensor; the pipeline hashes it afterwards, read back (:meth:`_Pipeline.defer`). It takes the
+    pipeline's calls (``space``, ``commit``, ``write``, ``written``), so a segment fills it as it fills the pipeline."""
+
+    def __init__(self, fd: int, offset: int, progress: ProgressFn | None) -> None:
+        self.fd, self.offset, self.progress = fd, offset, progress
+        self.view = memoryview(bytearray(PIECE))
+        self.fill = 0
+        self.flushed = 0
+
+    @property
+    def written(self) -> int:
+        return self.flushed + self.fill
+
+    def space(self) -> memoryview:
+        return self.view[self.fill :]
+
+    def commit(self, n: int) -> None:
+        self.fill += n
+        if self.fill == len(self.view):
+            self.flush()
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            room = self.space()
+            n = min(len(room), len(view))
+            room[:n] = view[:n]
+            self.commit(n)
+            view = view[n:]
+
+    def flush(self) -> None:
+        if self.fill:
+            _pwrite_all(self.fd, self.view[: self.fill], self.offset + self.flushed)
+            if self.progress:
+                self.progress(self.fill)
+            self.flushed += self.fill
+            self.fill = 0
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> int:
@@ -535,6 +613,56 @@ def output_error(exc: OSError, path: Path) -> OutputError:
     return OutputError(f"{path}: cannot write ({exc.strerror or exc})")
 
 
+def interleaved_groups(tensors: Iterable[OutTensor], reader: SegmentReader) -> list[list[OutTensor]]:
+    """``tensors`` (in file order) cut into runs whose source bytes interleave: a tensor joins the run before it when
+    its first source byte lies before the run's last one (a rank's stacked routed experts: ``w13_weight``, its scale,
+    ``w2_weight`` and its scale all take a slice of every expert, and the experts' ``w1``, ``w2`` and ``w3`` lie one
+    after the other in the source). A tensor made of zeros only is a run of its own."""
+    groups: list[list[OutTensor]] = []
+    end: tuple[str, int] | None = None  # the last source byte of the run so far
+    for t in tensors:
+        spans = [
+            (reader.sources[seg.src].file, offset, offset + length)
+            for seg in t.segments
+            for offset, length in reader.footprint(seg)
+        ]
+        if not spans:
+            groups.append([t])
+            end = None
+            continue
+        first = min((file, lo) for file, lo, _ in spans)
+        last = max((file, hi) for file, _, hi in spans)
+        if end is not None and groups and first < end:
+            groups[-1].append(t)
+            end = max(end, last)
+        else:
+            groups.append([t])
+            end = last
+    return groups
+
+
+def _in_source_order(group: list[OutTensor], reader: SegmentReader) -> Iterator[tuple[int, Segment]]:
+    """(tensor index, segment) of every segment of ``group``, each tensor's in its own order, the tensors merged so
+    that the source is read front to back: the next segment is always the one, of the tensors' next ones, whose
+    first source byte comes first (a segment of zeros comes as soon as it is next in its tensor)."""
+    at = [0] * len(group)
+
+    def key(k: int) -> tuple[str, int]:
+        seg = group[k].segments[at[k]]
+        spans = reader.footprint(seg)
+        return ("", -1) if not spans else (reader.sources[seg.src].file, spans[0][0])
+
+    heads = {k: key(k) for k in range(len(group)) if group[k].segments}
+    while heads:
+        k = min(heads, key=heads.__getitem__)
+        yield k, group[k].segments[at[k]]
+        at[k] += 1
+        if at[k] < len(group[k].segments):
+            heads[k] = key(k)
+        else:
+            del heads[k]
+
+
 def write_output_file(
     out: OutFile,
     dest: Path,
@@ -543,11 +671,17 @@ def write_output_file(
     progress: ProgressFn | None = None,
     warnings: list[str] | None = None,
     pace: Callable[[int], None] | None = None,
+    one_pass: bool = False,
 ) -> tuple[int, str]:
     """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256).
 
     ``pace``: called with the bytes written so far before each buffer is filled from the source (a
     :class:`~ckpt_tool.checkpoint.lockstep.Lockstep` keeping the ranks of a group together may hold it there).
+
+    ``one_pass``: tensors whose source bytes interleave (:func:`interleaved_groups`) are written together, in one
+    pass over their source bytes, each at its place in the file; the group's first tensor goes through the pipeline
+    as every other tensor, the others are hashed after it, read back. Same bytes, same checksum; what it saves is a
+    second pass over the source, which a streamed source would have to keep on local disk in between.
 
     Before the rename, every source file ``out`` read from must still be the file the plan was made from
     (``files.identities``): a source changed mid-file leaves no file under the final name.
@@ -559,22 +693,18 @@ def write_output_file(
     pipe: _Pipeline | None = None
     try:
         fd, direct = _open_output(tmp)
+        plain_fd = os.open(tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0)) if direct else fd
         try:
             try:
                 os.posix_fallocate(fd, 0, expected)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
-            pipe = _Pipeline(fd, direct, progress, pace)
+            pipe = _Pipeline(fd, direct, progress, pace, plain_fd)
             pipe.write(header)
-            for t in out.tensors:
-                start = pipe.written
-                for seg in t.segments:
-                    _fill_segment(pipe, reader, files, seg, t.dtype)
-                if pipe.written - start != t.nbytes:  # pragma: no cover - a plan/writer disagreement is a bug
-                    raise AssertionError(
-                        f"{out.relpath}: {t.name} wrote {pipe.written - start} bytes, planned {t.nbytes}"
-                    )
+            groups = interleaved_groups(out.tensors, reader) if one_pass else [[t] for t in out.tensors]
+            for group in groups:
+                _write_group(pipe, reader, files, group, plain_fd, progress, out.relpath)
             written = pipe.written
             digest = pipe.finish()
             os.ftruncate(fd, written)
@@ -586,6 +716,8 @@ def write_output_file(
             raise
         finally:
             os.close(fd)
+            if plain_fd != fd:
+                os.close(plain_fd)
         if written != expected:  # pragma: no cover
             raise AssertionError(f"{out.relpath}: wrote {written} bytes, planned {expected}")
         os.replace(tmp, dest)
@@ -598,7 +730,40 @@ def write_output_file(
     return expected, digest
 
 
-def _fill_segment(pipe: _Pipeline, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str) -> None:
+def _write_group(
+    pipe: _Pipeline,
+    reader: SegmentReader,
+    files: SourceFiles,
+    group: list[OutTensor],
+    plain_fd: int,
+    progress: ProgressFn | None,
+    relpath: str,
+) -> None:
+    """The tensors of ``group``, one after the other in the file: the first through ``pipe``; the others (if any)
+    each at its own offset (:class:`_Region`), their segments taken in source order with the first's, then hashed in
+    their place (``pipe.defer``)."""
+    offset = pipe.written + group[0].nbytes
+    sinks: list[_Pipeline | _Region] = [pipe]
+    for t in group[1:]:
+        sinks.append(_Region(plain_fd, offset, progress))
+        offset += t.nbytes
+    start = pipe.written
+    order = _in_source_order(group, reader) if len(group) > 1 else ((0, seg) for seg in group[0].segments)
+    for k, seg in order:
+        _fill_segment(sinks[k], reader, files, seg, group[k].dtype)
+    made = [pipe.written - start, *(sink.written for sink in sinks[1:])]
+    for t, n in zip(group, made, strict=True):
+        if n != t.nbytes:  # pragma: no cover - a plan/writer disagreement is a bug
+            raise AssertionError(f"{relpath}: {t.name} wrote {n} bytes, planned {t.nbytes}")
+    for sink in sinks[1:]:
+        sink.flush()
+    if len(group) > 1:
+        pipe.defer(sum(t.nbytes for t in group[1:]))
+
+
+def _fill_segment(
+    pipe: _Pipeline | _Region, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str
+) -> None:
     if seg.src == ZERO:
         _fill_zeros(pipe, conversions.zero_element(seg.convert, dtype), seg.numel)
         return
@@ -629,7 +794,7 @@ def _zero_piece(element: bytes) -> bytes:
     return element * (PIECE // len(element))
 
 
-def _fill_zeros(pipe: _Pipeline, element: bytes, count: int) -> None:
+def _fill_zeros(pipe: _Pipeline | _Region, element: bytes, count: int) -> None:
     """``count`` copies of ``element`` into the output buffer, a piece at a time (never the whole fill in memory)."""
     piece = memoryview(_zero_piece(element))
     left = count * len(element)
