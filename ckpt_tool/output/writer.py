@@ -335,7 +335,27 @@ class _Budget:
 _BUDGET = _Budget(MAX_BUFFERS)
 
 
-class _Pipeline:
+class _Sink:
+    """Where a segment's bytes go: ``space()`` (room to fill), ``commit(n)`` (n bytes of it filled), ``written``."""
+
+    def space(self) -> memoryview:  # pragma: no cover - each sink has its own
+        raise NotImplementedError
+
+    def commit(self, n: int) -> None:  # pragma: no cover - each sink has its own
+        raise NotImplementedError
+
+    def write(self, data: memoryview | bytes) -> None:
+        """``data`` through ``space`` and ``commit``, as much at a time as there is room."""
+        view = memoryview(data).cast("B")
+        while view:
+            room = self.space()
+            n = min(len(room), len(view))
+            room[:n] = view[:n]
+            self.commit(n)
+            view = view[n:]
+
+
+class _Pipeline(_Sink):
     """Assembles the output in ring buffers; a hasher thread and a writer thread consume each full one.
 
     The caller fills ``space()`` then ``commit(n)``s it, or ``write(bytes)``; ``finish()`` flushes the
@@ -409,15 +429,6 @@ class _Pipeline:
         self.fill += n
         if self.fill == CHUNK:
             self._submit()
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            room = self.space()
-            n = min(len(room), len(view))
-            room[:n] = view[:n]
-            self.commit(n)
-            view = view[n:]
 
     def _submit(self) -> None:
         assert self.cur is not None
@@ -543,7 +554,7 @@ class _Aborted(Exception):
     pass
 
 
-class _Region:
+class _Region(_Sink):
     """One tensor of an interleaved group (:func:`interleaved_groups`) after the group's first: written at its own
     place in the file (``offset``) through the page cache, a ``PIECE`` at a time, while the pipeline writes the
     group's first tensor; the pipeline hashes it afterwards, read back (:meth:`_Pipeline.defer`). It takes the
@@ -566,15 +577,6 @@ class _Region:
         self.fill += n
         if self.fill == len(self.view):
             self.flush()
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            room = self.space()
-            n = min(len(room), len(view))
-            room[:n] = view[:n]
-            self.commit(n)
-            view = view[n:]
 
     def flush(self) -> None:
         if self.fill:
@@ -761,9 +763,7 @@ def _write_group(
         pipe.defer(sum(t.nbytes for t in group[1:]))
 
 
-def _fill_segment(
-    pipe: _Pipeline | _Region, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str
-) -> None:
+def _fill_segment(pipe: _Sink, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str) -> None:
     if seg.src == ZERO:
         _fill_zeros(pipe, conversions.zero_element(seg.convert, dtype), seg.numel)
         return
@@ -794,7 +794,7 @@ def _zero_piece(element: bytes) -> bytes:
     return element * (PIECE // len(element))
 
 
-def _fill_zeros(pipe: _Pipeline | _Region, element: bytes, count: int) -> None:
+def _fill_zeros(pipe: _Sink, element: bytes, count: int) -> None:
     """``count`` copies of ``element`` into the output buffer, a piece at a time (never the whole fill in memory)."""
     piece = memoryview(_zero_piece(element))
     left = count * len(element)
