@@ -369,9 +369,12 @@ class _Pipeline(_Sink):
         progress: ProgressFn | None,
         pace: Callable[[int], None] | None = None,
         plain_fd: int | None = None,
+        path: Path | None = None,
     ) -> None:
         self.fd = fd
         self.plain_fd = plain_fd if plain_fd is not None else fd  # (without O_DIRECT: the bytes of partial pages)
+        self.path = path  # the file, for reading deferred bytes back (defer)
+        self.readback = LocalFiles()  # (opens the file at its first deferred range)
         self.direct = direct
         self.progress = progress
         self.pace = pace
@@ -472,6 +475,7 @@ class _Pipeline(_Sink):
         self.write_q.put(None)
         for t in self.threads:
             t.join()
+        self.readback.close()
         try:
             for v in self.views:
                 v.release()
@@ -509,15 +513,14 @@ class _Pipeline(_Sink):
         if i >= 0:
             self.digest.update(self.views[i][lead : lead + n])
             return
+        assert self.path is not None, "defer() needs the file's path"
         scratch = memoryview(bytearray(min(n, PIECE)))  # a deferred range: read back from the file, in order
         done = 0
         while done < n:
             k = min(len(scratch), n - done)
-            got = os.preadv(self.plain_fd, [scratch[:k]], off + done)
-            if got <= 0:  # pragma: no cover - the range was written before it was deferred
-                raise OSError(errno.EIO, f"the file ended at byte {off + done}, before its deferred bytes")
-            self.digest.update(scratch[:got])
-            done += got
+            self.readback.read_into(self.path, scratch[:k], off + done, what="bytes written out of order")
+            self.digest.update(scratch[:k])
+            done += k
 
     def _write(self, i: int, lead: int, n: int, off: int) -> None:
         self._write_at(self.views[i][lead : lead + n], off)
@@ -702,7 +705,7 @@ def write_output_file(
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
-            pipe = _Pipeline(fd, direct, progress, pace, plain_fd)
+            pipe = _Pipeline(fd, direct, progress, pace, plain_fd, tmp)
             pipe.write(header)
             groups = interleaved_groups(out.tensors, reader) if one_pass else [[t] for t in out.tensors]
             for group in groups:
