@@ -365,14 +365,14 @@ class _Pipeline(_Sink):
     def __init__(
         self,
         fd: int,
+        plain_fd: int,
+        path: Path,
         direct: bool,
         progress: ProgressFn | None,
         pace: Callable[[int], None] | None = None,
-        plain_fd: int | None = None,
-        path: Path | None = None,
     ) -> None:
         self.fd = fd
-        self.plain_fd = plain_fd if plain_fd is not None else fd  # (without O_DIRECT: the bytes of partial pages)
+        self.plain_fd = plain_fd  # the same file without O_DIRECT (``fd`` itself when that has none): partial pages
         self.path = path  # the file, for reading deferred bytes back (defer)
         self.readback = LocalFiles()  # (opens the file at its first deferred range)
         self.direct = direct
@@ -513,7 +513,6 @@ class _Pipeline(_Sink):
         if i >= 0:
             self.digest.update(self.views[i][lead : lead + n])
             return
-        assert self.path is not None, "defer() needs the file's path"
         scratch = memoryview(bytearray(min(n, PIECE)))  # a deferred range: read back from the file, in order
         done = 0
         while done < n:
@@ -705,7 +704,7 @@ def write_output_file(
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
-            pipe = _Pipeline(fd, direct, progress, pace, plain_fd, tmp)
+            pipe = _Pipeline(fd, plain_fd, tmp, direct, progress, pace)
             pipe.write(header)
             groups = interleaved_groups(out.tensors, reader) if one_pass else [[t] for t in out.tensors]
             for group in groups:
