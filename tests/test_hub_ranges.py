@@ -505,3 +505,69 @@ def test_the_hub_client_reads_a_body_a_mebibyte_per_socket_read(hub, src) -> Non
         assert HTTP11Connection.READ_NUM_BYTES == hub_ranges.SOCKET_READ == 1 << 20
         size = shard_sizes(src)[BIG]
         assert reader.read(BIG, 0, size) == (src / BIG).read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk buffers used again (ChunkPool)
+
+
+def test_a_pooled_buffer_is_not_handed_out_again_while_anything_refers_to_it() -> None:
+    """The pool hands a buffer out again only once nothing but the pool refers to it: not while a cache entry holds
+    it, nor while a memoryview of a slice of it is being copied from (the buffer itself long dropped)."""
+    pool = hub_ranges.ChunkPool(4096)
+    a, b, c = pool.take(4096), pool.take(4096), pool.take(4096)
+    ids = [id(a), id(b), id(c)]
+    assert len(set(ids)) == 3  # each held: three buffers
+    cache = {"k": a}  # ``a`` only in a cache entry
+    view = memoryview(b)[100:200]  # ``b`` only through a reading thread's view of a slice of it
+    del a, b, c  # nothing refers to ``c``
+    d = pool.take(4096)
+    assert id(d) == ids[2] and len(pool) == 3  # ``c`` handed out again
+    e = pool.take(4096)
+    assert id(e) not in ids and len(pool) == 4  # neither ``a`` nor ``b``: a new one
+    cache.clear()
+    assert id(pool.take(4096)) == ids[0]  # ``a`` let go by the cache: handed out again
+    view.release()
+    assert id(pool.take(4096)) == ids[0]  # (the one just taken was dropped at once: free again)
+    f = pool.take(4096)
+    assert id(f) == ids[0] and id(pool.take(4096)) == ids[1] and len(pool) == 4  # ``b``, its view released
+    assert len(pool.take(100)) == 100 and len(pool) == 4  # another size (a file's last chunk) is not pooled
+
+
+def test_the_pool_keeps_at_most_its_spare_free_buffers() -> None:
+    pool = hub_ranges.ChunkPool(4096, spare=2)
+    held = [pool.take(4096) for _ in range(5)]
+    assert len(pool) == 5
+    held.clear()
+    pool.trim()
+    assert len(pool) == 2
+
+
+def test_reads_in_several_threads_reuse_a_few_buffers_and_read_the_files_bytes(hub, src) -> None:
+    """Threads reading a 19-chunk shard in random order (cache hits, waits for another thread's fetch,
+    prefetches) take no more buffers than the cache, the fetches in progress and the pool's spares hold at once,
+    not one a chunk; every byte read is the file's (a buffer handed out again while a reader still copied from it,
+    or while the cache held it, would show here as wrong bytes)."""
+    data = (src / BIG).read_bytes()
+    piece = CHUNK // 3  # reads that straddle chunks
+    spans = [(o, min(piece, len(data) - o)) for o in range(0, len(data), piece)] * 2
+    random.Random(7).shuffle(spans)
+    workers, cached = 3, 3
+    with reader_for(hub, src, cache_bytes=cached * CHUNK, readahead=2, workers=workers) as reader:
+        wrong: list[int] = []
+
+        def read(k: int) -> None:
+            for o, n in spans[k::4]:
+                got = memoryview(bytearray(n))
+                reader.read_into(BIG, got, o)
+                if got != data[o : o + n]:
+                    wrong.append(o)
+                del got
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not wrong
+        assert len(reader._chunks) <= cached + (workers + 1) + reader._chunks.spare < math.ceil(len(data) / CHUNK)

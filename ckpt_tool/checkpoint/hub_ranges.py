@@ -28,6 +28,7 @@ import mmap
 import os
 import queue
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -126,6 +127,67 @@ def new_chunk(n: int) -> mmap.mmap:
     """A buffer of ``n`` bytes for a chunk, its pages zeroed by the kernel as they are first written (a ``bytearray``
     is zeroed again by a ``memset`` over all of it first). Private, so that a forked child's chunks are its own."""
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+
+
+def _refs_of_unreferenced() -> int:
+    """What ``sys.getrefcount(made[k])`` says of a buffer in a list ``made`` that nothing else refers to: the list's
+    reference and the call's argument (measured here, on this interpreter, not assumed)."""
+    made = [new_chunk(1)]
+    return sys.getrefcount(made[0])
+
+
+_UNREFERENCED = _refs_of_unreferenced()
+
+
+class ChunkPool:
+    """Buffers of ``size`` bytes, each used again once nothing refers to it any more.
+
+    A fresh buffer costs the kernel a page fault and a zeroed page per 4 KiB the first time it is written: for a
+    streamed conversion that is every fetched byte, and on a 2-core VM about a tenth of the client's CPU time
+    (docs/performance.md). The pool hands out again a buffer that no cache entry, waiter, spool write or memoryview
+    of a reading thread holds: Python's own reference count says so (a memoryview of a buffer, sliced or not, holds
+    a reference to it), read under the pool's lock while the only reference left is the pool's. It makes a new
+    buffer only when none is free, and keeps at most ``spare`` free ones (:meth:`trim`, called as chunks leave the
+    cache, lets the others go): the memory it holds is what is in use plus ``spare`` buffers. Buffers of another size
+    (a file's last chunk) are not pooled. Private maps: a forked child's pool and buffers are copies of its own."""
+
+    def __init__(self, size: int, spare: int = 1) -> None:
+        self.size, self.spare = size, spare
+        self._made: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> mmap.mmap:
+        """A buffer of ``n`` bytes (its bytes: whatever it held last; the caller overwrites all of them)."""
+        if n != self.size:
+            return new_chunk(n)
+        with self._lock:
+            free = self._free()
+            if not free:
+                self._made.append(new_chunk(n))
+                return self._made[-1]
+            m = self._made[free[0]]
+            self._let_go(free[1 + self.spare :])
+            return m
+
+    def trim(self) -> None:
+        """Let go of the free buffers beyond ``spare``."""
+        with self._lock:
+            self._let_go(self._free()[self.spare :])
+
+    def _let_go(self, ks: list[int]) -> None:
+        if ks:
+            gone = set(ks)
+            self._made = [self._made[k] for k in range(len(self._made)) if k not in gone]
+
+    def _free(self) -> list[int]:
+        return [k for k in range(len(self._made)) if sys.getrefcount(self._made[k]) <= _UNREFERENCED]
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._made.clear()
 
 
 RELEASED_COPY = 64 * 1024  # copies of this size and more are made with the GIL released
@@ -323,6 +385,7 @@ class HubRangeReader:
         self._timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], Buffer] = OrderedDict()
+        self._chunks = ChunkPool(chunk_bytes)
         self._cached_bytes = 0
         self._inflight: dict[tuple[str, int], _Pending] = {}
         self._requests = self._bytes_fetched = 0
@@ -496,6 +559,7 @@ class HubRangeReader:
             if self._spool is not None:
                 self._spool.close()
                 self._spool = None
+        self._chunks.clear()
 
     def __enter__(self) -> HubRangeReader:
         return self
@@ -539,6 +603,8 @@ class HubRangeReader:
                 self._cached_bytes -= len(data)
             self._spilling.pop(key, None)
             spool = self._spool
+        del data  # (this frame's reference) the buffer may be free now
+        self._chunks.trim()
         if spool is not None:
             spool.drop(key)
 
@@ -569,6 +635,8 @@ class HubRangeReader:
         pending.data = data
         pending.done.set()  # before the spill: a waiter never waits on the local disk
         self._spill(evicted)
+        del evicted  # (the chunks the cache let go without spooling them are free now)
+        self._chunks.trim()
 
     def _keep(
         self, key: tuple[str, int], data: Buffer
@@ -665,6 +733,8 @@ class HubRangeReader:
             finally:
                 with self._lock:
                     self._unspill(key, data)
+                del item, data
+                self._chunks.trim()
                 q.task_done()
 
     def spool_settled(self) -> None:
@@ -713,13 +783,13 @@ class HubRangeReader:
                     if deliver is not None:
                         deliver(i, buf)
                     if i < last:
-                        i, buf, fill = i + 1, new_chunk(self._chunk_len(file, i + 1)), 0
+                        i, buf, fill = i + 1, self._chunks.take(self._chunk_len(file, i + 1)), 0
 
         start = first * self.chunk_bytes
         end = last * self.chunk_bytes + self._chunk_len(file, last)
         try:
             with self._filling:  # (the memory bound) at most ``workers + 1`` chunks are being filled at once
-                buf = new_chunk(self._chunk_len(file, first))
+                buf = self._chunks.take(self._chunk_len(file, first))
                 self._get_range(file, start, end, take)
         except _RangeError as exc:
             self._fail(file, left, exc)
