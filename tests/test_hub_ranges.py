@@ -385,12 +385,14 @@ def test_with_the_reads_known_a_chunk_read_again_later_is_spooled_and_read_from_
         assert stats.spooled_bytes == spooled and reader._spool.slots == {} and reader._left == {}
 
 
+@pytest.mark.parametrize("lends", [False, True], ids=["copies", "lends-views"])
 @pytest.mark.parametrize("one_pass", [False, True], ids=["usual", "one-pass"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path, tp, one_pass) -> None:
+def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path, tp, one_pass, lends) -> None:
     """``source_reads`` counts, chunk by chunk, exactly the bytes writing the plan's files reads (whole tensors, row
     splits, gathered column slices, padded and converted segments, a replicated tensor once a rank), whether the
-    writer takes interleaved tensors one after the other or in one pass (as a streamed conversion does)."""
+    writer takes interleaved tensors one after the other or in one pass (as a streamed conversion does), and whether
+    the source lends views of its bytes (as the hub reader does) or they are copied."""
     ckpt = open_checkpoint(src)
     plan = plan_conversion(ckpt.require_config(), ckpt.tensors, Options(tp=tp))
     made: list[tuple[str, int, int]] = []
@@ -400,7 +402,12 @@ def test_the_reads_a_plan_announces_are_the_reads_its_writer_makes(src, tmp_path
             made.append((str(file), offset, len(into)))
             super().read_into(file, into, offset, what=what)
 
-    with SourceFiles(src, {}, Recording(src)) as files:
+    class Lending(Recording):
+        def view(self, file, offset, n, *, what=""):
+            made.append((str(file), offset, n))
+            return memoryview((src / file).read_bytes()[offset : offset + n])
+
+    with SourceFiles(src, {}, (Lending if lends else Recording)(src)) as files:
         for f in plan.files:
             write_output_file(f, tmp_path / f.name, files, plan.sources, one_pass=one_pass)
     announced = source_reads(plan.files, plan.sources)
@@ -543,8 +550,8 @@ def test_the_pool_keeps_at_most_its_spare_free_buffers() -> None:
     assert len(pool) == 2
 
 
-def test_reads_in_several_threads_reuse_a_few_buffers_and_read_the_files_bytes(hub, src) -> None:
-    """Threads reading a 19-chunk shard in random order (cache hits, waits for another thread's fetch,
+def test_reads_and_views_in_several_threads_reuse_a_few_buffers_and_read_the_files_bytes(hub, src) -> None:
+    """Threads reading a 19-chunk shard in random order (cache hits, views, waits for another thread's fetch,
     prefetches) take no more buffers than the cache, the fetches in progress and the pool's spares hold at once,
     not one a chunk; every byte read is the file's (a buffer handed out again while a reader still copied from it,
     or while the cache held it, would show here as wrong bytes)."""
@@ -556,10 +563,12 @@ def test_reads_in_several_threads_reuse_a_few_buffers_and_read_the_files_bytes(h
     with reader_for(hub, src, cache_bytes=cached * CHUNK, readahead=2, workers=workers) as reader:
         wrong: list[int] = []
 
-        def read(k: int) -> None:
+        def read(k: int) -> None:  # threads 1 and 3 take views where the reader lends them
             for o, n in spans[k::4]:
-                got = memoryview(bytearray(n))
-                reader.read_into(BIG, got, o)
+                got = reader.view(BIG, o, n) if k % 2 else None
+                if got is None:
+                    got = memoryview(bytearray(n))
+                    reader.read_into(BIG, got, o)
                 if got != data[o : o + n]:
                     wrong.append(o)
                 del got
@@ -571,3 +580,20 @@ def test_reads_in_several_threads_reuse_a_few_buffers_and_read_the_files_bytes(h
             t.join()
         assert not wrong
         assert len(reader._chunks) <= cached + (workers + 1) + reader._chunks.spare < math.ceil(len(data) / CHUNK)
+
+
+def test_a_view_lends_a_chunks_bytes_read_only_and_counts_them_as_read(hub, src) -> None:
+    """A view is the chunk's bytes, not a copy, and read-only (the ranks share the chunk); it counts as the read it
+    replaces: a chunk read to the end of its count leaves the cache. No view where no one chunk in memory holds
+    the bytes: nothing fetched yet, or a span across two chunks (the caller reads those with read_into)."""
+    data = (src / BIG).read_bytes()
+    reads = [(BIG, 0, CHUNK), (BIG, 0, CHUNK), (BIG, CHUNK, 100)]
+    with reader_for(hub, src, reads=lambda: reads) as reader:
+        assert reader.view(BIG, 0, 4096) is None  # not fetched, nobody fetching it
+        assert reader.read(BIG, 0, CHUNK) == data[:CHUNK]
+        lent = reader.view(BIG, 0, CHUNK)
+        assert lent is not None and lent.readonly and lent == data[:CHUNK]
+        assert (BIG, 0) not in reader._cache and (BIG, 0) not in reader._left  # both announced reads made
+        assert lent == data[:CHUNK]  # still the bytes: the view holds its chunk
+        assert reader.view(BIG, CHUNK - 10, 20) is None  # across chunks 0 and 1
+        assert reader.stats().requests == 1

@@ -467,6 +467,39 @@ class HubRangeReader:
                     served(max(claimed))
         except _RangeError as exc:
             raise CheckpointError(f"{file}: {what + ': ' if what else ''}{exc.tail}") from None
+        self._read_ahead(file, last)
+
+    def view(self, file: str, offset: int, n: int, *, what: str = "") -> memoryview | None:
+        """Bytes ``[offset, offset + n)`` of ``file`` without a copy: a read-only view of the chunk in memory that
+        holds them all (a chunk another thread is fetching is waited for); None where no one chunk in memory does
+        (they straddle two, or were let go to the spool, or nobody fetches them yet): :meth:`read_into` then reads
+        them. Either way the bytes count as read (``reads``). The view keeps its chunk from being used again
+        (:class:`ChunkPool`) until the view is released.
+
+        The ranks of a tensor-parallel group cut columns from the same rows: each read them whole into its own
+        buffer before (at tp 8, eight copies of each row block of a row-parallel weight); with a view each takes
+        just its columns from the chunk."""
+        end = offset + n
+        self._check_span(file, offset, end, what)
+        i = offset // self.chunk_bytes
+        if n <= 0 or (end - 1) // self.chunk_bytes != i:
+            return None
+        with self._lock:
+            data = self._cache_get((file, i))
+            pending = None if data is not None else self._inflight.get((file, i))
+        if data is None and pending is not None:
+            try:
+                data = pending.result()
+            except _RangeError:  # (read_into fetches it again, and says so if it cannot)
+                return None
+        if data is None:
+            return None
+        self._consumed((file, i), offset, end)
+        self._read_ahead(file, i)
+        base = i * self.chunk_bytes
+        return memoryview(data)[offset - base : end - base].toreadonly()
+
+    def _read_ahead(self, file: str, last: int) -> None:
         if self.readahead:  # the writer reads a file front to back: have the next request in flight already
             self.prefetch(file, (last + 1) * self.chunk_bytes, self.readahead * self.chunk_bytes)
 

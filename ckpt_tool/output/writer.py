@@ -99,6 +99,8 @@ class SourceFiles:
         self.root = root
         self.source = source if source is not None else LocalFiles(root, sequential=True)
         self.identities = identities or {}
+        # a source that holds the bytes in memory lends a view of them (HubRangeReader.view); a local file does not
+        self._view: Callable[..., memoryview | None] | None = getattr(self.source, "view", None)
 
     def check_unchanged(self, files: Iterable[str]) -> None:
         """Raise a CheckpointError naming the first of ``files`` that changed since the plan, and how."""
@@ -110,6 +112,16 @@ class SourceFiles:
     def pread_exact(self, info: TensorInfo, into: memoryview, offset: int) -> None:
         """Fill ``into`` from absolute ``offset`` of ``info``'s file; a short read means the file changed."""
         self.source.read_into(info.file, into, offset, what=f"tensor {info.name!r}")
+
+    def rows(self, info: TensorInfo, into: memoryview, offset: int) -> memoryview:
+        """The ``len(into)`` bytes from ``offset`` of ``info``'s file, to be read and let go before the next call:
+        a view of the source's own memory where it lends one, else read into ``into``."""
+        if self._view is not None:
+            lent = self._view(info.file, offset, len(into), what=f"tensor {info.name!r}")
+            if lent is not None:
+                return lent
+        self.pread_exact(info, into, offset)
+        return into
 
     def close(self) -> None:
         self.source.close()
@@ -263,11 +275,10 @@ class SegmentReader:
         row = seg.row0
         while row < seg.row1:
             n = min(rows_per_block, seg.row1 - row)
-            mv = src[: n * row_bytes]
-            self.files.pread_exact(info, mv, info.start + row * row_bytes)
+            mv = self.files.rows(info, src[: n * row_bytes], info.start + row * row_bytes)
             dst = np.frombuffer(gather[: n * width], dtype=np.uint8).reshape(n, width)
             np.copyto(dst, np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
-            del dst
+            del dst, mv  # (a lent view holds its chunk: let it go before waiting on the output)
             out(gather[: n * width])
             row += n
 
@@ -292,9 +303,9 @@ class SegmentReader:
         row = seg.row0
         while row < seg.row1:
             n = min(rows_per_block, seg.row1 - row)
-            mv = src[: n * row_bytes]
-            self.files.pread_exact(info, mv, info.start + row * row_bytes)
+            mv = self.files.rows(info, src[: n * row_bytes], info.start + row * row_bytes)
             sliced = np.ascontiguousarray(np.frombuffer(mv, dtype=np.uint8).reshape(n, row_bytes)[:, c0 : c0 + width])
+            del mv
             if seg.convert not in conversions.BYTEWISE:
                 sliced = np.frombuffer(conversions.forward(seg.convert, sliced.data, info), dtype=np.uint8)
             elif check is not None:
