@@ -381,9 +381,7 @@ def stream_settings() -> dict:
     backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
-        # in memory; what it lets go waits in the spool (HubStream.spool_in). 128 MiB, not 192: the chunk pool keeps a
-        # spare chunk (hub_ranges.ChunkPool), and the reader's buffers then peak no higher than before it
-        "cache_bytes": 128 << 20,
+        "cache_bytes": 192 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
         "workers": 3,  # 4: no faster with the one-pass writer, peak RSS up to 1,020 MiB (bench/stream_bench.py)
         "readahead": 2,
         "retry": RetryPolicy(
