@@ -381,7 +381,9 @@ def stream_settings() -> dict:
     backoff = number("CKPT_TOOL_HUB_BACKOFF_S", 1.0)
     return {
         "chunk_bytes": int(number("CKPT_TOOL_HUB_CHUNK_MB", 64) * (1 << 20)),
-        "cache_bytes": 192 << 20,  # in memory; what it lets go waits in the spool (HubStream.spool_in)
+        # in memory; what it lets go waits in the spool (HubStream.spool_in). The reader's chunks at most: this, one
+        # for each fetch in progress (workers + 1), two on their way to the spool and the pool's spare: 9 x 64 MiB
+        "cache_bytes": 128 << 20,
         "workers": 3,  # 4: no faster with the one-pass writer, peak RSS up to 1,020 MiB (bench/stream_bench.py)
         "readahead": 2,
         "retry": RetryPolicy(
