@@ -55,6 +55,7 @@ from ckpt_tool.output.layout import (
     source_fingerprint,
     source_layout,
 )  # fmt: skip
+from ckpt_tool.output.twins import Twin, find_twins, twins_of
 from ckpt_tool.output.writer import (
     MAX_DEFAULT_WORKERS,
     ProgressFn,
@@ -232,13 +233,26 @@ def _write_run(
         journal_path = out / journal_name(shard)
         journal = _start_journal(out, journal_path, plan, source.fingerprint, force=force, partial=partial)
         todo = _unfinished(out, plan, journal, journal_path, source, result, progress)
+        twins: dict[tuple[str, str], Twin] = {}
         if ckpt.remote is not None:  # the reads of the files this run writes: only chunks read again are spooled
-            ckpt.remote.spool_in(out, functools.partial(source_reads, todo, plan.sources))
+            twins = find_twins(rank_groups(todo), plan.sources)  # (the draft's embedding and head: from the target's)
+            ckpt.remote.spool_in(out, functools.partial(source_reads, todo, plan.sources, twins))
         watched = source.identities if ckpt.remote is None else {}  # a streamed source's bytes are its commit's
         with SourceFiles(ckpt.root, watched, ckpt.open_bytes(sequential=True)) as files:
             lockstep = ckpt.remote is not None  # every source byte crosses the network: each once, for all ranks
             _write_files(
-                out, plan, todo, files, journal, journal_path, source.identities, result, progress, workers, lockstep
+                out,
+                plan,
+                todo,
+                files,
+                journal,
+                journal_path,
+                source.identities,
+                result,
+                progress,
+                workers,
+                lockstep,
+                twins,
             )
         if partial:
             return result
@@ -337,9 +351,11 @@ def _write_files(
     progress: ProgressFn | None,
     workers: int | None,
     lockstep: bool = False,
+    twins: dict[tuple[str, str], Twin] | None = None,
 ) -> None:
     """Write ``todo``, each file journaled once it is in place: from a streamed source in rank groups kept in
-    lockstep, else ``workers`` files at once. A failed file stops files not yet started."""
+    lockstep, else ``workers`` files at once. A failed file stops files not yet started. ``twins``: tensors copied
+    from a file an earlier rank group wrote (``output.twins``; only in lockstep, where the groups go one by one)."""
     jlock = threading.Lock()
     failed = threading.Event()
 
@@ -347,8 +363,9 @@ def _write_files(
         if failed.is_set():
             return
         try:
+            copies = {name: (out / twin.relpath, twin.offset) for name, twin in twins_of(f, twins or {}).items()}
             size, digest = write_output_file(
-                f, out / f.relpath, files, plan.sources, progress, result.warnings, pace, one_pass=lockstep
+                f, out / f.relpath, files, plan.sources, progress, result.warnings, pace, lockstep, copies
             )
         except BaseException:
             failed.set()

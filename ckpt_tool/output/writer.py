@@ -33,7 +33,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -138,12 +138,17 @@ def files_fed(out: OutFile, sources: dict[str, TensorInfo]) -> list[str]:
     return sorted({sources[name].file for t in out.tensors for name in t.sources})
 
 
-def source_reads(outs: Iterable[OutFile], sources: dict[str, TensorInfo]) -> Iterator[tuple[str, int, int]]:
+def source_reads(
+    outs: Iterable[OutFile], sources: dict[str, TensorInfo], skip: Container[tuple[str, str]] = ()
+) -> Iterator[tuple[str, int, int]]:
     """(source file, absolute offset, length) of every read writing ``outs`` makes, each as many times as it is made
-    (a replicated tensor once a rank): what a streamed source still has to serve (``HubStream.spool_in``)."""
+    (a replicated tensor once a rank): what a streamed source still has to serve (``HubStream.spool_in``). ``skip``:
+    (relpath, tensor name) of tensors not read from the source (copied from a twin: ``output.twins``)."""
     reader = SegmentReader(SourceFiles(Path()), sources)  # (its geometry only: nothing is opened or read)
     for out in outs:
         for t in out.tensors:
+            if (out.relpath, t.name) in skip:
+                continue
             for seg in t.segments:
                 for offset, length in reader.footprint(seg):
                     yield sources[seg.src].file, offset, length
@@ -636,11 +641,13 @@ def output_error(exc: OSError, path: Path) -> OutputError:
     return OutputError(f"{path}: cannot write ({exc.strerror or exc})")
 
 
-def interleaved_groups(tensors: Iterable[OutTensor], reader: SegmentReader) -> list[list[OutTensor]]:
+def interleaved_groups(
+    tensors: Iterable[OutTensor], reader: SegmentReader, alone: Container[str] = ()
+) -> list[list[OutTensor]]:
     """``tensors`` (in file order) cut into runs whose source bytes interleave: a tensor joins the run before it when
     its first source byte lies before the run's last one (a rank's stacked routed experts: ``w13_weight``, its scale,
     ``w2_weight`` and its scale all take a slice of every expert, and the experts' ``w1``, ``w2`` and ``w3`` lie one
-    after the other in the source). A tensor made of zeros only is a run of its own."""
+    after the other in the source). A tensor made of zeros only, or named in ``alone``, is a run of its own."""
     groups: list[list[OutTensor]] = []
     end: tuple[str, int] | None = None  # the last source byte of the run so far
     for t in tensors:
@@ -649,7 +656,7 @@ def interleaved_groups(tensors: Iterable[OutTensor], reader: SegmentReader) -> l
             for seg in t.segments
             for offset, length in reader.footprint(seg)
         ]
-        if not spans:
+        if not spans or t.name in alone:
             groups.append([t])
             end = None
             continue
@@ -695,6 +702,7 @@ def write_output_file(
     warnings: list[str] | None = None,
     pace: Callable[[int], None] | None = None,
     one_pass: bool = False,
+    twins: dict[str, tuple[Path, int]] | None = None,
 ) -> tuple[int, str]:
     """Write ``out`` to ``dest`` via a temporary name, fsync, rename. Returns (size, sha256).
 
@@ -705,6 +713,9 @@ def write_output_file(
     pass over their source bytes, each at its place in the file; the group's first tensor goes through the pipeline
     as every other tensor, the others are hashed after it, read back. Same bytes, same checksum; what it saves is a
     second pass over the source, which a streamed source would have to keep on local disk in between.
+
+    ``twins``: tensors (by name) whose bytes are already in a finished file of OUT (path, absolute offset), copied
+    from there rather than read from the source (``output.twins``).
 
     Before the rename, every source file ``out`` read from must still be the file the plan was made from
     (``files.identities``): a source changed mid-file leaves no file under the final name.
@@ -725,9 +736,13 @@ def write_output_file(
                     raise
             pipe = _Pipeline(fd, plain_fd, tmp, direct, progress, pace)
             pipe.write(header)
-            groups = interleaved_groups(out.tensors, reader) if one_pass else [[t] for t in out.tensors]
+            twins = twins or {}
+            groups = interleaved_groups(out.tensors, reader, twins) if one_pass else [[t] for t in out.tensors]
             for group in groups:
-                _write_group(pipe, reader, files, group, progress, out.relpath)
+                if group[0].name in twins:  # (a run of its own)
+                    _copy_twin(pipe, *twins[group[0].name], group[0].nbytes)
+                else:
+                    _write_group(pipe, reader, files, group, progress, out.relpath)
             written = pipe.written
             digest = pipe.finish()
             os.ftruncate(fd, written)
@@ -781,6 +796,16 @@ def _write_group(
         sink.flush()
     if len(group) > 1:
         pipe.defer(sum(t.nbytes for t in group[1:]))
+
+
+def _copy_twin(pipe: _Pipeline, path: Path, offset: int, n: int) -> None:
+    """``n`` bytes of the finished OUT file ``path`` from ``offset`` (a twin's) into the pipeline, read directly."""
+    scratch = Scratch()  # (not the pipeline's: its hasher thread may be reading a deferred range back meanwhile)
+    done = 0
+    while done < n:
+        k = min(PIECE, n - done)
+        pipe.write(pipe.readback.read_span(path, offset + done, k, scratch, what="a twin's bytes"))
+        done += k
 
 
 def _fill_segment(pipe: _Sink, reader: SegmentReader, files: SourceFiles, seg: Segment, dtype: str) -> None:
