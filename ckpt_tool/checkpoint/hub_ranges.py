@@ -444,16 +444,14 @@ class HubRangeReader:
         try:
             while i <= last:
                 with self._lock:
-                    data = self._cache_get((file, i))
-                    pending = None if data is not None else self._inflight.get((file, i))
+                    data, pending = self._held((file, i))
                 if data is None and pending is None and from_spool(i):
                     served(i)
                     continue
                 claimed = {}
                 if data is None and pending is None:
                     with self._lock:
-                        data = self._cache_get((file, i))
-                        pending = None if data is not None else self._inflight.get((file, i))
+                        data, pending = self._held((file, i))
                         if data is None and pending is None:
                             claimed = self._claim(file, i, last)
                 if data is not None:
@@ -485,8 +483,7 @@ class HubRangeReader:
         if n <= 0 or (end - 1) // self.chunk_bytes != i:
             return None
         with self._lock:
-            data = self._cache_get((file, i))
-            pending = None if data is not None else self._inflight.get((file, i))
+            data, pending = self._held((file, i))
         if data is None and pending is not None:
             try:
                 data = pending.result()
@@ -640,6 +637,11 @@ class HubRangeReader:
         self._chunks.trim()
         if spool is not None:
             spool.drop(key)
+
+    def _held(self, key: tuple[str, int]) -> tuple[Buffer | None, _Pending | None]:
+        """Chunk ``key`` in memory, else the fetch of it in flight (else neither)."""
+        data = self._cache_get(key)
+        return data, None if data is not None else self._inflight.get(key)
 
     def _cache_get(self, key: tuple[str, int]) -> Buffer | None:
         data = self._cache.get(key)

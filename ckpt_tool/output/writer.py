@@ -530,13 +530,9 @@ class _Pipeline(_Sink):
         if i >= 0:
             self.digest.update(self.views[i][lead : lead + n])
             return
-        done = 0  # a deferred range: read back from the file, in order (directly, as it was written)
-        while done < n:
-            k = min(PIECE, n - done)
-            self.digest.update(
-                self.readback.read_span(self.path, off + done, k, self.scratch, what="bytes written out of order")
-            )
-            done += k
+        # a deferred range: read back from the file, in order (directly, as it was written)
+        for piece in _pieces(self.readback, self.path, off, n, self.scratch, "bytes written out of order"):
+            self.digest.update(piece)
 
     def _write(self, i: int, lead: int, n: int, off: int) -> None:
         self.write_at(self.views[i][lead : lead + n], off)
@@ -801,10 +797,17 @@ def _write_group(
 def _copy_twin(pipe: _Pipeline, path: Path, offset: int, n: int) -> None:
     """``n`` bytes of the finished OUT file ``path`` from ``offset`` (a twin's) into the pipeline, read directly."""
     scratch = Scratch()  # (not the pipeline's: its hasher thread may be reading a deferred range back meanwhile)
+    for piece in _pieces(pipe.readback, path, offset, n, scratch, "a twin's bytes"):
+        pipe.write(piece)
+
+
+def _pieces(files: LocalFiles, path: Path, offset: int, n: int, scratch: Scratch, what: str) -> Iterator[memoryview]:
+    """Bytes ``[offset, offset + n)`` of the output file ``path``, a ``PIECE`` at a time, in order (each view valid
+    until the next)."""
     done = 0
     while done < n:
         k = min(PIECE, n - done)
-        pipe.write(pipe.readback.read_span(path, offset + done, k, scratch, what="a twin's bytes"))
+        yield files.read_span(path, offset + done, k, scratch, what=what)
         done += k
 
 
