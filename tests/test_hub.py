@@ -434,6 +434,27 @@ def test_hub_server_serves_byte_ranges_through_hffilesystem(hub, fixture_dir) ->
     ]
 
 
+def test_hub_server_bodies_longer_than_its_read_block_are_the_files_bytes(hub, tmp_path) -> None:
+    """The imitation reads a body from disk in whole pages (O_DIRECT), 8 MiB at a time: a range starting mid-page,
+    crossing blocks and ending mid-page, and the whole file, come back byte for byte, counted as sent."""
+    from hub_server import BODY_BLOCK
+    from huggingface_hub import HfFileSystem
+
+    data = os.urandom(2 * BODY_BLOCK + 12_345)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "blob.bin").write_bytes(data)
+    hub.push("org/big", tmp_path / "big")
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    start, n = 4097, BODY_BLOCK + 8191
+    with fs.open("org/big/blob.bin", "rb", cache_type="none") as f:
+        f.seek(start)
+        assert f.read(n) == data[start : start + n]
+        f.seek(0)
+        assert f.read() == data
+    cdn = hub.requests("GET", file="blob.bin", host="cdn")
+    assert [(r.status, r.sent) for r in cdn] == [(206, n), (200, len(data))]
+
+
 def test_hub_server_moves_a_branch_and_keeps_old_commits(hub, fixture_dir, tmp_path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
 
