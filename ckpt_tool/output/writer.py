@@ -17,8 +17,9 @@ the bytes written; ``hashlib`` releases the GIL), the other writes it at its off
 (DMA from the buffer: no copy into the page cache, no dirty-page throttling, no flush backlog for the
 final ``fsync``; plain buffered writes where the file system refuses direct I/O). While they work,
 the caller's thread fills the next buffer, so reading, hashing and writing overlap. Memory per writer
-is ``RING`` buffers of ``CHUNK`` bytes plus two ``PIECE`` scratch buffers, and all writers of a
-process together hold at most ``MAX_BUFFERS`` ring buffers (more workers wait for a ring).
+is ``RING`` buffers of ``CHUNK`` bytes (``ONE_PASS_RING`` for a streamed source) plus two ``PIECE`` scratch
+buffers, and all writers of a process together hold at most ``MAX_BUFFERS`` ring buffers (more workers wait
+for a ring).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ from ckpt_tool.processes import usable_cpus
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
+ONE_PASS_RING = 3  # a streamed conversion's writers (one filling, one hashing, one writing): 8 files at 24 MiB
+# leave the stream's chunks (hub_ranges: 9 x 64 MiB at most) room under its 1 GiB peak RSS; bench/stream_bench.py
+# peaked at 875-1022 MiB with 4 a writer, 790-838 MiB with 3, no slower
 MAX_BUFFERS = 32  # ring buffers in the whole process (32 x 8 MiB = 256 MiB), whatever --workers is
 MAX_DEFAULT_WORKERS = MAX_BUFFERS // RING  # the most files written at once by default: each gets its ring
 
@@ -386,6 +390,7 @@ class _Pipeline(_Sink):
         direct: bool,
         progress: ProgressFn | None,
         pace: Callable[[int], None] | None = None,
+        ring: int = RING,
     ) -> None:
         self.fd = fd
         self.plain_fd = plain_fd  # the same file without O_DIRECT (``fd`` itself when that has none): partial pages
@@ -397,7 +402,7 @@ class _Pipeline(_Sink):
         self.pace = pace
         self.digest = hashlib.sha256()
         self.error: BaseException | None = None
-        self.ring = RING
+        self.ring = ring
         _BUDGET.acquire(self.ring)
         try:
             self.bufs = [mmap.mmap(-1, CHUNK) for _ in range(self.ring)]  # page-aligned, as O_DIRECT wants
@@ -730,7 +735,7 @@ def write_output_file(
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:  # fail now rather than half-way
                     raise
-            pipe = _Pipeline(fd, plain_fd, tmp, direct, progress, pace)
+            pipe = _Pipeline(fd, plain_fd, tmp, direct, progress, pace, ONE_PASS_RING if one_pass else RING)
             pipe.write(header)
             twins = twins or {}
             groups = interleaved_groups(out.tensors, reader, twins) if one_pass else [[t] for t in out.tensors]
