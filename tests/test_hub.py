@@ -455,6 +455,33 @@ def test_hub_server_bodies_longer_than_its_read_block_are_the_files_bytes(hub, t
     assert [(r.status, r.sent) for r in cdn] == [(206, n), (200, len(data))]
 
 
+def test_hub_server_falls_back_to_buffered_reads_where_direct_io_is_refused_at_the_read(
+    hub, fixture_dir, monkeypatch
+) -> None:
+    """A file system may accept O_DIRECT at the open and refuse it (EINVAL) at the first read: the body is then read
+    through the page cache, the same bytes."""
+    import errno
+    import fcntl
+
+    from huggingface_hub import HfFileSystem
+
+    real, refused = os.preadv, []
+
+    def preadv(fd, buffers, offset, *rest):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    data = (fixture_dir("fp4") / SHARD).read_bytes()
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{REPO_ID}/{SHARD}", "rb", cache_type="none") as f:
+        f.seek(1000)
+        assert f.read(4096) == data[1000:5096]
+    assert refused  # the injection fired
+
+
 def test_hub_server_moves_a_branch_and_keeps_old_commits(hub, fixture_dir, tmp_path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
 
