@@ -440,21 +440,20 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             pos = start
             while left > 0:
-                page = pos - pos % PAGE  # O_DIRECT reads whole pages
-                want = min(BODY_BLOCK, -(-(pos + left - page) // PAGE) * PAGE)
+                skip = pos % PAGE  # O_DIRECT reads whole pages: from the one ``pos`` is in
+                want = min(BODY_BLOCK, -(-(skip + left) // PAGE) * PAGE)
                 try:
-                    got = os.preadv(fd, [buf[:want]], page)
+                    got = os.preadv(fd, [buf[:want]], pos - skip)
                 except OSError as exc:  # direct I/O refused at the first read (some file systems do): buffered
                     if exc.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
                         raise
                     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                     continue
-                n = min(got - (pos - page), left)
+                n = min(got - skip, left)
                 if n <= 0:
                     raise ConnectionError(f"{path} ended at byte {pos}")
-                first = pos - page
-                for a in range(first, first + n, CHUNK):  # a MiB at a time, each counted before it goes: the
-                    b = min(a + CHUNK, first + n)  # client may hold it before sendall returns
+                for a in range(skip, skip + n, CHUNK):  # a MiB at a time, each counted before it goes: the
+                    b = min(a + CHUNK, skip + n)  # client may hold it before sendall returns
                     self.req.sent += b - a
                     self.connection.sendall(buf[a:b])
                 pos, left = pos + n, left - n
