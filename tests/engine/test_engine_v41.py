@@ -401,8 +401,8 @@ def test_v41_sharded_load_matches_stock_load(tp, ep, vllm_release, fixture_dir, 
         warnings_left,
     )
     assert not problems, "\n".join(problems)
-    # the draft's embedding and head are the target's own shards as vLLM loaded them (a stock load leaves the draft's
-    # uninitialised: compare() may or may not have met them)
+    # the draft's embedding and head are the target's own shards as vLLM loaded them: compare() judged them by the
+    # manifest's materializations (the stock load writes neither); this holds them to it without the manifest
     for rank in range(tp):
         by = {r["job"]["component"]: r for r in results if r["op"] == "sharded-load" and r["job"]["rank"] == rank}
         draft, model = load_file(by["dspark"]["job"]["dump"]), load_file(by["model"]["job"]["dump"])
