@@ -267,6 +267,100 @@ def test_mxfp4_dequant_errors() -> None:
         quant.mxfp4_dequant(packed, bad, what="experts.7.w2")
 
 
+# ---------------------------------------------------------------- NVFP4 dequant
+
+FINITE_E4M3_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+"""The 254 non-NaN e4m3fn bytes (0x7F and 0xFF are NaN)."""
+
+
+def test_nvfp4_dequant_hand_example_nibble_order_groups_and_global_scale() -> None:
+    # One row, K = 32 (16 bytes, 2 groups of 16). Byte 0x21: element 0 = code 1 (0.5, low nibble), element 1 =
+    # code 2 (1.0, high nibble); byte 0xF8: element 2 = code 8 (-0), element 3 = code 15 (-6). Group 0's E4M3
+    # scale 0x3C = 1.5, group 1's 0x40 = 2.0; global scale 0.25.
+    packed = torch.zeros(1, 16, dtype=torch.uint8)
+    packed[0, 0] = 0x21
+    packed[0, 1] = 0xF8
+    packed[0, 7] = 0x70  # elements 14, 15: 0, 6 (end of group 0)
+    packed[0, 8] = 0x07  # elements 16, 17: 6, 0 (start of group 1)
+    scale = torch.tensor([[0x3C, 0x40]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = quant.nvfp4_dequant(packed, scale, torch.tensor(0.25))
+    expected = torch.zeros(1, 32)
+    expected[0, :4] = torch.tensor([0.5 * 1.5 * 0.25, 1.0 * 1.5 * 0.25, -0.0, -6.0 * 1.5 * 0.25])
+    expected[0, 15] = 6.0 * 1.5 * 0.25
+    expected[0, 16] = 6.0 * 2.0 * 0.25
+    _assert_equal_blocks(w, expected, (1, 16), "nvfp4")
+    assert torch.signbit(w[0, 2])
+    # raw E4M3 bytes as uint8 and a one-element global scale read the same
+    _assert_equal_blocks(
+        quant.nvfp4_dequant(packed, scale.view(torch.uint8), torch.tensor([0.25])), expected, (1, 16), "uint8 scale"
+    )
+
+
+def test_nvfp4_dequant_every_code_and_every_finite_scale_byte_is_the_definition() -> None:
+    """Row i holds all 256 bytes (every code in both nibbles) under E4M3 scale byte FINITE_E4M3_BYTES[i]; each
+    element must be e2m1(code) * e4m3(byte) * g rounded once to float32, with e4m3 decoded by the integer decoder
+    (not torch's cast) and the product taken in float64 (exact: 2 + 4 + 24 significant bits)."""
+    g = torch.tensor(0.0123, dtype=torch.float32)  # not a power of two: the rounding is tested too
+    rows = FINITE_E4M3_BYTES.numel()
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(rows, 256).contiguous()
+    scale = FINITE_E4M3_BYTES[:, None].expand(rows, 512 // 16).contiguous()
+    got = quant.nvfp4_dequant(packed, scale, g)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(rows, 512)
+    e2m1 = torch.tensor(quant.E2M1_VALUES, dtype=torch.float64)[codes.long()]
+    s = quant.e4m3_decode_bits(FINITE_E4M3_BYTES).double()[:, None]
+    want = (e2m1 * s * g.double()).float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
+
+
+def test_nvfp4_dequant_errors_name_the_tensor() -> None:
+    packed = torch.zeros(4, 16, dtype=torch.uint8)  # K = 32: two groups
+    ok_scale = torch.full((4, 2), 0x38, dtype=torch.uint8)
+    g = torch.tensor(1.0)
+    with pytest.raises(CheckpointError, match=r"experts\.3\.w1: scale shape \[4, 1\].*one E4M3 scale per 16.*\[4, 2\]"):
+        quant.nvfp4_dequant(packed, torch.zeros(4, 1, dtype=torch.uint8), g, what="experts.3.w1")  # an MXFP4 grid
+    with pytest.raises(CheckpointError, match="K=24 inputs, not a multiple"):
+        quant.nvfp4_dequant(torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), g)
+    with pytest.raises(CheckpointError, match="packed dtype uint8"):
+        quant.nvfp4_dequant(packed.view(torch.int8), ok_scale, g)
+    with pytest.raises(CheckpointError, match="float8_e4m3fn or uint8"):
+        quant.nvfp4_dequant(packed, ok_scale.float(), g)
+    for nan_byte in (0x7F, 0xFF):
+        bad = ok_scale.clone()
+        bad[2, 1] = nan_byte
+        with pytest.raises(CheckpointError, match=r"experts\.3\.w1 weight_scale: 1 NaN byte.*first at index \[2, 1\]"):
+            quant.nvfp4_dequant(packed, bad.view(torch.float8_e4m3fn), g, what="experts.3.w1")
+    for bad_g in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(CheckpointError, match=r"experts\.3\.w1 weight_scale_2: .*not a finite number"):
+            quant.nvfp4_dequant(packed, ok_scale, torch.tensor(bad_g), what="experts.3.w1")
+    with pytest.raises(CheckpointError, match="float32 scalar"):
+        quant.nvfp4_dequant(packed, ok_scale, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(CheckpointError, match=r"got shape \[2\]"):
+        quant.nvfp4_dequant(packed, ok_scale, torch.ones(2))
+
+
+def test_nvfp4_stacked_dequant_scales_each_expert_part_by_its_own_global_scale() -> None:
+    """vLLM's per-rank layout: w13 [E, 2I, H/2] with w13_weight_scale_2 [E, 2] (w1 rows, then w3 rows), w2 with
+    w2_weight_scale_2 [E]."""
+    gen = torch.Generator().manual_seed(3)
+    E, I2, H = 3, 8, 32
+    packed = torch.randint(0, 256, (E, I2, H // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = FINITE_E4M3_BYTES[torch.randint(0, 254, (E, I2, H // 16), generator=gen)]
+    g13 = torch.tensor([[1.0, 2.0], [0.5, 0.125], [3.0, 7.0]])
+    got = quant.nvfp4_stacked_dequant(packed, scale, g13)
+    for e in range(E):
+        for p, rows in enumerate((slice(0, I2 // 2), slice(I2 // 2, I2))):
+            want = quant.nvfp4_dequant(packed[e, rows], scale[e, rows], g13[e, p])
+            assert torch.equal(got[e, rows], want), (e, p)
+    g2 = torch.tensor([1.0, 0.25, 4.0])
+    got2 = quant.nvfp4_stacked_dequant(packed, scale, g2)
+    for e in range(E):
+        assert torch.equal(got2[e], quant.nvfp4_dequant(packed[e], scale[e], g2[e]))
+    with pytest.raises(CheckpointError, match="does not fit packed shape"):
+        quant.nvfp4_stacked_dequant(packed, scale, torch.ones(E, 3))  # 8 rows do not split into 3 parts
+    with pytest.raises(CheckpointError, match="does not fit packed shape"):
+        quant.nvfp4_stacked_dequant(packed, scale, torch.ones(E + 1, 2))
+
+
 # ---------------------------------------------------------------- quantizers
 
 
@@ -325,6 +419,46 @@ def test_mxfp4_quant_rounds_to_nearest_ties_to_even() -> None:
     assert scale.tolist() == [[127]]
     got = quant.mxfp4_dequant(packed, scale)[0, :7].tolist()
     assert got == [6.0, 0.0, 1.0, 2.0, 4.0, 6.0, -2.0]
+
+
+def test_nvfp4_quant_follows_the_model_optimizer_recipe() -> None:
+    # Row 0 block 0 holds the tensor's amax 6 * 2**5 = 192: global = 192 / (448 * 6) and that block's E4M3 scale
+    # is 448 (byte 0x7E); its values are e2m1 values times 2**5 and come back as the same codes. Block 1 is all
+    # zeros: scale 1.0 (0x38), codes 0. Row 1 block 0's amax 3 gives scale e4m3(3 / 6 / global) = e4m3(7) = 7.
+    w = torch.zeros(2, 32)
+    w[0, :16] = torch.tensor([6.0, -6.0, 0.5, -0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -4.0, 0.0, -1.0, -1.5, -2.0, -3.0, 6.0])
+    w[0, :16] *= 32.0
+    w[1, 0] = 3.0
+    packed, scale, g = quant.nvfp4_quant(w)
+    assert packed.dtype == torch.uint8 and list(packed.shape) == [2, 16]
+    assert scale.dtype == torch.float8_e4m3fn and list(scale.shape) == [2, 2]
+    assert g.dtype == torch.float32 and g.dim() == 0
+    assert g.item() == torch.tensor(192.0 / 2688.0, dtype=torch.float32).item()
+    assert scale.view(torch.uint8).tolist() == [[0x7E, 0x38], [0x4E, 0x38]]  # 448, 1, 7 (e=9, m=6 -> 1.75 * 4), 1
+    want_codes = [7, 15, 1, 9, 2, 3, 4, 5, 6, 14, 0, 10, 11, 12, 13, 7]
+    assert quant.mxfp4_unpack_codes(packed)[0, :16].tolist() == want_codes
+    back = quant.nvfp4_dequant(packed, scale, g)
+    torch.testing.assert_close(back, w, rtol=2.0**-22, atol=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32 - 1), st.integers(min_value=-60, max_value=60))
+def test_nvfp4_quant_error_is_at_most_one_e2m1_step_of_the_block(seed: int, exponent: int) -> None:
+    """Each element comes back within the largest e2m1 rounding step, 1.0 (between 4 and 6) times its block's
+    scale * global: rounding to the nearest value and the clamp to 6 (an E4M3 scale rounded down by at most 2**-4)
+    both stay inside it."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(4, 64, generator=gen) * torch.exp2(torch.randint(-8, 8, (4, 1), generator=gen).float())
+    w = w * 2.0**exponent
+    packed, scale, g = quant.nvfp4_quant(w)
+    back = quant.nvfp4_dequant(packed, scale, g)
+    step = (scale.to(torch.float32).double() * g.double()).repeat_interleave(16, dim=1)
+    assert bool(((back.double() - w.double()).abs() <= step * (1 + 1e-6)).all())
+
+
+def test_nvfp4_quant_refuses_a_k_off_the_group() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant.nvfp4_quant(torch.ones(2, 24))
 
 
 @settings(max_examples=30, deadline=None)

@@ -14,12 +14,18 @@ against, so it favours exactness over speed:
 * MXFP4 experts: packed bytes ``[N, K/2]`` (``int8`` in the source files, ``uint8`` after
   conversion), element ``2k`` in the low nibble and ``2k+1`` in the high nibble, each an e2m1
   code; one E8M0 scale per 32 consecutive inputs of a row, ``[N, K/32]``.
+* NVFP4 experts (NVIDIA Model Optimizer's exports, ``moe_quant_algo: "NVFP4"``): packed ``uint8`` ``[N, K/2]``
+  with the same nibble order as MXFP4, one ``float8_e4m3fn`` block scale per 16 consecutive inputs of a row
+  (``[N, K/16]``) and one float32 global scale per tensor (``weight_scale_2``):
+  ``W[i, j] = e2m1(code[i, j]) * float(S[i, j // 16]) * g`` (:func:`nvfp4_dequant`).
 
 Every E8M0 byte ``b`` means ``2**(b - 127)``; ``0xFF`` is NaN and is rejected with a
 :class:`~ckpt_tool.errors.CheckpointError` because a NaN scale silently poisons a whole block.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,6 +46,9 @@ row (``KMxfp8Static``'s scale loader), so one scale per row and 32 inputs."""
 MXFP4_GROUP = blocks.MX_BLOCK
 """Inputs of one row sharing one MXFP4 scale."""
 
+NVFP4_GROUP = blocks.NVFP4_BLOCK
+"""Inputs of one row sharing one NVFP4 E4M3 block scale."""
+
 ACT_GROUP = blocks.ACT_GROUP
 """Per-token activation group size of the runtime FP8 activation quantization."""
 
@@ -47,6 +56,7 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E8M0_NAN = 0xFF
 E8M0_BIAS = 127
+E4M3_NAN_MAGNITUDE = 0x7F  # e4m3fn's only NaN codes are 0x7F and 0xFF: exponent and mantissa all ones
 
 # Indexed by the 4-bit code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0.
 E2M1_VALUES: tuple[float, ...] = (
@@ -356,6 +366,182 @@ def mxfp4_scaled(packed: torch.Tensor, scale: torch.Tensor, scratch: DecodeScrat
     return values.view(n, k).mul_(scale.repeat_interleave(MXFP4_GROUP, dim=1)[:, :k])
 
 
+_E4M3_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def check_e4m3_scale(t: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Validate E4M3 scale bytes (``float8_e4m3fn`` or their raw ``uint8`` bytes) and return them as uint8 (a view).
+
+    Raises CheckpointError for another dtype, or for NaN bytes (0x7F, 0xFF), naming ``what``, how many there are and
+    where the first one is: a NaN block scale poisons its 16 weights and every output they reach.
+    """
+    name = _label(what, "E4M3 scale")
+    if t.dtype not in _E4M3_DTYPES:
+        raise CheckpointError(f"{name}: expected dtype float8_e4m3fn or uint8 (raw E4M3 bytes), got {t.dtype}")
+    bits = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    if not bits.numel():
+        return bits
+    nan = (bits & 0x7F) == E4M3_NAN_MAGNITUDE
+    if not bool(nan.any()):
+        return bits
+    count = int(nan.sum())
+    flat = int(torch.nonzero(nan.flatten())[0, 0])
+    pos = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(bits.shape))]
+    raise CheckpointError(
+        f"{name}: {count} NaN byte(s) (0x7F/0xFF) in E4M3 scale of shape {list(bits.shape)}, first at index {pos}"
+    )
+
+
+def nvfp4_global_scale(global_scale: torch.Tensor, what: str | None = None) -> float:
+    """An NVFP4 tensor's global scale (``weight_scale_2``: one float32, a 0-d or one-element tensor) as a float.
+
+    Raises CheckpointError for another dtype, more than one element, or a NaN/infinite value, naming ``what``.
+    """
+    name = _label(what, "NVFP4 global scale")
+    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32:
+        got = global_scale.dtype if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
+        raise CheckpointError(f"{name}: expected a float32 scalar (weight_scale_2), got {got}")
+    if global_scale.numel() != 1:
+        raise CheckpointError(
+            f"{name}: expected one float32 global scale (weight_scale_2), got shape {list(global_scale.shape)}"
+        )
+    g = float(global_scale.reshape(()))
+    if not math.isfinite(g):
+        raise CheckpointError(f"{name}: global scale (weight_scale_2) is {g}, not a finite number")
+    return g
+
+
+def check_nvfp4_shapes(packed: torch.Tensor, scale: torch.Tensor, what: str | None = None) -> tuple[int, int]:
+    """Validate NVFP4 dtypes and shapes; return ``(N, K)`` of the unpacked weight.
+
+    ``packed`` must be uint8 ``[N, K/2]`` with K a multiple of 16, and ``scale`` ``float8_e4m3fn`` (or its raw
+    uint8 bytes) ``[N, K/16]``: one scale per 16 inputs exactly, as vLLM's ``ModelOptNvFp4FusedMoE.create_weights``
+    sizes it (``hidden_size // group_size``) and as its ``dequantize_to_dtype`` reshapes it (vLLM 0.34.0
+    ``layers/quantization/modelopt.py``, ``utils/nvfp4_emulation_utils.py``).
+    """
+    name = _label(what, "NVFP4 weight")
+    if packed.dtype != torch.uint8:
+        raise CheckpointError(f"{name}: expected packed dtype uint8 (two e2m1 codes a byte), got {packed.dtype}")
+    if scale.dtype not in _E4M3_DTYPES:
+        raise CheckpointError(
+            f"{name}: expected scale dtype float8_e4m3fn or uint8 (raw E4M3 bytes), got {scale.dtype}"
+        )
+    if packed.dim() != 2:
+        raise CheckpointError(f"{name}: expected a 2-D [N, K/2] packed weight, got shape {list(packed.shape)}")
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if k % NVFP4_GROUP:
+        raise CheckpointError(
+            f"{name}: packed shape {list(packed.shape)} holds K={k} inputs, not a multiple of the NVFP4 group "
+            f"({NVFP4_GROUP})"
+        )
+    want = [n, k // NVFP4_GROUP]
+    if list(scale.shape) != want:
+        raise CheckpointError(
+            f"{name}: scale shape {list(scale.shape)} does not match packed shape {list(packed.shape)} "
+            f"(K={k}, one E4M3 scale per {NVFP4_GROUP} inputs: expected {want})"
+        )
+    return n, k
+
+
+def e4m3_scale_to_float32(scale: torch.Tensor, what: str | None = None) -> torch.Tensor:
+    """Decode checked E4M3 scale bytes (:func:`check_e4m3_scale`) to float32, same shape (exact: every finite
+    e4m3 value is a float32)."""
+    bits = check_e4m3_scale(scale, what)
+    return _lookup(decode_table("e4m3", bits.device), bits).view(bits.shape)
+
+
+def nvfp4_dequant(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, *, what: str | None = None
+) -> torch.Tensor:
+    """Dequantize NVFP4 to float32: ``W[i, j] = e2m1(code[i, j]) * float(S[i, j // 16]) * g``.
+
+    ``packed`` is uint8 ``[N, K/2]``; ``scale`` is ``float8_e4m3fn`` (or raw uint8 bytes) ``[N, K/16]``;
+    ``global_scale`` is the float32 ``weight_scale_2`` (0-d or one element), a multiplier, as ModelOpt exports it
+    and vLLM reads it (``dequantize_nvfp4_moe_weights(..., invert_global_scales=False)`` for
+    ``ModelOptNvFp4FusedMoE``, vLLM 0.34.0 ``layers/quantization/modelopt.py``). Each element is the exact product
+    ``e2m1 * S`` (2 and 4 significant bits: exact in float32) times ``g``, rounded once.
+
+    Nibble order: element ``2k`` of a row is the low nibble of byte ``k``, ``2k+1`` the high nibble, as for MXFP4.
+    NVIDIA Model Optimizer packs ``(q[..., 1::2] << 4) | q[..., 0::2]`` and unpacks the low nibble to the even
+    element (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``NVFP4QTensor.quantize`` / ``dequantize``,
+    which ``examples/deepseek/deepseek_v4/quantize_to_nvfp4.py`` calls); vLLM's ``break_fp4_bytes`` stacks
+    ``(low, high)`` per byte and its Triton dequant interleaves ``low_nibble`` first (vLLM 0.33.0 and 0.34.0
+    ``layers/quantization/utils/nvfp4_emulation_utils.py``). tests/engine/test_engine_nvfp4_dequant.py holds this
+    function to that vLLM code, run from each release's wheel.
+
+    Raises CheckpointError for wrong dtypes or shapes (a scale grid other than one per 16 inputs), NaN scale bytes
+    (0x7F/0xFF) or a non-finite global scale.
+    """
+    check_nvfp4_shapes(packed, scale, what)
+    s = e4m3_scale_to_float32(scale, f"{what} weight_scale" if what else None)
+    g = nvfp4_global_scale(global_scale, f"{what} weight_scale_2" if what else None)
+    return nvfp4_scaled(packed, s, g)
+
+
+def nvfp4_scaled(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: float, scratch: DecodeScratch | None = None
+) -> torch.Tensor:
+    """:func:`nvfp4_dequant` past its checks: packed bytes ``[N, K/2]``, float32 block scales ``[N, K/16]`` (already
+    decoded) and the global scale as a float. For callers that decode a weight's scales once and dequantize it a
+    tile of rows at a time (into ``scratch`` when given)."""
+    values = nvfp4_block_scaled(packed, scale, scratch)
+    return values.mul_(global_scale) if global_scale != 1.0 else values
+
+
+def nvfp4_stacked_dequant(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, *, what: str | None = None
+) -> torch.Tensor:
+    """Dequantize one rank's stacked NVFP4 expert parameter to float32 ``[E, R, K]``, as vLLM lays it out.
+
+    ``packed`` uint8 ``[E, R, K/2]``, ``scale`` E4M3 ``[E, R, K/16]``, ``global_scale`` float32 ``[E, P]`` or
+    ``[E]`` (P = 1): the R rows are P equal parts, part p of expert e scaled by ``global_scale[e, p]``. That is
+    ``w13_weight`` (w1 rows then w3 rows) with ``w13_weight_scale_2 [E, 2]``, and ``w2_weight`` with
+    ``w2_weight_scale_2 [E]`` (vLLM 0.34.0 ``layers/quantization/modelopt.py``,
+    ``ModelOptNvFp4FusedMoE.create_weights``; its ``dequantize_nvfp4_moe_weights`` chunks the rows the same way).
+    The whole tensor in float32: for tests and small tensors; a verify pass takes one expert's part at a time.
+    """
+    name = _label(what, "NVFP4 experts")
+    if packed.dim() != 3 or scale.dim() != 3 or global_scale.dim() not in (1, 2):
+        raise CheckpointError(
+            f"{name}: expected packed [E, R, K/2], scale [E, R, K/16] and global scale [E, P] or [E], got shapes "
+            f"{list(packed.shape)}, {list(scale.shape)}, {list(global_scale.shape)}"
+        )
+    e, r = packed.shape[0], packed.shape[1]
+    parts = global_scale.shape[1] if global_scale.dim() == 2 else 1
+    if global_scale.shape[0] != e or scale.shape[0] != e or parts < 1 or r % parts:
+        raise CheckpointError(
+            f"{name}: global scale shape {list(global_scale.shape)} does not fit packed shape {list(packed.shape)} "
+            f"(one global scale per expert and part, the {r} rows split evenly into parts)"
+        )
+    g = global_scale.reshape(e, parts)
+    rows = r // parts
+    out = []
+    for i in range(e):
+        out.append(
+            torch.cat(
+                [
+                    nvfp4_dequant(
+                        packed[i, p * rows : (p + 1) * rows],
+                        scale[i, p * rows : (p + 1) * rows],
+                        g[i, p],
+                        what=f"{name} expert {i} part {p}",
+                    )
+                    for p in range(parts)
+                ]
+            )
+        )
+    return torch.stack(out) if out else torch.empty(0, r, 2 * packed.shape[2])
+
+
+def nvfp4_block_scaled(packed: torch.Tensor, scale: torch.Tensor, scratch: DecodeScratch | None = None) -> torch.Tensor:
+    """``e2m1(code) * S`` without the global scale, float32 ``[N, K]``: exact (the kernels multiply by the global
+    scale once per output instead of once per weight)."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    # the MXFP4 pair table: the byte layout is the same (low nibble = even input)
+    values = _lookup(decode_table("e2m1_pairs", packed.device), packed, scratch).view(torch.float32)
+    return values.view(n, k // NVFP4_GROUP, NVFP4_GROUP).mul_(scale.unsqueeze(-1)).view(n, k)
+
+
 def _exp2_f64(e: torch.Tensor) -> torch.Tensor:
     """Exact float64 ``2**e`` for integer ``e`` in [-1022, 1023], built from the exponent bits.
 
@@ -475,6 +661,35 @@ def mxfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
 
 
+def nvfp4_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a float weight ``[N, K]`` (K a multiple of 16) to NVFP4: returns ``(packed, scale, global_scale)``.
+
+    The recipe of NVIDIA Model Optimizer's dynamic NVFP4 weight quantizer (``NVFP4QTensor.get_weights_scaling_factor``
+    and ``quantize``, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``): the float32 global scale is
+    ``amax / (448 * 6)`` (1.0 for an all-zero weight, which then encodes as zeros); each 16-input block's scale is
+    ``block_amax / 6 / global`` rounded to nearest E4M3 (an all-zero block gets 1.0; the rest at least ``2**-9``,
+    E4M3's smallest subnormal, and at most 448); values are ``w / (scale * global)`` rounded to the nearest e2m1
+    value (ties to even) and packed low nibble first. Returns uint8 ``[N, K/2]``, ``float8_e4m3fn`` ``[N, K/16]``
+    and a 0-d float32. For tests and fixtures.
+    """
+    w = _check_finite_2d(w, "nvfp4_quant")
+    n, k = w.shape
+    if k % NVFP4_GROUP:
+        raise ValueError(f"nvfp4_quant needs K a multiple of {NVFP4_GROUP}, got {k}")
+    amax = w.abs().max() if w.numel() else torch.tensor(0.0)
+    g = (amax / (E4M3_MAX * E2M1_MAX)).to(torch.float32)
+    if not bool(g > 0):
+        g = torch.tensor(1.0, dtype=torch.float32)
+    grouped = w.view(n, k // NVFP4_GROUP, NVFP4_GROUP)
+    block_amax = grouped.abs().amax(dim=2) if w.numel() else torch.zeros(n, 0)
+    s = block_amax / (E2M1_MAX * g)
+    s = torch.where(s == 0, 1.0, s).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (grouped / (s.to(torch.float32) * g).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX).view(n, k)
+    codes = _e2m1_encode(q)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), s, g.reshape(())
+
+
 def fp8_act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize activations ``[M, K]`` per token and per ``group`` inputs to e4m3 with ue8m0 scales.
 
@@ -513,13 +728,17 @@ __all__ = [
     "MXFP4_GROUP",
     "MXFP8_BLOCK",
     "MXFP8_ROW_BLOCK",
+    "NVFP4_GROUP",
     "DecodeScratch",
     "as_e4m3_bits",
+    "check_e4m3_scale",
     "check_e8m0",
     "check_fp8_block_shapes",
     "check_mxfp4_shapes",
+    "check_nvfp4_shapes",
     "e2m1_decode",
     "e4m3_decode_bits",
+    "e4m3_scale_to_float32",
     "e8m0_to_float32",
     "float32_to_e8m0",
     "fp8_act_dequant",
@@ -532,4 +751,10 @@ __all__ = [
     "mxfp4_quant",
     "mxfp4_scaled",
     "mxfp4_unpack_codes",
+    "nvfp4_block_scaled",
+    "nvfp4_dequant",
+    "nvfp4_global_scale",
+    "nvfp4_quant",
+    "nvfp4_scaled",
+    "nvfp4_stacked_dequant",
 ]
