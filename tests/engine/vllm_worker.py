@@ -41,6 +41,11 @@ Operations (each builds a fresh model for (config, tp, rank, ep, component)):
   The DSpark draft's ``model.embed_tokens`` and ``lm_head`` are written by no source tensor (vLLM replaces them by
   the target's after a real load, v1/worker/gpu/spec_decode/dspark/utils.py): they stay uninitialised here.
 
+Cost: both loads report ``load_cost`` (``ckpt_tool/verify/engine/load_meter.py``): wall and CPU seconds, bytes the
+process read from the disk and the tensor bytes the loader's weight iterator handed over, peak RSS during the load.
+A job ``{"record": false}`` runs the stock load without the write recorder (a dispatch mode on every op, which
+costs time): ``provenance``, ``sources_read`` and ``untouched_keys`` are then None (not known).
+
 Dump: ``--dump F`` writes the filtered state dict to safetensors file F; the JSON always carries dtype, shape
 and sha256 of the raw bytes of every key. Weight post-processing (``process_weights_after_loading``, which
 repacks for CUDA kernels) is not run: the raw loaded parameters are compared.
@@ -52,6 +57,7 @@ that ``ckpt-tool verify --engine`` and this worker share (loaded here by path, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -65,6 +71,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SITE = REPO / ".engine-site"
 STUBS_FILE = REPO / "ckpt_tool" / "verify" / "engine" / "vllm_stubs.py"
+METER_FILE = REPO / "ckpt_tool" / "verify" / "engine" / "load_meter.py"
 DTYPES_FILE = REPO / "ckpt_tool" / "checkpoint" / "dtypes.py"
 
 
@@ -80,6 +87,7 @@ def _load_by_path(name: str, path: Path):
 
 stubs = _load_by_path("ckpt_tool_vllm_stubs", STUBS_FILE)
 dtypes = _load_by_path("ckpt_tool_dtypes", DTYPES_FILE)
+load_meter = _load_by_path("ckpt_tool_load_meter", METER_FILE)
 _REAL_STDOUT = None
 
 
@@ -182,11 +190,39 @@ def _build(job: dict, load_format: str):
             "draft_architectures": list(spec.draft_model_config.hf_config.architectures or []),
             "draft_model_type": spec.draft_model_config.hf_config.model_type,
         },
+        "gpu": {"name": stubs.current_gpu().name, "sm": stubs.current_gpu().sm},
+        "moe_methods": _moe_methods(model),
         "build_seconds": round(time.perf_counter() - t0, 3),
         "build_log": [r for r in cap["log"] if r["level"] != "DEBUG"],
         "build_warnings": cap["warnings"],
     }
     return model, cfg, model_config, report
+
+
+def _moe_methods(model) -> dict:
+    """Per routed-experts module (by its name in the model): the quantization method vLLM built it with and the MoE
+    backend that method chose (``nvfp4_backend`` / ``mxfp4_backend`` / ``fp8_backend`` and ``experts_cls`` set in
+    its ``__init__``, quantization/modelopt.py and mxfp4.py, 0.33.0 and 0.34.0), and, for NVFP4, whether the backend
+    keeps every expert's input scales on each rank (``use_global_sf``)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    methods = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, FusedMoEMethodBase):
+            continue
+        backend = next(
+            (getattr(method, a) for a in ("nvfp4_backend", "mxfp4_backend", "fp8_backend") if hasattr(method, a)),
+            None,
+        )
+        experts = getattr(method, "experts_cls", None)
+        methods[name] = {
+            "method": type(method).__name__,
+            "backend": getattr(backend, "value", None if backend is None else str(backend)),
+            "experts": None if experts is None else experts.__name__,
+            "use_global_sf": getattr(method, "use_global_sf", None),
+        }
+    return methods
 
 
 def _filtered(model) -> dict:
@@ -231,7 +267,8 @@ def _dump(model, path: str | None) -> dict:
             "shape": list(t.shape),
             "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
         }
-        tensors[k] = t.detach().contiguous().cpu().clone()
+        if path:
+            tensors[k] = t.detach().contiguous().cpu().clone()
     if path:
         from safetensors.torch import save_file
 
@@ -317,15 +354,19 @@ def op_sharded_load(job: dict) -> dict:
         "files": _file_headers(folder, rank),
     }
     result["precheck"] = _precheck(table, result["files"], aliases)
+    meter = load_meter.LoadMeter()
+    real_iterate = loader.iterate_over_files  # ShardedStateLoader's own reader of the rank's files, counted
+    loader.iterate_over_files = lambda paths: meter.counted(real_iterate(paths))
     t0 = time.perf_counter()
     with _capture() as cap:
         try:
-            with set_current_vllm_config(cfg):  # as vLLM's GPU worker holds it while loading
+            with set_current_vllm_config(cfg), meter:  # as vLLM's GPU worker holds it while loading
                 loader.load_weights(model, _ModelConfigAt(model_config, folder))
             result["exception"] = None
         except Exception as e:  # noqa: BLE001 - reported, not handled
             result["exception"] = _exception(e)
     result["load_seconds"] = round(time.perf_counter() - t0, 3)
+    result["load_cost"] = meter.figures()
     result["load_log"] = [r for r in cap["log"] if r["level"] != "DEBUG"]
     result["load_warnings"] = cap["warnings"]
     result["dump"] = _dump(model, job.get("dump")) if result["exception"] is None else None
@@ -427,9 +468,12 @@ def op_stock_load(job: dict) -> dict:
     loader = get_model_loader(load_config)
     if Path(source).resolve() != Path(model_config.model).resolve():
         model_config = _ModelConfigAt(model_config, source)
-    rec = _WriteRecorder(model)
+    # the write recorder (a dispatch mode on every op of the load) costs time: a timed load can do without it, and
+    # then reports no provenance and no untouched keys (None: not known)
+    rec = _WriteRecorder(model) if job.get("record", True) else None
+    meter = load_meter.LoadMeter()
     real_get_all = loader.get_all_weights
-    loader.get_all_weights = lambda mc, m: rec.wrap(real_get_all(mc, m))
+    loader.get_all_weights = lambda mc, m: meter.counted(rec.wrap(real_get_all(mc, m)) if rec else real_get_all(mc, m))
     result = {
         **report,
         "loader": f"{type(loader).__module__}.{type(loader).__qualname__}",
@@ -440,25 +484,30 @@ def op_stock_load(job: dict) -> dict:
     t0 = time.perf_counter()
     with _capture() as cap:
         try:
-            with set_current_vllm_config(cfg), rec.mode:
+            with set_current_vllm_config(cfg), rec.mode if rec else contextlib.nullcontext(), meter:
                 loader.load_weights(model, model_config)
             result["exception"] = None
         except Exception as e:  # noqa: BLE001
             result["exception"] = _exception(e)
     result["load_seconds"] = round(time.perf_counter() - t0, 3)
+    result["load_cost"] = meter.figures()
     result["load_log"] = [r for r in cap["log"] if r["level"] != "DEBUG"]
     result["load_warnings"] = cap["warnings"]
-    result["provenance"] = {
-        src: {"dtype": rec.source_dtypes.get(src), "shape": rec.source_shapes.get(src), "keys": sorted(keys)}
-        for src, keys in sorted(rec.provenance.items())
-    }
-    result["sources_read"] = {
-        src: {"dtype": rec.source_dtypes[src], "shape": rec.source_shapes[src]}
-        for src in sorted(rec.source_dtypes)
-        if src not in rec.provenance
-    }  # read but written nowhere (skipped by the class, e.g. main-model tensors for the MTP)
-    touched = set().union(*rec.provenance.values()) if rec.provenance else set()
-    result["untouched_keys"] = sorted(k for k in table if k not in touched)
+    result["recorded"] = rec is not None
+    if rec is None:
+        result["provenance"] = result["sources_read"] = result["untouched_keys"] = None
+    else:
+        result["provenance"] = {
+            src: {"dtype": rec.source_dtypes.get(src), "shape": rec.source_shapes.get(src), "keys": sorted(keys)}
+            for src, keys in sorted(rec.provenance.items())
+        }
+        result["sources_read"] = {
+            src: {"dtype": rec.source_dtypes[src], "shape": rec.source_shapes[src]}
+            for src in sorted(rec.source_dtypes)
+            if src not in rec.provenance
+        }  # read but written nowhere (skipped by the class, e.g. main-model tensors for the MTP)
+        touched = set().union(*rec.provenance.values()) if rec.provenance else set()
+        result["untouched_keys"] = sorted(k for k in table if k not in touched)
     result["dump"] = _dump(model, job.get("dump")) if result["exception"] is None else None
     if job.get("save") and result["exception"] is None:
         # vLLM's own writer of sharded_state checkpoints (examples/.../save_sharded_state_offline.py uses it)

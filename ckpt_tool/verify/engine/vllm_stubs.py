@@ -9,12 +9,15 @@ What is stubbed, and why:
 * vLLM's compiled extensions (``vllm._C*``, ``_moe_C``, ``_flashmla*``, flash-attn, ``_deepselect_C``, ... and any
   other extension module under ``vllm.``) and the vendored CUDA-only ``vllm.third_party.deep_gemm``: they need
   CUDA libraries. Stub attributes are objects that raise when called: no kernel runs. ``torch.ops._C`` etc.
-  answer the few capability queries made at import as an SM90 build would, and registering fake (meta) kernels
-  for those absent ops is skipped.
-* ``vllm.platforms.current_platform``: a CudaPlatform answering as an SM90 (H100) GPU whose device type is
-  ``cpu`` (tensors vLLM allocates on "the device" land on CPU).
+  answer the few capability queries made at import as vLLM's CUDA build would for the capability asked, and
+  registering fake (meta) kernels for those absent ops is skipped.
+* ``vllm.platforms.current_platform``: a CudaPlatform answering as the faked GPU (:data:`H100`, SM90, unless the
+  checkpoint is one a user serves on Blackwell: :func:`gpu_for_checkpoint`) whose device type is ``cpu`` (tensors
+  vLLM allocates on "the device" land on CPU). :func:`engine_config` picks the GPU for each checkpoint.
+* On the faked B200 (SM100) only, the two FlashInfer availability questions vLLM's MoE backend choice asks at build
+  time (:func:`_answer_flashinfer`): FlashInfer is a requirement of every vLLM CUDA wheel, absent here.
 * ``torch.cuda.Stream`` / ``torch.cuda.Event`` (constructed by the V4 layers, never used without a forward).
-* ``torch.cuda.get_device_properties`` (answers as an H100: 132 SMs, SM90) and
+* ``torch.cuda.get_device_properties`` (answers as the faked GPU: its SM count and capability) and
   ``torch.accelerator.current_device_index`` (answers 0): DeepSeek V4.1's Engram table (``ParallelEngramEmbedding``)
   reads the current device's SM count while it is built; a CPU build of torch raises "no accelerator" for both.
 * DeepSeek V4.1's Engram storage (a config choice, not a stub; :func:`engine_config`): ``--engram-config
@@ -277,8 +280,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 class _OpsNamespace:
     """``torch.ops.<ns>`` of a compiled extension that is not loaded.
 
-    Capability queries made while importing/building answer as vLLM's SM90 CUDA build would; any other op is a
-    stub that raises when called.
+    Capability queries made while importing/building answer as vLLM's CUDA build would for the capability they
+    pass; any other op is a stub that raises when called.
     """
 
     ANSWERS = {
@@ -317,16 +320,45 @@ class _CudaObject:
         return _Stub(f"torch.cuda.{type(self).__name__}.{attr}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeGpu:
+    """The GPU the stubs answer as: what vLLM's platform and ``torch.cuda.get_device_properties`` report."""
+
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    l2_cache_size: int
+
+    @property
+    def sm(self) -> str:
+        return f"SM{self.major}{self.minor}"
+
+
+H100 = FakeGpu("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 << 30, 50 << 20)
+# Blackwell, what NVIDIA's NVFP4 exports are made for: vLLM picks its FlashInfer NVFP4 MoE backends only on the
+# SM100 family (TrtLlmNvFp4Experts*._supports_current_device, fused_moe/experts/trtllm_nvfp4_moe.py, 0.33 and 0.34).
+B200 = FakeGpu("NVIDIA B200", 10, 0, 148, 180 << 30, 126 << 20)
+_GPU = [H100]  # the GPU answered now (use_gpu); bootstrap starts as an H100
+
+
+def current_gpu() -> FakeGpu:
+    """The GPU the stubs answer as now."""
+    return _GPU[0]
+
+
 def _device_properties(device=None):
-    """``torch.cuda.get_device_properties`` of an H100 (SM90): what a CPU machine cannot query."""
-    STUB_CALLS.append("torch.cuda.get_device_properties (answered as an SM90 H100)")
+    """``torch.cuda.get_device_properties`` of the faked GPU: what a CPU machine cannot query."""
+    gpu = current_gpu()
+    STUB_CALLS.append(f"torch.cuda.get_device_properties (answered as an {gpu.sm} {gpu.name})")
     return types.SimpleNamespace(
-        name="NVIDIA H100 80GB HBM3",
-        major=9,
-        minor=0,
-        multi_processor_count=132,
-        total_memory=80 << 30,
-        L2_cache_size=50 << 20,
+        name=gpu.name,
+        major=gpu.major,
+        minor=gpu.minor,
+        multi_processor_count=gpu.multi_processor_count,
+        total_memory=gpu.total_memory,
+        L2_cache_size=gpu.l2_cache_size,
         warp_size=32,
         is_integrated=False,
         is_multi_gpu_board=False,
@@ -364,8 +396,8 @@ def bootstrap(site: str | Path | None = None) -> None:
         import vllm
         import vllm.platforms
 
-    with stage("stub vLLM's CUDA platform (vllm.platforms.cuda.CudaPlatformBase as an SM90 GPU on cpu)"):
-        vllm.platforms._current_platform = _fake_sm90_platform()
+    with stage("stub vLLM's CUDA platform (vllm.platforms.cuda.CudaPlatformBase as the faked GPU on cpu)"):
+        vllm.platforms._current_platform = _fake_platform()
 
     with stage("run vLLM's model registry in-process (vllm.model_executor.models.registry)"):
         import vllm.model_executor.models.registry as registry
@@ -421,33 +453,34 @@ def _stub_torch(torch) -> None:
     torch.cuda.Stream = type("Stream", (_CudaObject,), {})
     torch.cuda.Event = type("Event", (_CudaObject,), {})
     # Queried while building DeepSeek V4.1's Engram tables (ParallelEngramEmbedding reads the SM count of the current
-    # device to size its lookup grid): answered as the SM90 GPU the platform below stands for, device 0.
+    # device to size its lookup grid): answered as the GPU the platform below stands for, device 0.
     torch.cuda.get_device_properties = _device_properties
     torch.accelerator.current_device_index = _current_device_index
 
 
-def _fake_sm90_platform():
-    """vLLM's CUDA platform answering as an H100 (SM90), with allocations on the CPU."""
+def _fake_platform():
+    """vLLM's CUDA platform answering as the faked GPU (:func:`current_gpu`), with allocations on the CPU."""
     # after bootstrap(): vLLM (and torch) import only once its stubs and environment are in place
     from vllm.platforms import cuda as vllm_cuda
     from vllm.platforms.interface import DeviceCapability
 
-    class FakeSM90Platform(vllm_cuda.CudaPlatformBase):
-        """A CUDA platform that answers as an H100 (SM90); allocations go to the CPU."""
+    class FakeCudaPlatform(vllm_cuda.CudaPlatformBase):
+        """A CUDA platform that answers as the faked GPU (H100 or B200); allocations go to the CPU."""
 
         device_type = "cpu"
 
         @classmethod
         def get_device_capability(cls, device_id: int = 0):
-            return DeviceCapability(major=9, minor=0)
+            gpu = current_gpu()
+            return DeviceCapability(major=gpu.major, minor=gpu.minor)
 
         @classmethod
         def get_device_name(cls, device_id: int = 0) -> str:
-            return "NVIDIA H100 80GB HBM3"
+            return current_gpu().name
 
         @classmethod
         def get_device_total_memory(cls, device_id: int = 0) -> int:
-            return 80 << 30
+            return current_gpu().total_memory
 
         @classmethod
         def is_fully_connected(cls, physical_device_ids) -> bool:
@@ -457,7 +490,94 @@ def _fake_sm90_platform():
         def device_count(cls) -> int:
             return 8
 
-    return FakeSM90Platform()
+    return FakeCudaPlatform()
+
+
+def gpu_for_checkpoint(config_dir: str | Path) -> FakeGpu:
+    """The GPU a user serves this checkpoint on: a B200 (SM100) for NVIDIA's NVFP4 exports (config.json's
+    ``quantization_config.moe_quant_algo`` is ``NVFP4``, read as vLLM reads it: ``DeepseekV4FP8Config.
+    _resolve_moe_overrides``, models/deepseek_v41/quant_config.py:95-104, 0.33.0 and 0.34.0), whose experts run
+    natively on Blackwell; an H100 (SM90) for every other checkpoint."""
+    quant = text_config(config_dir).get("quantization_config") or {}
+    algo = quant.get("moe_quant_algo") if isinstance(quant, dict) else None
+    return B200 if str(algo or "").upper() == "NVFP4" else H100
+
+
+def use_gpu(gpu: FakeGpu) -> None:
+    """Answer as ``gpu`` from now on (:func:`engine_config` calls it for each checkpoint).
+
+    A change forgets what vLLM cached about the GPU before (:func:`_forget_cached_answers`), so that a served worker
+    builds each job as a fresh process on that GPU would; on the SM100 family the FlashInfer questions of the MoE
+    backend choice are answered (:func:`_answer_flashinfer`)."""
+    if gpu == current_gpu():
+        return
+    _GPU[0] = gpu
+    _forget_cached_answers()
+    if gpu.major == 10:
+        _answer_flashinfer()
+    STUB_CALLS.append(f"faked GPU: {gpu.sm} {gpu.name}")
+
+
+def _forget_cached_answers() -> None:
+    """Clear every ``functools.cache`` / ``lru_cache`` of a function defined in a loaded vLLM module.
+
+    vLLM caches answers that depend on the GPU for the life of the process (``is_deep_gemm_supported`` and
+    ``is_deep_gemm_e8m0_used`` in utils/deep_gemm.py, ``is_flashinfer_fp8_blockscale_gemm_supported`` in
+    utils/flashinfer.py, ...): a real process never changes GPU. Clearing them makes vLLM ask again; no cached value
+    is a parameter, so nothing it builds depends on the clearing beyond that."""
+    import functools
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "vllm" or name.startswith("vllm.")):
+            continue
+        for value in list(vars(module).values()):
+            # isinstance, not hasattr: an attribute check can trigger a lazy module's import
+            if isinstance(value, functools._lru_cache_wrapper) and getattr(value, "__module__", None) == name:
+                value.cache_clear()
+
+
+# (module, function it imports from vllm.utils.flashinfer, vLLM code that asks it while a model is built)
+_FLASHINFER_QUESTIONS = (
+    (
+        "vllm.model_executor.layers.fused_moe.experts.trtllm_nvfp4_moe",
+        "has_flashinfer_trtllm_fused_moe",
+        "TrtLlmNvFp4ExpertsBase._supports_current_device (0.33.0 :204-211, 0.34.0 :227-234): the NVFP4 MoE backend "
+        "FLASHINFER_TRTLLM, which select_nvfp4_moe_backend (fused_moe/oracle/nvfp4.py) tries first",
+    ),
+    (
+        "vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe",
+        "has_flashinfer",
+        "TrtLlmMxfp4ExpertsBase._supports_current_device (0.33.0 :121-123, 0.34.0 :123-125): the MXFP4 MoE backend "
+        "FLASHINFER_TRTLLM_MXFP4_MXFP8 of the experts an NVFP4 export leaves MXFP4 (its `ignore`), which "
+        "select_deepseek_v4_mxfp4_moe_backend (fused_moe/oracle/mxfp4.py) tries first",
+    ),
+)
+
+
+def _answer_flashinfer() -> None:
+    """FlashInfer is a requirement of every vLLM CUDA wheel (``Requires-Dist: flashinfer-python`` in 0.33.0 and
+    0.34.0) and absent here: vLLM's own check (``vllm.utils.flashinfer.has_flashinfer``, a ``find_spec``) says no,
+    and its MoE backend choice would then fall past the FlashInfer backends a B200 gets. The two questions that
+    choice asks at build time (:data:`_FLASHINFER_QUESTIONS`) answer yes on the SM100 family, in the module that asks
+    each, and fall through to vLLM's own answer on any other GPU; nothing else sees FlashInfer (no kernel of it runs
+    while a model is built or loaded: ``process_weights_after_loading`` is not run)."""
+    for module_name, function, _asked_by in _FLASHINFER_QUESTIONS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue  # a release without that backend: vLLM cannot ask
+        asked = getattr(module, function, None)
+        if asked is None or getattr(asked, "_ckpt_tool_answer", False):
+            continue
+
+        def answer(*args, _own=asked, _name=f"{module_name}.{function}", **kwargs):
+            if current_gpu().major == 10:
+                STUB_CALLS.append(f"{_name} (answered True on the faked SM100)")
+                return True
+            return _own(*args, **kwargs)
+
+        answer._ckpt_tool_answer = True
+        setattr(module, function, answer)
 
 
 def fake_groups(tp: int, rank: int) -> None:
@@ -561,6 +681,7 @@ def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, d
     otherwise; ``draft_dir`` defaults to ``config_dir``."""
     from vllm.engine.arg_utils import EngineArgs  # after bootstrap(): see build_model
 
+    use_gpu(gpu_for_checkpoint(config_dir))  # before vLLM asks the platform anything about this checkpoint
     method = speculative_method(config_dir)
     draft = str(draft_dir or config_dir)
     speculative = None
