@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckpt_tool.checkpoint.config_keys import check_types, check_values
+from ckpt_tool.checkpoint.expert_format import MoeQuant, moe_quant_of
 from ckpt_tool.checkpoint.strict_json import json_problem
 from ckpt_tool.errors import CheckpointError
 
@@ -101,8 +103,9 @@ def _v41_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "engram_head_dim": int(raw.get("engram_head_dim") or 0),
         "engram_vocab_size": int(raw.get("engram_vocab_size") or 0),
         "engram_compressed_vocab_size": int(raw.get("engram_compressed_vocab_size") or 0),
-        "dspark_n_routed_experts": raw.get("dspark_n_routed_experts"),
-        "dspark_num_experts_per_tok": raw.get("dspark_num_experts_per_tok"),
+        # the draft stages' experts: nvidia/model.py (0.33 :140-146 / 0.34 :142-148) falls back to the main layers'
+        "dspark_n_routed_experts": raw.get("dspark_n_routed_experts") or raw["n_routed_experts"],
+        "dspark_num_experts_per_tok": raw.get("dspark_num_experts_per_tok") or raw["num_experts_per_tok"],
     }
 
 
@@ -175,6 +178,8 @@ class V4Config:
     engram_compressed_vocab_size: int = 0
     dspark_n_routed_experts: int | None = None
     dspark_num_experts_per_tok: int | None = None
+    # NVIDIA's NVFP4 exports: quantization_config.moe_quant_algo and ignore (ckpt_tool.checkpoint.expert_format)
+    moe_quant: MoeQuant = MoeQuant()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -240,12 +245,15 @@ class V4Config:
                 f"{where}: num_hidden_layers and num_nextn_predict_layers must be >= 0; use the model's released "
                 "config.json"
             )
+        check_types(raw, original, where)  # every key's JSON type as vLLM reads it (config_keys: the table)
         try:
-            return replace(cls._build(raw), raw=original)
+            config = replace(cls._build(raw), raw=original)
         except (TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CheckpointError(
                 f"{where}: a value has the wrong type or form ({exc}); compare with the model's released config.json"
             ) from None
+        check_values(raw, original, where)  # layer ids in range, sizes that agree (config_keys)
+        return config
 
     @classmethod
     def _build(cls, raw: dict[str, Any]) -> V4Config:
@@ -301,6 +309,7 @@ class V4Config:
             index_head_dim=int(raw.get("index_head_dim", 128)),
             weight_block_size=(int(block[0]), int(block[1])),
             scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
+            moe_quant=moe_quant_of(raw, where),
             **vision,
             **dspark,
             **_v41_fields(raw),

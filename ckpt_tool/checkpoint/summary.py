@@ -27,6 +27,7 @@ from ckpt_tool.checkpoint.completeness import (
     name_lines,
 )
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.config_keys import tensor_key_problem
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, read_shard_header
@@ -234,7 +235,10 @@ def summarize(
     missing = [i for i in expected if i not in sums.mtp_counts]
     problems: list[str] = [config_error] if config_error else []
     missing_tensors: dict[str, list[str]] = {}
-    if config is not None:
+    held = tensor_key_problem(config, names) if config is not None and whole else None
+    if held is not None:  # a key naming layers that hold other tensors: what else disagrees follows from it
+        problems.append(held)
+    elif config is not None:
         if whole and completeness is None:  # convert's verdict (both components)
             completeness = check_completeness(config, names, mtp_present=set(sums.mtp_counts))
         problems += _config_problems(config, sums, quant, missing, completeness if whole else None, disagreement)

@@ -20,6 +20,7 @@ from itertools import chain
 from ckpt_tool.checkpoint.agreement import require_agreement
 from ckpt_tool.checkpoint.completeness import count_by_index, require_complete
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.config_keys import check_tensors
 from ckpt_tool.checkpoint.engram import engram_split
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import TensorInfo
@@ -68,6 +69,7 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
     # the series stays in the plan's options (manifest, resume fingerprint) only where it changes the bytes
     opts = replace(opts, vllm_series=series if series and draft.layout_varies(profile.covers) else None)
 
+    check_tensors(config, tensors)  # the keys that name layers holding tensors (config_keys)
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     engram = engram_split(config) if selects(opts.only, "model") else None
