@@ -111,12 +111,13 @@ def test_a_child_computes_after_threads_that_ran_mkl_ended_just_before_the_fork(
 
 def test_fork_waits_for_announced_threads_to_leave_the_os(monkeypatch) -> None:
     """A thread announced as ending is waited for; one that never leaves stops the fork (the caller's serial path)."""
-    monkeypatch.setattr(processes, "ENDING_WAIT_S", 0.05)
     ended = threading.Thread(target=a_tile_product, args=(0,))
     ended.start()
     ended.join()
     processes.thread_ending([ended.native_id])
-    assert processes.ended_threads_gone()  # it left the OS while this waited
+    assert processes.ended_threads_gone(wait_s=CHILD_SECONDS)  # it left the OS while this waited
+    assert ended.native_id not in {int(t) for t in os.listdir("/proc/self/task")}
+    monkeypatch.setattr(processes, "ENDING_WAIT_S", 0.05)
     processes.thread_ending([threading.get_native_id()])  # this thread never leaves while it asks
     try:
         assert not processes.ended_threads_gone()
@@ -126,18 +127,59 @@ def test_fork_waits_for_announced_threads_to_leave_the_os(monkeypatch) -> None:
         processes._ENDING.clear()
 
 
-def test_the_wait_goes_on_while_other_threads_are_still_ending() -> None:
+class SteppedClock:
+    """``processes.time`` for :func:`processes.ended_threads_gone`: each of its sleeps moves the clock on by the
+    sleep asked for, and ``at(t, action)`` runs ``action`` in the sleep that first reaches ``t``. The wait then
+    sees what happens at a point of its own clock, however the machine schedules the threads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.actions: list[tuple[float, object]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        due = [a for a in self.actions if a[0] <= self.now]
+        self.actions = [a for a in self.actions if a[0] > self.now]
+        for _, action in due:
+            action()
+
+
+def gone_from_the_os(thread: threading.Thread) -> None:
+    """Wait (a hang only: CHILD_SECONDS) until ``thread``, joined, has left /proc/self/task."""
+    thread.join()
+    deadline = time.monotonic() + CHILD_SECONDS
+    while thread.native_id in {int(t) for t in os.listdir("/proc/self/task")}:
+        assert time.monotonic() < deadline, "a joined thread never left the OS"
+        time.sleep(0.001)
+
+
+def test_the_wait_goes_on_while_other_threads_are_still_ending(monkeypatch) -> None:
     """Once the announced threads are gone, the wait lasts until no thread of the process has ended for QUIET_S: a
-    thread that ends meanwhile (as an announced thread's OpenMP team threads do, after it) is waited for."""
+    thread that ends meanwhile (as an announced thread's OpenMP team threads do, after it) is waited for. The late
+    thread ends half-way through the quiet time of the wait's own clock (:class:`SteppedClock`)."""
     announced = threading.Thread(target=lambda: None)
     announced.start()
-    announced.join()
-    late = threading.Thread(target=time.sleep, args=(processes.QUIET_S / 2,))  # ends within the quiet time
+    gone_from_the_os(announced)
+    release = threading.Event()
+    late = threading.Thread(target=release.wait)
     late.start()
+    clock = SteppedClock()
+    monkeypatch.setattr(processes, "time", clock)
+    ended_at: list[float] = []
+
+    def end_late() -> None:
+        release.set()
+        gone_from_the_os(late)
+        ended_at.append(clock.now)
+
+    clock.actions.append((processes.QUIET_S / 2, end_late))
     processes.thread_ending([announced.native_id])
     assert processes.ended_threads_gone()
-    assert not late.is_alive() and late.native_id not in {int(t) for t in os.listdir("/proc/self/task")}
-    late.join()
+    assert ended_at, "the wait ended before the late thread did"
+    assert clock.now - ended_at[0] >= processes.QUIET_S  # and it went on for the quiet time after it
 
 
 def test_fork_limits_the_child_before_the_callers_code_runs(monkeypatch) -> None:
