@@ -28,7 +28,7 @@ import torch
 
 from ckpt_tool.errors import CheckpointError, UsageError
 from ckpt_tool.verify import quant
-from ckpt_tool.verify.kernels import _backend, fp8_block_gemm, mxfp4_gemm, resolve_backend
+from ckpt_tool.verify.kernels import _backend, fp8_block_gemm, mxfp4_gemm, nvfp4_gemm, resolve_backend
 
 RTOL = 1e-5
 """Allowed error as a fraction of sum_k |x[m, k] * W[n, k]|; float32 accumulation gives ~1e-7."""
@@ -263,6 +263,111 @@ def test_mxfp4_kernel_nibble_order_and_group_scales(interp: str) -> None:
     assert torch.equal(y, expected), (y - expected).abs().max()
 
 
+# ---------------------------------------------------------------- NVFP4
+
+FINITE_E4M3 = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+"""Every non-NaN e4m3fn byte (0x7F and 0xFF are NaN): subnormals, both zeros, 448 and negative scales."""
+
+# K a multiple of 16 but not of the kernel's 128-input step (96, 48, 272), N not a multiple of its 64-column tile
+NVFP4_SHAPES = [(1, 128, 128), (5, 256, 256), (16, 128, 256), (5, 80, 96), (3, 200, 48), (33, 70, 272)]
+
+
+def _random_nvfp4(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed bytes (all 16 codes in both nibbles) and random scale bytes over all 254 finite E4M3 codes."""
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = FINITE_E4M3[torch.randint(0, FINITE_E4M3.numel(), (n, k // 16), generator=gen)]
+    return packed, scale
+
+
+@pytest.mark.parametrize("backend", ["torch", "interp"])
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e4m3fn, torch.uint8])
+@pytest.mark.parametrize(("m", "n", "k"), NVFP4_SHAPES)
+def test_nvfp4_gemm_matches_reference(
+    request: pytest.FixtureRequest, backend: str, scale_dtype: torch.dtype, m: int, n: int, k: int
+) -> None:
+    """Within RTOL * sum|x*w| of the float64 product of the bf16 activation and the reference dequantization (the
+    global scale not a power of two, so its rounding is in the comparison)."""
+    requested = request.getfixturevalue("interp") if backend == "interp" else "torch"
+    gen = torch.Generator().manual_seed(m * 7907 + n * 13 + k)
+    packed, scale = _random_nvfp4(gen, n, k)
+    g = torch.tensor(0.00731, dtype=torch.float32)
+    x = torch.randn(m, k, generator=gen)
+    y = nvfp4_gemm(x, packed, scale.view(scale_dtype), g, backend=requested)
+    assert_gemm_close(
+        y,
+        x.to(torch.bfloat16).to(torch.float32),
+        quant.nvfp4_dequant(packed, scale, g),
+        f"nvfp4 {backend} {scale_dtype} {m}x{n}x{k}",
+    )
+
+
+def test_nvfp4_kernel_decodes_every_code_and_every_finite_scale_byte_exactly(interp: str) -> None:
+    """Byte j of every row holds code j in its low nibble and 15 - j in its high one, so the identity activation's
+    row 2j picks code j and row 2j + 1 code 15 - j; row n's two groups have scale bytes FINITE_E4M3[n] and
+    FINITE_E4M3[253 - n]. With a power-of-two global scale every output is exactly e2m1 * e4m3 * g: a swapped
+    nibble, a misread scale byte (subnormal, sign, 448) or a scale taken from the wrong group is off by far more."""
+    n = FINITE_E4M3.numel()
+    j = torch.arange(16)
+    packed = (j | ((15 - j) << 4)).to(torch.uint8).expand(n, 16).contiguous()
+    scale = torch.stack([FINITE_E4M3, FINITE_E4M3.flip(0)], dim=1)
+    g = torch.tensor(2.0**-3)
+    y = nvfp4_gemm(torch.eye(32), packed, scale, g, backend=interp)
+    codes = torch.stack([j, 15 - j], dim=1).flatten()  # input i's code
+    e2m1 = torch.tensor(quant.E2M1_VALUES, dtype=torch.float64)[codes]
+    s = quant.e4m3_decode_bits(scale).double()  # [n, 2]
+    expected = (e2m1[:, None] * s[:, torch.arange(32) // 16].T * 0.125).float()
+    assert torch.equal(y, expected), (y - expected).abs().max()
+
+
+def test_nvfp4_kernel_error_against_the_reference_is_float32_rounding(interp: str) -> None:
+    """The stated tolerance, measured: one V4-shaped rank's expert part (w2 of a 2-rank tp split: 512 x 256) from
+    nvfp4_quant through the kernel vs the torch reference; they differ by summation order and where the global
+    scale is applied, far below the per-tensor check's max_rel 1e-3."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(512, 256, generator=gen) * 0.02
+    packed, scale, g = quant.nvfp4_quant(w)
+    x = torch.randn(4, 256, generator=gen)
+    ref = nvfp4_gemm(x, packed, scale, g, backend="torch")
+    got = nvfp4_gemm(x, packed, scale, g, backend=interp)
+    max_rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert max_rel <= 1e-6, max_rel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton NVFP4 kernel (bf16 dot) needs CUDA")
+@pytest.mark.parametrize(("m", "n", "k"), NVFP4_SHAPES)
+def test_nvfp4_gemm_compiled_on_cuda_matches_reference(no_interp: None, m: int, n: int, k: int) -> None:
+    """The compiled kernel, whose tl.dot takes bf16 operands (exact for e2m1 x e4m3 products), on a GPU."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(m * 31 + n * 7 + k)
+    packed, scale = _random_nvfp4(gen, n, k)
+    g = torch.tensor(0.00731)
+    x = torch.randn(m, k, generator=gen)
+    y = nvfp4_gemm(x.cuda(), packed.cuda(), scale.cuda(), g.cuda(), backend="triton")
+    assert_gemm_close(
+        y.cpu(), x.to(torch.bfloat16).float(), quant.nvfp4_dequant(packed, scale, g), f"nvfp4 cuda {m}x{n}x{k}"
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "interp"])
+def test_nvfp4_gemm_rejects_bad_scales_naming_the_tensor(request: pytest.FixtureRequest, backend: str) -> None:
+    requested = request.getfixturevalue("interp") if backend == "interp" else "torch"
+    x = torch.ones(1, 64)
+    packed = torch.zeros(4, 32, dtype=torch.uint8)
+    scale = torch.full((4, 4), 0x38, dtype=torch.uint8)
+    for nan_byte in (0x7F, 0xFF):
+        bad = scale.clone()
+        bad[1, 3] = nan_byte
+        with pytest.raises(CheckpointError, match=r"experts\.w13_weight expert 2 w1 weight_scale: 1 NaN.*\[1, 3\]"):
+            nvfp4_gemm(x, packed, bad, torch.tensor(1.0), backend=requested, what="experts.w13_weight expert 2 w1")
+    for g in (float("nan"), float("inf")):
+        with pytest.raises(CheckpointError, match=r"w2 weight_scale_2: .*not a finite number"):
+            nvfp4_gemm(x, packed, scale, torch.tensor(g), backend=requested, what="w2")
+    with pytest.raises(CheckpointError, match=r"one E4M3 scale per 16 inputs: expected \[4, 4\]"):
+        nvfp4_gemm(x, packed, torch.full((4, 2), 0x38, dtype=torch.uint8), torch.tensor(1.0), backend=requested)
+    with pytest.raises(ValueError, match="K=32"):
+        nvfp4_gemm(torch.ones(1, 32), packed, scale, torch.tensor(1.0), backend=requested)
+
+
 # ---------------------------------------------------------------- errors and backend selection
 
 
@@ -340,6 +445,10 @@ def test_interpreter_set_before_import_and_package_import_is_lazy() -> None:
         p, s = quant.mxfp4_quant(w)
         y = K.mxfp4_gemm(x, p, s, backend="triton")
         r = K.mxfp4_gemm(x, p, s, backend="torch")
+        assert (y - r).abs().max().item() <= 1e-4, (y - r).abs().max().item()
+        p, s, g = quant.nvfp4_quant(w)
+        y = K.nvfp4_gemm(x, p, s, g, backend="triton")
+        r = K.nvfp4_gemm(x, p, s, g, backend="torch")
         assert (y - r).abs().max().item() <= 1e-4, (y - r).abs().max().item()
         print("ok")
         """

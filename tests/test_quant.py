@@ -514,7 +514,7 @@ def test_decode_scratch_reuse_gives_the_same_tiles() -> None:
 @pytest.mark.parametrize("m", [1, 4, 20])  # 20: past the row count where the product is taken transposed
 @pytest.mark.parametrize(("n", "k"), [(300, 256), (130, 200), (7, 64)])
 def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int) -> None:
-    """fp8_block_matmul (128x128, 32x32 and 1x32 blocks) / mxfp4_matmul / bf16_matmul, many tiles each (a
+    """fp8_block_matmul (128x128, 32x32 and 1x32 blocks) / mxfp4_matmul / nvfp4_matmul / bf16_matmul, many tiles each (a
     4096-element tile), equal x @ W.T with W dequantized whole, up to float32 summation order."""
     monkeypatch.setattr(tiled_matmul, "MATMUL_TILE_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(n * k + m)
@@ -541,6 +541,13 @@ def test_tiled_matmuls_equal_dequantize_then_multiply(monkeypatch: pytest.Monkey
         torch.testing.assert_close(
             tiled_matmul.fp8_block_matmul(x, bits, mx, block), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
         )
+    if k % quant.NVFP4_GROUP == 0:
+        nscale = torch.randint(0x20, 0x50, (n, k // 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+        g = torch.tensor(0.0173)
+        want = x @ quant.nvfp4_dequant(packed, nscale, g).T
+        torch.testing.assert_close(
+            tiled_matmul.nvfp4_matmul(x, packed, nscale, g), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+        )
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     want = x @ w.float().T
     torch.testing.assert_close(tiled_matmul.bf16_matmul(x, w), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -557,3 +564,11 @@ def test_tiled_matmuls_reject_what_the_dequantizers_reject() -> None:
         )
     with pytest.raises(CheckpointError, match="does not match"):
         tiled_matmul.mxfp4_matmul(x, torch.zeros(1, 64, dtype=torch.uint8), torch.zeros(1, 3, dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match=r"experts\.1\.w2 weight_scale: 1 NaN"):
+        tiled_matmul.nvfp4_matmul(
+            x,
+            torch.zeros(1, 64, dtype=torch.uint8),
+            torch.tensor([[0x38] * 7 + [0x7F]], dtype=torch.uint8),
+            torch.tensor(1.0),
+            what="experts.1.w2",
+        )

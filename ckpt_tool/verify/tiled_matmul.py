@@ -16,11 +16,15 @@ from ckpt_tool.verify.quant import (
     as_e4m3_bits,
     check_fp8_block_shapes,
     check_mxfp4_shapes,
+    check_nvfp4_shapes,
     decode_table,
+    e4m3_scale_to_float32,
     e8m0_to_float32,
     fp8_block_scaled,
     fp8_scale_to_float32,
     mxfp4_scaled,
+    nvfp4_global_scale,
+    nvfp4_scaled,
 )
 
 MATMUL_TILE_ELEMENTS = 1 << 17
@@ -149,3 +153,19 @@ def mxfp4_matmul(
         r0 = (tiles - 1) * rows
         torch.mm(x, mxfp4_scaled(bits[r0:], s[r0:, :, 0], scratch).T, out=y[-1, :, : n - r0])
     return _untile(y, n)
+
+
+def nvfp4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    *,
+    what: str | None = None,
+) -> torch.Tensor:
+    """``x @ nvfp4_dequant(packed, scale, global_scale).T`` for float32 ``x [M, K]`` (as the caller rounded it), the
+    weight dequantized a tile of rows at a time; the same checks and errors as :func:`nvfp4_dequant`."""
+    n, k = check_nvfp4_shapes(packed, scale, what)
+    s = e4m3_scale_to_float32(scale, f"{what} weight_scale" if what else None)
+    g = nvfp4_global_scale(global_scale, f"{what} weight_scale_2" if what else None)
+    return dequant_matmul(x, n, k, 1, lambda r0, r1, scratch: nvfp4_scaled(packed[r0:r1], s[r0:r1], g, scratch))

@@ -1,4 +1,4 @@
-"""GEMMs that consume DeepSeek V4 quantized weights directly (FP8 block, MXFP4).
+"""GEMMs that consume DeepSeek V4 quantized weights directly (FP8 block, MXFP4, NVFP4).
 
 Each GEMM has a Triton backend (compiled on CUDA, or the Triton CPU interpreter under
 ``TRITON_INTERPRET=1``) and a torch backend that dequantizes with :mod:`ckpt_tool.verify.quant` and
@@ -16,6 +16,7 @@ from ckpt_tool.verify.kernels._backend import (
 )
 from ckpt_tool.verify.kernels.fp8_gemm import ACT_MODES, fp8_block_gemm
 from ckpt_tool.verify.kernels.mxfp4_gemm import mxfp4_gemm
+from ckpt_tool.verify.kernels.nvfp4_gemm import nvfp4_gemm
 
 __all__ = [
     "ACT_MODES",
@@ -25,5 +26,6 @@ __all__ = [
     "fp8_block_gemm",
     "interpreter_active",
     "mxfp4_gemm",
+    "nvfp4_gemm",
     "resolve_backend",
 ]

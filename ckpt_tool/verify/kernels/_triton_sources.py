@@ -23,6 +23,8 @@ Bit recipes (``b`` is an int32 holding the byte):
   is NaN.
 * e2m1: sign ``n>>3``, exponent ``(n>>1)&3`` (bias 1), mantissa ``n&1``. Normal values are the
   float32 bits ``(e + 126) << 23 | m << 22``; e == 0 is ``m * 0.5``.
+* E4M3 block scales (NVFP4) are decoded with the e4m3fn recipe; their NaN bytes (0x7F, 0xFF) are rejected on the
+  host before launch.
 * E8M0: ``b << 23`` as float32 bits is ``2**(b-127)`` for b in 1..254; b == 0 is ``2**-127``,
   the float32 subnormal ``0x00400000``. 0xFF (NaN) is rejected on the host before launch.
 """
@@ -209,5 +211,92 @@ def mxfp4_gemm_kernel(
     tl.store(
         y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
         acc,
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def nvfp4_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    global_scale,
+    M,
+    N,
+    KH,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_wsn,
+    stride_wsk,
+    stride_ym,
+    stride_yn,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    GROUP_BYTES: tl.constexpr,
+):
+    """y[M, N] = x[M, 2*KH] @ W.T for NVFP4 W: packed bytes [N, KH], E4M3 block scales (raw bytes, one per
+    GROUP_BYTES packed bytes = 16 inputs) and one float32 global scale.
+
+    The MXFP4 kernel's even/odd split (low nibbles times x[:, 0::2], high nibbles times x[:, 1::2]); the block
+    scale is an e4m3 byte decoded with the bit recipe above, and the global scale multiplies the accumulated sum
+    once at the end: e2m1 x e4m3 has at most 6 significant bits, exact in bf16 (and in the float32 dot), while a
+    float32 global scale is not, so folding it into the weights would round every one of them.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rkh = tl.arange(0, BLOCK_KH)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for kt in range(0, (KH + BLOCK_KH - 1) // BLOCK_KH):
+        kh = kt * BLOCK_KH + rkh
+        kh_ok = kh < KH
+        w_mask = n_ok[:, None] & kh_ok[None, :]
+        wb = tl.load(w_ptr + rn[:, None] * stride_wn + kh[None, :] * stride_wk, mask=w_mask, other=0).to(tl.int32)
+        sb = tl.load(
+            ws_ptr + rn[:, None] * stride_wsn + (kh // GROUP_BYTES)[None, :] * stride_wsk,
+            mask=w_mask,
+            other=0x38,
+        ).to(tl.int32)
+        s_e = (sb >> 3) & 15
+        s_m = sb & 7
+        scale = (((s_e + 120) << 23) | (s_m << 20)).to(tl.float32, bitcast=True)
+        scale = tl.where(s_e == 0, s_m.to(tl.float32) * 0.001953125, scale)
+        scale = tl.where(((sb >> 7) & 1) == 1, -scale, scale)
+
+        lo = wb & 15
+        lo_e = (lo >> 1) & 3
+        lo_m = lo & 1
+        w_lo = (((lo_e + 126) << 23) | (lo_m << 22)).to(tl.float32, bitcast=True)
+        w_lo = tl.where(lo_e == 0, lo_m.to(tl.float32) * 0.5, w_lo)
+        w_lo = tl.where((lo >> 3) == 1, -w_lo, w_lo) * scale
+
+        hi = (wb >> 4) & 15
+        hi_e = (hi >> 1) & 3
+        hi_m = hi & 1
+        w_hi = (((hi_e + 126) << 23) | (hi_m << 22)).to(tl.float32, bitcast=True)
+        w_hi = tl.where(hi_e == 0, hi_m.to(tl.float32) * 0.5, w_hi)
+        w_hi = tl.where((hi >> 3) == 1, -w_hi, w_hi) * scale
+
+        x_mask = m_ok[:, None] & kh_ok[None, :]
+        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kh)[None, :] * stride_xk, mask=x_mask, other=0.0)
+        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kh + 1)[None, :] * stride_xk, mask=x_mask, other=0.0)
+
+        if DOT_BF16:
+            acc += tl.dot(x_even.to(tl.bfloat16), tl.trans(w_lo.to(tl.bfloat16)))
+            acc += tl.dot(x_odd.to(tl.bfloat16), tl.trans(w_hi.to(tl.bfloat16)))
+        else:
+            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+        acc * global_scale,
         mask=m_ok[:, None] & n_ok[None, :],
     )
