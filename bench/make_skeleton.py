@@ -109,7 +109,7 @@ def make_config(num_hidden_layers: int | None = None) -> dict:
         "n_shared_experts": 1,
         "num_experts_per_tok": TOPK,
         "moe_intermediate_size": MOE_INTER,
-        "num_hash_layers": HASH_LAYERS,
+        "num_hash_layers": min(HASH_LAYERS, num_hidden_layers),  # a skeleton of k < 3 layers hashes all k
         "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc",
         "norm_topk_prob": True,
