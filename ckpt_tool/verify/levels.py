@@ -36,7 +36,7 @@ from ckpt_tool.mapping.selection import plan_run
 from ckpt_tool.output.layout import MANIFEST, options_from_manifest
 from ckpt_tool.processes import usable_cpus
 from ckpt_tool.verify.engine import check_with_vllm
-from ckpt_tool.verify.source_match import hub_source_for_verify, same_identity, same_source
+from ckpt_tool.verify.source_match import changed_keys_note, hub_source_for_verify, same_identity, same_source
 from ckpt_tool.verify.structure import check_engine, check_structure
 from ckpt_tool.verify.values import check_values, values_walk
 from ckpt_tool.verify.verdict import Check, NoProgress, Progress, VerifyReport
@@ -84,7 +84,7 @@ def verify(
     manifest = _finished_manifest(out, report)
     if manifest is None:
         return report
-    planned = _plan_from_source(manifest, source, report, same_files)
+    planned = _plan_from_source(manifest, source, report, same_files, out)
     if planned is None:
         return report
     (ckpt, plan), opts = planned, planned[1].options
@@ -172,16 +172,19 @@ def _finished_manifest(out: Path, report: VerifyReport) -> dict | None:
 
 
 def _plan_from_source(
-    manifest: dict, source: Path | Checkpoint, report: VerifyReport, same_files: bool
+    manifest: dict, source: Path | Checkpoint, report: VerifyReport, same_files: bool, out: Path
 ) -> tuple[Checkpoint, Plan] | None:
     """The source opened and checked to be the one OUT was made from, and the plan re-made from it and the recorded
     options and ranks (a check each); None where a check failed and every later one would only restate it."""
     try:
         ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     except CkptToolError as exc:
-        report.add(Check("source", False, str(exc)))
+        # a config.json edited since the conversion into one the tool refuses: the keys that changed, then why
+        changed = changed_keys_note(out, source) if isinstance(source, Path) and source.is_dir() else ""
+        note = f"{source}/config.json changed since OUT was converted{changed}: " if changed else ""
+        report.add(Check("source", False, note + str(exc)))
         return None
-    if not same_source(manifest, ckpt, report):
+    if not same_source(manifest, ckpt, report, out):
         return None
     if same_files:
         same_identity(manifest, ckpt, report)  # the later checks still say whether the bytes differ

@@ -3,20 +3,24 @@ and config, and, for a local source, its files unchanged since), and which check
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
+from ckpt_tool.checkpoint.config_keys import shown
 from ckpt_tool.checkpoint.hub import HubRef, open_hub_source
 from ckpt_tool.checkpoint.identity import FileIdentity, identity_of
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.hub_needs import HubNeeds
+from ckpt_tool.mapping.profiles.draft_kind import DRAFT_COMPONENTS
 from ckpt_tool.output.layout import MANIFEST, options_from_manifest, read_manifest, source_fingerprint
 from ckpt_tool.verify.verdict import Check, VerifyReport
 
 
-def same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:
-    """Is ``--source`` the checkpoint OUT was converted from (shard sizes and header hashes, config)? One check."""
+def same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport, out: Path | None = None) -> bool:
+    """Is ``--source`` the checkpoint OUT was converted from (shard sizes and header hashes, config)? One check; a
+    changed config.json is named by the keys that differ from OUT's copy of it (``out``: OUT, where it is)."""
     recorded_source = manifest.get("source") or {}
     recorded = recorded_source.get("files") or {}
     fingerprint = source_fingerprint(ckpt)
@@ -39,7 +43,8 @@ def same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:
             Check(
                 "source-fingerprint",
                 False,
-                f"{ckpt.root}/config.json differs from the one OUT was converted with; pass the original checkpoint as "
+                f"{ckpt.root}/config.json differs from the one OUT was converted with"
+                f"{changed_keys_note(out, ckpt.root) if out is not None else ''}; pass the original checkpoint as "
                 "--source, or reconvert",
                 file="config.json",
             )
@@ -47,6 +52,55 @@ def same_source(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> bool:
         return False
     report.add(Check("source-fingerprint", True))
     return True
+
+
+def converted_config(out: Path) -> dict | None:
+    """The config.json OUT was converted with: each component's config.json is the source's, byte for byte (the
+    first one that parses; None where none does)."""
+    for component in ("model", *DRAFT_COMPONENTS):
+        try:
+            doc = json.loads((out / component / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
+
+
+def config_changes(before: object, after: object, path: str = "") -> list[str]:
+    """The keys (dotted: ``text_config.engram_layer_ids``) whose values differ between two config.json documents,
+    with both values: ``num_hidden_layers 3 -> 4``, ``sliding_window 16 -> (removed)``; sorted by key."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: list[str] = []
+        for key in sorted(set(before) | set(after), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in after:
+                out.append(f"{where} {shown(before[key])} -> (removed)")
+            elif key not in before:
+                out.append(f"{where} (absent) -> {shown(after[key])}")
+            else:
+                out += config_changes(before[key], after[key], where)
+        return out
+    if before == after and type(before) is type(after):
+        return []
+    return [f"{path or 'the document'} {shown(before)} -> {shown(after)}"]
+
+
+def changed_keys_note(out: Path, src_root: Path) -> str:
+    """`` (changed: KEY OLD -> NEW, ...)``: what differs between the config.json OUT was converted with and the source's
+    now (empty when either cannot be read, or nothing but the bytes differ: whitespace, key order)."""
+    before = converted_config(out)
+    try:
+        after = json.loads((src_root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return ""
+    if before is None:
+        return ""
+    changes = config_changes(before, after)
+    if not changes:
+        return " (the same keys and values, written differently)"
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    return f" (changed: {'; '.join(changes[:3])}{more})"
 
 
 def same_identity(manifest: dict, ckpt: Checkpoint, report: VerifyReport) -> None:
