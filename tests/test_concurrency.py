@@ -2,7 +2,8 @@
 
 The first convert is either held by the test itself (``convert.OutputLock``) or runs in another
 process paused half-way through writing its first file (a progress hook waits for a go file), so
-the refusal is checked while a temporary file is really open and being written.
+the refusal is checked while a temporary file is really open and being written. No step waits a fixed
+time for another: bounds here (``HANG_S``) are only reached by a hang.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.layout import LOCK, MANIFEST, OutputLock
 
 REPO = Path(__file__).resolve().parents[1]
+HANG_S = 300  # only a hang takes this long; a busy machine can stall a process for seconds, never for this
 OPTS = ["--tp", "2", "--max-shard-size", "2MB"]
 
 PAUSED_CONVERT = r"""
-import sys, time
+import os, sys, time
 from pathlib import Path
 from ckpt_tool.output.convert import convert
 from ckpt_tool.mapping.plan import Options
 
 src, out, ready, go = map(Path, sys.argv[1:5])
 seen = [0]
+parent = os.getppid()
 
 def progress(n):
     seen[0] += n
@@ -39,9 +42,8 @@ def progress(n):
     # temporary's content, so the test can compare snapshots taken before and after a refusal
     if not ready.exists():
         ready.write_text(str(seen[0]))
-        deadline = time.monotonic() + 60
-        while not go.exists():
-            if time.monotonic() > deadline:
+        while not go.exists():  # no deadline: however long the test takes, it writes go or goes away
+            if os.getppid() != parent:
                 sys.exit(3)
             time.sleep(0.01)
 
@@ -66,7 +68,7 @@ def paused_convert(src: Path, out: Path, tmp_path: Path):
         env=env,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while not ready.exists():
             assert first.poll() is None, f"first convert exited early: {first.communicate()}"
             assert time.monotonic() < deadline, "first convert never reached its first write"
@@ -75,7 +77,7 @@ def paused_convert(src: Path, out: Path, tmp_path: Path):
     finally:
         go.write_text("go")
         try:
-            first.stdout_text, first.stderr_text = first.communicate(timeout=120)
+            first.stdout_text, first.stderr_text = first.communicate(timeout=HANG_S)
         except subprocess.TimeoutExpired:
             first.kill()
             first.wait()
@@ -137,7 +139,7 @@ def test_two_racing_processes_one_converts_the_other_refuses(clean, tmp_path: Pa
     procs = [
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
     ]
-    results = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+    results = [(p.wait(timeout=HANG_S), p.communicate()[1]) for p in procs]
     codes = sorted(c for c, _ in results)
     assert codes == [0, 1], results
     loser = next(err for c, err in results if c == 1)
@@ -182,13 +184,23 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(
     fixture_dir, tmp_path: Path, monkeypatch
 ) -> None:
     """With several writers, the first failure ends the conversion: files in flight finish, queued ones never start
-    (a fatal error must not be followed by gigabytes of further writes), and the error is what convert raises."""
+    (a fatal error must not be followed by gigabytes of further writes), and the error is what convert raises.
+
+    A file that started before the failure finishes only once the failure is recorded (convert's ``failed``
+    event, seen through ``threading.Event``), so no scheduling lets its writer go on to further files while the
+    failing one is still on its way to record it: at most the failed file and the one in flight start."""
     import threading
+    import types
 
     from ckpt_tool.mapping.plan import Options
     from ckpt_tool.output import convert as conv
 
-    real, started, lock = conv.write_output_file, [], threading.Lock()
+    real, started, lock, events = conv.write_output_file, [], threading.Lock(), []
+
+    class Recorded(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            events.append(self)
 
     def write(f, dest, *args, **kwargs):
         with lock:
@@ -196,13 +208,17 @@ def test_a_failed_file_stops_the_other_writers_from_starting_new_files(
             first = len(started) == 1
         if first:
             raise conv.OutputError(f"{dest}: simulated failure")
+        if not events[0].wait(HANG_S):
+            raise AssertionError("the failure was never recorded")
         return real(f, dest, *args, **kwargs)
 
     monkeypatch.setattr(conv, "write_output_file", write)
+    monkeypatch.setattr(conv, "threading", types.SimpleNamespace(Lock=threading.Lock, Event=Recorded))
     with pytest.raises(conv.OutputError, match="simulated failure"):
         conv.convert(fixture_dir("fp4"), tmp_path / "out", Options(tp=2, max_shard_size=2_000_000), workers=2)
     total = len(plan_conversion(*_cfg_and_tensors(fixture_dir("fp4")), Options(tp=2, max_shard_size=2_000_000)).files)
-    assert total > 6 and len(started) <= 3, (len(started), total)
+    assert len(events) == 1
+    assert total > 6 and len(started) <= 2, (len(started), total)
 
 
 def _cfg_and_tensors(src: Path):
