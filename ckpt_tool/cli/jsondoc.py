@@ -62,6 +62,7 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
         "finalized",
         "target_note",
         "target_warning",
+        "serve",  # the vllm serve line for OUT (null for a draft converted alone)
     ),
     # verify: checks/failed are counts; failures and skipped list whole checks (each with its "status" and
     # "message": what failed, or why it did not run), passed their names; results is every check in order as

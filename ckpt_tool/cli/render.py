@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ckpt_tool.checkpoint.summary import InspectReport
 from ckpt_tool.cli.streams import drop_stdout
+from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 from ckpt_tool.mapping.target import unverified_warning
 from ckpt_tool.verify.verdict import FAILED, SKIPPED
 
@@ -160,7 +161,11 @@ def draft_line(kind: dict) -> str:
     n = kind["layers"]
     if kind["method"] == "dspark":
         what = f"DSpark ({kind['architecture']}), {n} stage{'s' if n != 1 else ''}"
-        rule = " (num_speculative_tokens: vLLM's default, dspark_block_size)"
+        rule = (
+            f" (num_speculative_tokens {kind['num_speculative_tokens']}: config.json's "
+            f"{kind.get('num_speculative_tokens_key') or 'dspark_block_size'}, the block the draft proposes at once; "
+            "vLLM 0.33.0 and 0.34.0 take the same number when none is given)"
+        )
     else:
         what = f"classic MTP ({kind['architecture']}), {n} layer{'s' if n != 1 else ''}"
         rule = ""
@@ -310,6 +315,7 @@ def render_convert_summary(result, as_json: bool = False):
     }
     if result.fetched is not None:  # a streamed hub source
         doc["fetched_bytes"], doc["fetch_requests"] = result.fetched
+    doc["serve"] = serve_line(plan, result.out)
     for w in doc["warnings"]:
         warning_line(w)
     if as_json:
@@ -332,7 +338,22 @@ def render_convert_summary(result, as_json: bool = False):
         out.print(f"deviation: {escape(d)}", highlight=False)
     for n in plan.notes:
         out.print(f"note: {escape(n)}", highlight=False)
+    if doc["serve"]:
+        out.print(f"serve: {escape(doc['serve'])}", highlight=False)
     return doc
+
+
+def serve_line(plan, out_dir) -> str | None:
+    """The ``vllm serve`` line for what ``plan`` wrote into ``out_dir``: the target, with its draft when the plan wrote
+    one (None for a draft alone, which serves beside a target converted elsewhere)."""
+    components = {f.component for f in plan.files}
+    if "model" not in components:
+        return None
+    kind = draft_kind_of(plan.config)
+    opts = plan.options
+    return kind.serve_command(
+        plan.config, str(out_dir), opts.tp, opts.moe_parallel == "ep", kind.component in components
+    )
 
 
 def check_line(c) -> str:
@@ -395,6 +416,12 @@ def write_junit(report, path) -> None:
         case = ET.SubElement(
             suite, "testcase", classname=f"ckpt-tool.verify.{'engine' if engine else report.level}", name=c.name
         )
+        loaded = c.details.get("real_load") if engine and isinstance(c.details, dict) else None
+        if loaded and loaded.get("seconds") is not None:  # the rank's real load: its time, and what it read
+            case.set("time", f"{loaded['seconds']:.6f}")
+            props = ET.SubElement(case, "properties")
+            for key in ("bytes", "disk_read_bytes", "cpu_seconds"):
+                ET.SubElement(props, "property", name=f"load_{key}", value=str(loaded.get(key)))
         if engine and c.ok:  # which vLLM passed it
             ET.SubElement(case, "system-out").text = c.message
         if c.status == FAILED:

@@ -13,7 +13,11 @@ one its weights are:
   ``dspark_target_layer_ids`` and ``dspark_markov_rank`` from config.json without a default (nvidia/dspark.py,
   ``DSparkDeepseekV4Model.__init__``), so a config.json that names target layers is a DSpark checkpoint.
   ``n_mtp_layers`` stages (default 3), the head stack (``main_proj``, ``main_norm``, ``norm``, ``hc_head_*``, the
-  Markov and confidence heads) at model level. ``num_speculative_tokens`` defaults to ``dspark_block_size``.
+  Markov and confidence heads) at model level. ``num_speculative_tokens``: when the speculative config gives none,
+  vLLM 0.33.0 (config/speculative.py ``SpeculativeConfig.__post_init__``) and 0.34.0
+  (v1/worker/gpu/spec_decode/dspark/config.py ``resolve_num_speculative_tokens``) both take config.json's
+  ``block_size``, else ``dspark_block_size``; the serve line the tool prints gives that number explicitly all the
+  same (the engine tests feed it to each release's own ``SpeculativeConfig``).
 
 vLLM picks the method from the draft folder's path when none is given, and a folder without ``dspark`` in its path
 is taken for MTP (0.33.0 ``SpeculativeConfig.__post_init__``; 0.34.0 ``dspark/config.py``): the DSpark folder of
@@ -55,18 +59,39 @@ class DraftKind:
         return config.draft_layers
 
     def speculative_tokens(self, config) -> int:
-        """vLLM's default ``num_speculative_tokens`` for this draft (what the serve command passes)."""
+        """The ``num_speculative_tokens`` the serve command passes: a DSpark draft's block (config.json's
+        ``block_size``, else ``dspark_block_size``: what vLLM 0.33.0 and 0.34.0 take when none is given, see
+        :func:`tokens_key`), one token for the classic MTP head (its one trained step)."""
         if self.method == "dspark":
-            # dspark/config.py (0.34) / SpeculativeConfig (0.33): a top-level block_size wins, else dspark_block_size
-            return int(config.raw.get("block_size") or config.dspark_block_size or 1)
+            return int(_flat_get(config.raw, "block_size") or config.dspark_block_size or 1)
         return 1
 
+    def tokens_key(self, config) -> str | None:
+        """The config.json key :meth:`speculative_tokens` comes from (None: the classic MTP's fixed 1). vLLM 0.33.0
+        (config/speculative.py ``SpeculativeConfig.__post_init__``, ``use_dspark()``) and 0.34.0
+        (v1/worker/gpu/spec_decode/dspark/config.py ``resolve_num_speculative_tokens``) read ``block_size`` when it
+        is not None, else ``dspark_block_size``."""
+        if self.method != "dspark":
+            return None
+        return "block_size" if _flat_get(config.raw, "block_size") is not None else "dspark_block_size"
+
     def speculative_config(self, config, folder: str) -> str:
-        """The ``--speculative-config`` JSON that serves this draft from ``folder``."""
+        """The ``--speculative-config`` JSON that serves this draft from ``folder``: the method and the number of
+        tokens always explicit (vLLM guesses the method from the folder's path otherwise)."""
         return (
             f'{{"method": "{self.method}", "model": "{folder}", '
             f'"num_speculative_tokens": {self.speculative_tokens(config)}}}'
         )
+
+    def serve_command(self, config, out: str, tp: int, ep: bool, draft: bool = True) -> str:
+        """The ``vllm serve`` line for OUT (``out``) converted at ``tp`` (``ep``: --moe-parallel ep), with this draft
+        when ``draft``: the sharded load format, the same tp, expert parallelism exactly when converted with it."""
+        line = f"vllm serve {out}/model --load-format sharded_state --tensor-parallel-size {tp}"
+        if ep:
+            line += " --enable-expert-parallel"
+        if draft:
+            line += f" --speculative-config '{self.speculative_config(config, f'{out}/{self.component}')}'"
+        return line
 
     def holds_context_wkv(self, series: str | None) -> bool:
         """Whether vLLM ``series``' class (``"0.34"``; None: the newest) holds ``model.context_wkv_proj``."""
@@ -103,9 +128,19 @@ class DraftKind:
             "layers": self.layers(config),
             "folder": self.component,
             "num_speculative_tokens": self.speculative_tokens(config),
+            "num_speculative_tokens_key": self.tokens_key(config),
             "description": self.description,
             "series_note": self.series_note or None,
         }
+
+
+def _flat_get(raw: dict, key: str):
+    """``key`` of a config.json as vLLM's config object holds it: V4.1's ``text_config`` keys over the top level
+    (vllm/transformers_utils/configs/deepseek_v41.py copies them up)."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and key in text:
+        return text[key]
+    return raw.get(key)
 
 
 MTP = DraftKind(
