@@ -259,14 +259,20 @@ class _InMemorySides:
     def __init__(self, source: dict[str, torch.Tensor], ranks: dict[int, dict[str, torch.Tensor]]) -> None:
         self.source, self.ranks = source, ranks
 
+    @staticmethod
+    def _rows(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """Rows of the 2-D view, as RowReader.rows reads them (a stacked [E, R, C] tensor: E * R rows; a 0-d or 1-D
+        one: one row)."""
+        return (t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1))[r0:r1]
+
     def source_rows(self, name, r0, r1, into=None):
-        return self.source[name][r0:r1]
+        return self._rows(self.source[name], r0, r1)
 
     def engine_info(self, rank, name):
         return None, SimpleNamespace(shape=tuple(self.ranks[rank][name].shape))
 
     def engine_rows(self, rank, name, r0, r1, into=None):
-        return self.ranks[rank][name][r0:r1]
+        return self._rows(self.ranks[rank][name], r0, r1)
 
 
 @pytest.mark.parametrize("expand", ["as vLLM does", "wrongly"])
@@ -292,3 +298,116 @@ def test_an_mxfp8_split_inside_a_32_row_scale_block_is_checked_from_the_block_st
         assert problem is None and runner.take_computed() == {("w.weight", "src"): 0b11}
     else:
         assert problem is not None and "'w.weight' (scale 'w.weight_scale') (rank 1)" in problem, problem
+
+
+NV_E, NV_D, NV_I = 2, 64, 64  # experts, hidden size, expert intermediate size: I / 2 ranks = 32 inputs, 2 groups
+
+
+def _nvfp4_experts(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Source tensors of NV_E NVFP4 experts as NVIDIA's export names them: .weight, .weight_scale, .weight_scale_2
+    (every part's global scale different, so one taken for another shows)."""
+    src = {}
+    for j in range(NV_E):
+        for which, (rows, inp) in {"w1": (NV_I, NV_D), "w3": (NV_I, NV_D), "w2": (NV_D, NV_I)}.items():
+            packed, scale, g = quant.nvfp4_quant(torch.randn(rows, inp, generator=gen) * (1 + j + len(which)))
+            base = f"src.experts.{j}.{which}"
+            src[f"{base}.weight"], src[f"{base}.weight_scale"], src[f"{base}.weight_scale_2"] = packed, scale, g
+    return src
+
+
+def _nvfp4_ranks(src: dict[str, torch.Tensor], moe: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Each rank's stacked parameters as vLLM's ModelOptNvFp4FusedMoE holds them: tp 2 splits w1/w3 rows and w2
+    inputs (packed bytes and scale groups alike), ep 2 gives each rank one whole expert."""
+    ranks = {}
+    for r in range(2):
+        experts = range(NV_E) if moe == "tp" else [r]
+        w13, s13, g13, w2, s2, g2 = [], [], [], [], [], []
+        for j in experts:
+            e = f"src.experts.{j}"
+            rows = slice(r * NV_I // 2, (r + 1) * NV_I // 2) if moe == "tp" else slice(None)
+            w13.append(torch.cat([src[f"{e}.w1.weight"][rows], src[f"{e}.w3.weight"][rows]]))
+            s13.append(torch.cat([src[f"{e}.w1.weight_scale"][rows], src[f"{e}.w3.weight_scale"][rows]]))
+            g13.append(torch.stack([src[f"{e}.w1.weight_scale_2"], src[f"{e}.w3.weight_scale_2"]]))
+            cols = slice(r * NV_I // 4, (r + 1) * NV_I // 4) if moe == "tp" else slice(None)
+            groups = slice(r * NV_I // 32, (r + 1) * NV_I // 32) if moe == "tp" else slice(None)
+            w2.append(src[f"{e}.w2.weight"][:, cols])
+            s2.append(src[f"{e}.w2.weight_scale"][:, groups])
+            g2.append(src[f"{e}.w2.weight_scale_2"])
+        ranks[r] = {
+            "r.w13_weight": torch.stack(w13),
+            "r.w13_weight_scale": torch.stack(s13),
+            "r.w13_weight_scale_2": torch.stack(g13),
+            "r.w2_weight": torch.stack(w2),
+            "r.w2_weight_scale": torch.stack(s2),
+            "r.w2_weight_scale_2": torch.stack(g2),
+        }
+    return ranks
+
+
+def _nvfp4_units(moe: str) -> list[LinearUnit]:
+    units = []
+    for j in range(NV_E):
+        ranks, local, lay13, lay2 = ((0, 1), (j, j), "col", "row") if moe == "tp" else ((j,), (0,), "full", "full")
+        e = f"src.experts.{j}"
+        units.append(
+            LinearUnit(
+                "g", "r.w13_weight", "r.w13_weight_scale", "nvfp4", (Part(f"{e}.w1", NV_I), Part(f"{e}.w3", NV_I)),
+                NV_D, lay13, ranks, j, local, global_scale="r.w13_weight_scale_2",
+            )
+        )  # fmt: skip
+        units.append(
+            LinearUnit(
+                "g", "r.w2_weight", "r.w2_weight_scale", "nvfp4", (Part(f"{e}.w2", NV_D),), NV_I, lay2, ranks, j,
+                local, global_scale="r.w2_weight_scale_2",
+            )
+        )  # fmt: skip
+    return units
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+@pytest.mark.parametrize("broken", [None, "w1 and w3 global scales swapped", "w2 global scale of another expert"])
+def test_nvfp4_experts_are_checked_part_by_part_with_their_own_global_scales(moe: str, broken: str | None) -> None:
+    """NVFP4 routed experts through the per-tensor runner (kernels and torch reference), tp 2 and ep 2: every part on
+    every rank agrees and counts; a rank whose w13_weight_scale_2 has w1's and w3's swapped, or whose
+    w2_weight_scale_2 holds another expert's, fails naming the tensor, the expert and the rank."""
+    gen = torch.Generator().manual_seed(44)
+    src = _nvfp4_experts(gen)
+    ranks = _nvfp4_ranks(src, moe)
+    if broken == "w1 and w3 global scales swapped":
+        ranks[1]["r.w13_weight_scale_2"] = ranks[1]["r.w13_weight_scale_2"].flip(-1).contiguous()
+    elif broken == "w2 global scale of another expert":
+        if moe == "tp":
+            ranks[1]["r.w2_weight_scale_2"] = ranks[1]["r.w2_weight_scale_2"].flip(0).contiguous()
+        else:
+            ranks[1]["r.w2_weight_scale_2"] = src["src.experts.0.w2.weight_scale_2"].reshape(1)
+    runner = LinearRunner(_InMemorySides(src, ranks), kernels="torch", act="bf16", seed=0)
+    problems = [p for p in (runner.run(u) for u in _nvfp4_units(moe)) if p is not None]
+    if broken is None:
+        assert problems == []
+        every_rank = 0b11 if moe == "tp" else None
+        for j in range(NV_E):
+            want = every_rank or 1 << j
+            assert runner.computed[(f"r.w13_weight[expert {j}]", f"src.experts.{j}.w1")] == want
+            assert runner.computed[(f"r.w13_weight[expert {j}]", f"src.experts.{j}.w3")] == want
+            assert runner.computed[(f"r.w2_weight[expert {j}]", f"src.experts.{j}.w2")] == want
+        return
+    tensor = "r.w13_weight" if broken.startswith("w1") else "r.w2_weight"
+    where = "rank 1" if moe == "ep" or tensor == "r.w13_weight" else "ranks summed"
+    assert problems and all(tensor in p for p in problems), problems
+    assert any(f"expert 1 ({where})" in p for p in problems), problems
+
+
+def test_nvfp4_experts_through_the_triton_kernel_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tp 2 experts with the engine side through the Triton NVFP4 kernel (the CPU interpreter)."""
+    pytest.importorskip("triton")
+    import triton.language  # noqa: F401  (before the variable: see tests/test_kernels.py's module doc)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    src = _nvfp4_experts(torch.Generator().manual_seed(45))
+    runner = LinearRunner(_InMemorySides(src, _nvfp4_ranks(src, "tp")), kernels="triton", act="bf16", seed=0)
+    assert [runner.run(u) for u in _nvfp4_units("tp")] == [None] * (2 * NV_E)
+
+
+def test_nvfp4_units_name_their_global_scales_for_the_coverage() -> None:
+    unit = _nvfp4_units("tp")[0]
+    assert unit_tensors(unit) == ["r.w13_weight", "r.w13_weight_scale", "r.w13_weight_scale_2"]

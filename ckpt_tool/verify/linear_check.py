@@ -58,7 +58,7 @@ from ckpt_tool.processes import TaskQueue
 from ckpt_tool.verify import quant, tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.coverage import Coverage
-from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
+from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm, nvfp4_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, row_count, source_info
 from ckpt_tool.verify.tensor_units import ExactUnit, LinearUnit, Part, Unit, tensor_units, unit_label, unit_tensors
@@ -124,7 +124,8 @@ class _Sides:
 
 def _block_rows(kind: str, side: str) -> int:
     """Weight rows one scale row covers on ``side`` (source | engine): 128 for block FP8; for MXFP8 32 in the
-    checkpoint, 1 in the engine (vLLM repeats each scale row once per weight row); 1 for MXFP4's per-row groups."""
+    checkpoint, 1 in the engine (vLLM repeats each scale row once per weight row); 1 for MXFP4's and NVFP4's per-row
+    groups."""
     if kind == "fp8":
         return FP8_BLOCK
     if kind == "mxfp8":
@@ -140,7 +141,12 @@ def _scale_rows(kind: str, r0: int, r1: int, side: str) -> tuple[int, int]:
 
 def _row_bytes(kind: str, inp: int) -> int:
     """Bytes of one weight row of ``inp`` inputs (packed fp4: two a byte)."""
-    return {"fp8": inp, "mxfp8": inp, "mxfp4": inp // 2, "bf16": 2 * inp}[kind]
+    return {"fp8": inp, "mxfp8": inp, "mxfp4": inp // 2, "nvfp4": inp // 2, "bf16": 2 * inp}[kind]
+
+
+_SOURCE_SCALE = {"nvfp4": "weight_scale"}
+"""A source linear's block-scale suffix where it is not DeepSeek's ``.scale``: NVIDIA's NVFP4 experts (Model
+Optimizer's ``quantize_to_nvfp4.py``: ``.weight_scale`` E4M3 and the global ``.weight_scale_2`` F32 scalar)."""
 
 
 def _unit_bytes(u: Unit) -> int:
@@ -186,26 +192,44 @@ class LinearRunner:
         with self._lock:
             self.computed[key] = self.computed.get(key, 0) | sum(1 << r for r in set(ranks))
 
-    # the two GEMMs: source = torch reference, engine = the kernels
+    # the two GEMMs: source = torch reference, engine = the kernels (g: an NVFP4 weight's global scale)
     def _reference(
-        self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str
+        self,
+        kind: str,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        s: torch.Tensor | None,
+        what: str,
+        g: torch.Tensor | None = None,
     ) -> torch.Tensor:
         with compute_slot(self.pool):
             if kind == "bf16":
                 return x @ w.float().T
             if kind == "mxfp4":
                 return tiled_matmul.mxfp4_matmul(prepare_activation(x, "bf16"), w, s, what=what)
+            if kind == "nvfp4":
+                return tiled_matmul.nvfp4_matmul(prepare_activation(x, "bf16"), w, s, g, what=what)
             if kind == "mxfp8":  # the checkpoint's 32x32 blocks; fp8 activations in the block's 32-input groups
                 block = quant.MXFP8_BLOCK
                 return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act, block[1]), w, s, block, what=what)
             return tiled_matmul.fp8_block_matmul(prepare_activation(x, self.act), w, s, what=what)
 
-    def _kernel(self, kind: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, what: str) -> torch.Tensor:
+    def _kernel(
+        self,
+        kind: str,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        s: torch.Tensor | None,
+        what: str,
+        g: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         with compute_slot(self.pool):
             if kind == "bf16":
                 return x @ w.float().T
             if kind == "mxfp4":
                 return mxfp4_gemm(x, w, s, backend=self.kernels, what=what)
+            if kind == "nvfp4":
+                return nvfp4_gemm(x, w, s, g, backend=self.kernels, what=what)
             block = quant.MXFP8_ROW_BLOCK if kind == "mxfp8" else quant.FP8_BLOCK  # vLLM's one scale row a weight row
             return fp8_block_gemm(x, w, s, act=self.act, block=block, backend=self.kernels, what=what)
 
@@ -215,7 +239,8 @@ class LinearRunner:
         row and the rows before ``a`` dropped."""
         lead = a % _block_rows(u.kind, "source")
         w, s = self._source_tile(u, part, a - lead, b)
-        return self._reference(u.kind, x, w, s, f"source {part.source}")[:, lead:]
+        g = self.sides.source_rows(f"{part.source}.weight_scale_2", 0, 1) if u.kind == "nvfp4" else None
+        return self._reference(u.kind, x, w, s, f"source {part.source}", g)[:, lead:]
 
     def _source_tile(self, u: LinearUnit, part: Part, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [a, b) of the source part (valid until this thread's next source tile)."""
@@ -223,9 +248,10 @@ class LinearRunner:
         if u.kind == "bf16":
             return self.sides.source_rows(part.source, part.row0 + a, part.row0 + b, bufs["source"]), None
         s0, s1 = _scale_rows(u.kind, a, b, "source")
+        scale = f"{part.source}.{_SOURCE_SCALE.get(u.kind, 'scale')}"
         return (
             self.sides.source_rows(f"{part.source}.weight", a, b, bufs["source"]),
-            self.sides.source_rows(f"{part.source}.scale", s0, s1, bufs["source scale"]),
+            self.sides.source_rows(scale, s0, s1, bufs["source scale"]),
         )
 
     def _engine_tile(
@@ -243,6 +269,16 @@ class LinearRunner:
         if u.expert is not None:
             sbase = slot * self.sides.engine_info(rank, u.scale)[1].shape[1]
         return w, self.sides.engine_rows(rank, u.scale, sbase + s0, sbase + s1, bufs["engine scale"])
+
+    def _engine_global(self, u: LinearUnit, rank: int, slot: int, part: int) -> torch.Tensor | None:
+        """An NVFP4 unit's global scale on ``rank`` for stacked expert ``slot`` and the unit's ``part`` (0-d), from
+        ``w13_weight_scale_2 [E_local, 2]`` (w1's, w3's) or ``w2_weight_scale_2 [E_local]``; None for other kinds."""
+        if u.global_scale is None:
+            return None
+        _, info = self.sides.engine_info(rank, u.global_scale)
+        if len(info.shape) == 2:  # one per expert and part: the row of the expert
+            return self.sides.engine_rows(rank, u.global_scale, slot, slot + 1)[0, part]
+        return self.sides.engine_rows(rank, u.global_scale, 0, 1).reshape(-1)[slot]  # one per expert: one row
 
     def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
         """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
@@ -274,7 +310,7 @@ class LinearRunner:
         slots = dict(zip(u.ranks, u.local)) if u.expert is not None else {r: 0 for r in u.ranks}
         off = 0  # the part's first row in the source's stacked parts
         local_off = 0  # ... and in a column-parallel rank's tensor
-        for part in u.parts:
+        for pi, part in enumerate(u.parts):
             worst: dict[int | str, list[float]] = {}  # holder -> [max |a-b|, max |a|]
             ran: set[int] = set()  # ranks whose rows of the part were compared
 
@@ -296,7 +332,9 @@ class LinearRunner:
                     kr = u.share(u.inp)
                     for i, r in enumerate(u.ranks):
                         w, s = self._engine_tile(u, r, slots[r], a, b)
-                        y = self._kernel(u.kind, x[:, i * kr : (i + 1) * kr].contiguous(), w, s, f"{u.label} rank {r}")
+                        g = self._engine_global(u, r, slots[r], pi)
+                        xr = x[:, i * kr : (i + 1) * kr].contiguous()
+                        y = self._kernel(u.kind, xr, w, s, f"{u.label} rank {r}", g)
                         got = y if got is None else got + y
                     note("sum", ref, got)
                     ran.update(u.ranks)
@@ -304,12 +342,14 @@ class LinearRunner:
                     i = u.ranks.index(owner)
                     local = local_off + a - i * u.share(part.rows)
                     w, s = self._engine_tile(u, owner, slots[owner], local, local + (b - a))
-                    note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}"))
+                    g = self._engine_global(u, owner, slots[owner], pi)
+                    note(owner, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {owner}", g))
                     ran.add(owner)
                 else:
                     for r in u.ranks:
                         w, s = self._engine_tile(u, r, slots[r], off + a, off + b)
-                        note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}"))
+                        g = self._engine_global(u, r, slots[r], pi)
+                        note(r, ref, self._kernel(u.kind, x, w, s, f"{u.label} rank {r}", g))
                         ran.add(r)
             self._done(u, part.key, ran)
             for holder, (d, amax) in worst.items():
@@ -325,7 +365,7 @@ class LinearRunner:
             if u.layout == "col" and u.per_rank is not None:
                 for a, b, r in self._pad_tiles(u, part.rows):
                     w, s = self._engine_tile(u, r, slots[r], local_off + a, local_off + b)
-                    y = self._kernel(u.kind, x, w, s, f"{u.label} rank {r}")
+                    y = self._kernel(u.kind, x, w, s, f"{u.label} rank {r}", self._engine_global(u, r, slots[r], pi))
                     if y.count_nonzero():
                         return (
                             f"tensor {u.weight!r} (rank {r}): rows {local_off + a}:{local_off + b} are the engine's "

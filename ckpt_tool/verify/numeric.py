@@ -236,8 +236,9 @@ class NumericLevel:
             names = [unit.source]
         elif unit.kind == "bf16":
             names = [p.source for p in unit.parts]
-        else:
-            names = [f"{p.source}.{what}" for p in unit.parts for what in ("weight", "scale")]
+        else:  # NVIDIA's NVFP4 experts: their E4M3 block scale and F32 global scale (linear_check._SOURCE_SCALE)
+            suffixes = ("weight", "weight_scale", "weight_scale_2") if unit.kind == "nvfp4" else ("weight", "scale")
+            names = [f"{p.source}.{what}" for p in unit.parts for what in suffixes]
         tensors = self.ckpt.tensors
         src = [(self.ckpt.root / t.file, t.start, t.end) for t in (tensors.get(n) for n in names) if t is not None]
         return out, src

@@ -45,7 +45,7 @@ class LinearUnit:
     group: str
     weight: str
     scale: str | None
-    kind: str  # fp8 | mxfp8 | mxfp4 | bf16 (mxfp8: V4.1, 32x32 scale blocks in the source, 1x32 in OUT)
+    kind: str  # fp8 | mxfp8 | mxfp4 | nvfp4 | bf16 (mxfp8: V4.1, 32x32 scale blocks in the source, 1x32 in OUT)
     parts: tuple[Part, ...]
     inp: int
     layout: str
@@ -55,6 +55,10 @@ class LinearUnit:
     # col/row: each part's rows (col) or the inputs (row) a rank holds when the engine zero-pads the split to
     # whole blocks (real ones first, a rank past the end all zeros); None: an even split
     per_rank: int | None = None
+    # nvfp4: the engine's per-expert float32 global scales, ``w13_weight_scale_2 [E_local, 2]`` (one per part: w1,
+    # w3) or ``w2_weight_scale_2 [E_local]`` (vLLM 0.34.0 modelopt.py ModelOptNvFp4FusedMoE.create_weights); each
+    # source part has its own ``.weight_scale_2``
+    global_scale: str | None = None
 
     def share(self, size: int) -> int:
         """What one rank holds of a split dim of ``size``."""
@@ -457,14 +461,19 @@ def _stage_finder(n: int, source_names: set[str]):
 def _prefixed(u: Unit, prefix: str) -> Unit:
     if isinstance(u, ExactUnit):
         return replace(u, name=prefix + u.name)
-    return replace(u, weight=prefix + u.weight, scale=None if u.scale is None else prefix + u.scale)
+    return replace(
+        u,
+        weight=prefix + u.weight,
+        scale=None if u.scale is None else prefix + u.scale,
+        global_scale=None if u.global_scale is None else prefix + u.global_scale,
+    )
 
 
 def unit_tensors(u: Unit) -> list[str]:
     """Engine tensor names a unit checks."""
     if isinstance(u, ExactUnit):
         return [u.name]
-    return [u.weight] + ([u.scale] if u.scale else [])
+    return [u.weight] + ([u.scale] if u.scale else []) + ([u.global_scale] if u.global_scale else [])
 
 
 def unit_label(u: Unit) -> str:
