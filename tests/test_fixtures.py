@@ -24,6 +24,7 @@ from ckpt_tool.fixtures.make import (
     HIDDEN,
     MAIN_LAYERS,
     MOE_INTER,
+    NVFP4_VARIANTS,
     PAD_VARIANTS,
     SEED,
     TOPK,
@@ -51,13 +52,14 @@ def families(names, pattern: str) -> set[str]:
 
 
 def test_variant_lists_partition_the_variants() -> None:
-    lists = (GOOD_VARIANTS, PAD_VARIANTS, BROKEN_VARIANTS, VISION_VARIANTS, DSPARK_VARIANTS)
+    lists = (GOOD_VARIANTS, PAD_VARIANTS, BROKEN_VARIANTS, VISION_VARIANTS, DSPARK_VARIANTS, NVFP4_VARIANTS)
     assert set().union(*lists) == set(VARIANTS)
     assert sum(map(len, lists)) == len(VARIANTS)
     assert {"vl-fp4", "vl-fp4-nomtp"} <= set(VISION_VARIANTS)
     assert {"fp4", "fp4-mtp-emb", "fp8", "fp8-e8m0", "fp4-2mtp"} <= set(GOOD_VARIANTS)
     assert {"fp4-pad", "fp8-e8m0-pad"} <= set(PAD_VARIANTS)
     assert {"missing-mtp", "truncated", "bad-header-len", "overlap", "missing-file"} <= set(BROKEN_VARIANTS)
+    assert {"nvfp4", "nvfp4-all", "dspark-nvfp4", "v41-nvfp4"} == set(NVFP4_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", GOOD_VARIANTS + PAD_VARIANTS)

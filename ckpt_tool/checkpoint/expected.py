@@ -17,7 +17,8 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ckpt_tool.checkpoint.blocks import MX_BLOCK
+from ckpt_tool.checkpoint import expert_format
+from ckpt_tool.checkpoint.blocks import MX_BLOCK, NVFP4_BLOCK
 from ckpt_tool.checkpoint.config import V4Config
 
 GLOBAL_GROUP = "globals"
@@ -134,20 +135,29 @@ def _fp8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple
     ]
 
 
-def _routed_expert(config: V4Config, w: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:
-    """One routed expert's linear in the format expert_dtype names: MXFP4 [out, in/2] int8 with [out, in/32]
-    scales, or block FP8. Every dimension the other format would size differently derives from expert_dtype too."""
-    ed = EXPERT_DTYPE
-    if config.expert_dtype == "fp4":
-        return [
-            (f"{w}.weight", _spec(MXFP4, out, (inp // 2).also(ed), dtype_key=ed)),
-            (f"{w}.scale", _spec(MX_SCALE, out.also(ed), (inp // MX_BLOCK).also(ed), dtype_key=ed)),
-        ]
+def _routed_expert(config: V4Config, fmt: str, w: str, out: Dim, inp: Dim) -> list[tuple[str, Expected]]:
+    """One routed expert's linear in the format ``fmt`` (:mod:`ckpt_tool.checkpoint.expert_format`): MXFP4 [out, in/2]
+    int8 with [out, in/32] scales, block FP8, or NVFP4 [out, in/2] U8 with [out, in/16] E4M3 scales and two scalars.
+    Every dimension another format would size differently derives from the key that chooses the format too."""
+    ef = expert_format.EXPERT_FORMATS[fmt]
+    key = expert_format.MOE_QUANT_KEY if ef is expert_format.NVFP4 else EXPERT_DTYPE
     bo, bi = _blocks(config)
-    return [
-        (f"{w}.weight", _spec(FP8, out, inp.also(ed), dtype_key=ed)),
-        (f"{w}.scale", _spec(BLOCK_SCALE, out.blocks(bo).also(ed), inp.blocks(bi).also(ed), dtype_key=ed)),
-    ]
+    dims = {
+        "packed": (out, (inp // 2).also(key)),
+        "mx": (out.also(key), (inp // MX_BLOCK).also(key)),
+        "nv": (out.also(key), (inp // NVFP4_BLOCK).also(key)),
+        "fp8": (out, inp.also(key)),
+        "fp8-blocks": (out.blocks(bo).also(key), inp.blocks(bi).also(key)),
+        "scalar": (),
+    }
+    return [(f"{w}.{part.suffix}", _spec(part.dtypes, *dims[part.shape], dtype_key=key)) for part in ef.parts]
+
+
+def _format_of(config: V4Config, prefix: str | None) -> str:
+    """The experts' format name of the block under ``prefix`` (None: the one DeepSeek's own expert_dtype names)."""
+    if prefix is None:
+        return expert_format.FP8.name if config.expert_dtype == "fp8" else expert_format.MXFP4.name
+    return expert_format.layer_format(config, prefix).name
 
 
 def _compressor(prefix: str, ratio: Dim, width: Dim, hidden: Dim, norm: Dim) -> list[tuple[str, Expected]]:
@@ -180,7 +190,7 @@ def _block_start(config: V4Config) -> tuple[tuple[Dim, ...], list[tuple[str, Exp
 
 
 @functools.lru_cache(maxsize=16)
-def block_specs(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Specs, Specs]:
+def block_specs(config: V4Config, ratio: int, hash_layer: bool, fmt: str | None = None) -> tuple[Specs, Specs]:
     """One decoder block (a main layer or an MTP block): its tensors after ``{prefix}.``, and one routed
     expert's after ``{prefix}.ffn.experts.{j}.`` (every expert alike), with what config.json implies for each.
 
@@ -225,7 +235,7 @@ def block_specs(config: V4Config, ratio: int, hash_layer: bool) -> tuple[Specs, 
             fixed += _fp8_linear(config, f"ffn.shared_experts.{w}", out, inp)
     expert: list[tuple[str, Expected]] = []
     for w, out, inp in (("w1", I, D), ("w2", D, I), ("w3", I, D)):
-        expert += _routed_expert(config, w, out, inp)
+        expert += _routed_expert(config, fmt or _format_of(config, None), w, out, inp)
     return tuple(fixed), tuple(expert)
 
 
@@ -313,8 +323,9 @@ def _mx8_linear(config: V4Config, prefix: str, out: Dim, inp: Dim) -> list[tuple
 
 
 @functools.lru_cache(maxsize=64)
-def v41_block_specs(config: V4Config, layer: int | None) -> tuple[Specs, Specs]:
-    """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert, as :func:`block_specs`."""
+def v41_block_specs(config: V4Config, layer: int | None, fmt: str | None = None) -> tuple[Specs, Specs]:
+    """One V4.1 decoder block (``layer`` None: a DSpark stage) and one routed expert (``fmt``: its format's name), as
+    :func:`block_specs`."""
     d = functools.partial(_dim, config)
     (D, H, Dh, Qr, G, Or, hc), fixed = _block_start(config)
     for lin, out, inp in (("wq_a", Qr, D), ("wq_b", H * Dh, Qr), ("wkv", Dh, D), ("wo_a", G * Or, H * Dh // G),
@@ -364,7 +375,7 @@ def v41_block_specs(config: V4Config, layer: int | None) -> tuple[Specs, Specs]:
         ]
     expert: list[tuple[str, Expected]] = []
     for w, out, inp in (("w1", I, D), ("w2", D, I), ("w3", I, D)):
-        expert += _routed_expert(config, w, out, inp)
+        expert += _routed_expert(config, fmt or _format_of(config, None), w, out, inp)
     return tuple(fixed), tuple(expert)
 
 
@@ -444,11 +455,12 @@ def block_tensors(
 ) -> list[str]:
     """Source names of one decoder block (a main layer or an MTP block) under ``prefix``; ``v41_layer``: a V4.1
     block, of main layer ``v41_layer`` (None: a DSpark stage)."""
+    fmt = _format_of(config, prefix)
     if v41_layer is not False:
-        fixed, expert = v41_block_specs(config, v41_layer)
+        fixed, expert = v41_block_specs(config, v41_layer, fmt)
         experts = config.n_routed_experts if v41_layer is not None else (config.dspark_n_routed_experts or 0)
     else:
-        fixed, expert = block_specs(config, ratio, hash_layer)
+        fixed, expert = block_specs(config, ratio, hash_layer, fmt)
         experts = config.n_routed_experts
     names = list(map(f"{prefix}.".__add__, _suffixes(fixed)))
     # 6 names per routed expert, 66k in a V4 checkpoint: the same suffixes for every block, joined by concatenation
@@ -530,7 +542,7 @@ def expected_shapes(config: V4Config) -> dict[str, Expected]:
     roles = dict(global_specs(config))
 
     def block(prefix: str, ratio: int, hash_layer: bool) -> None:
-        fixed, expert = block_specs(config, ratio, hash_layer)
+        fixed, expert = block_specs(config, ratio, hash_layer, _format_of(config, prefix))
         roles.update((f"{prefix}.{suffix}", e) for suffix, e in fixed)
         roles.update((f"{prefix}{EXPERT_ROLE}{suffix}", e) for suffix, e in expert)
 
@@ -558,7 +570,7 @@ def _v41_expected_shapes(config: V4Config) -> dict[str, Expected]:
     roles = dict(v41_global_specs(config))
 
     def block(prefix: str, layer: int | None) -> None:
-        fixed, expert = v41_block_specs(config, layer)
+        fixed, expert = v41_block_specs(config, layer, _format_of(config, prefix))
         roles.update((f"{prefix}.{suffix}", e) for suffix, e in fixed)
         roles.update((f"{prefix}{EXPERT_ROLE}{suffix}", e) for suffix, e in expert)
 

@@ -33,6 +33,10 @@ class Options:
     # the vLLM release (or series) OUT is served with (None: the newest the profile covers); it changes the bytes only
     # where the series a profile covers build the draft differently, and a plan keeps it only there, as the series
     vllm_series: str | None = None
+    # NVFP4 experts under ep: "global" (every rank holds every expert's input scales, as vLLM's FlashInfer NVFP4 MoE
+    # backends keep them: Blackwell's default) or "local" (the rank's own, as the other backends); a plan keeps it only
+    # where it changes the bytes (NVFP4 experts, --moe-parallel ep)
+    nvfp4_input_scales: str | None = None
 
     def __post_init__(self) -> None:
         # a profile's earlier name (an alias) means the profile: manifests and plans record the current name
@@ -46,7 +50,11 @@ class Options:
             "max_shard_size": self.max_shard_size,
             "profile": self.profile,
         }
-        return doc if self.vllm_series is None else {**doc, "vllm_series": self.vllm_series}
+        if self.vllm_series is not None:
+            doc["vllm_series"] = self.vllm_series
+        if self.nvfp4_input_scales is not None:
+            doc["nvfp4_input_scales"] = self.nvfp4_input_scales
+        return doc
 
 
 def selects(only: str | None, component: str) -> bool:

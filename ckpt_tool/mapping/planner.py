@@ -22,6 +22,7 @@ from ckpt_tool.checkpoint.completeness import count_by_index, require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.config_keys import check_tensors
 from ckpt_tool.checkpoint.engram import engram_split
+from ckpt_tool.checkpoint.expert_format import formats_used
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
@@ -63,11 +64,13 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
 def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Options) -> Plan:
     _require_options(opts)
     profile = PROFILES[opts.profile]
+    profile.require_expert_formats(config)
     draft = profile.draft_of(config) if opts.only != "model" else draft_kind_of(config)
     series = profile.draft_series(draft, opts.vllm_series) if opts.only != "model" else None
     rules = profile.rules(config.expert_dtype, model_class_of(config), draft.rules(config, series))
     # the series stays in the plan's options (manifest, resume fingerprint) only where it changes the bytes
     opts = replace(opts, vllm_series=series if series and draft.layout_varies(profile.covers) else None)
+    opts = replace(opts, nvfp4_input_scales=nvfp4_input_scales(config, opts))
 
     check_tensors(config, tensors)  # the keys that name layers holding tensors (config_keys)
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
@@ -100,6 +103,28 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
         unused_by_selection=tuple(sorted(unused_by_selection)),
         notes=tuple(notes) + tuple(pad_note(n, per, opts.tp) for n, per in sorted(padded)),
     )
+
+
+NVFP4_INPUT_SCALES = ("global", "local")
+# What each --nvfp4-input-scales writes, and the vLLM NVFP4 MoE backends that hold it (fused_moe/oracle/nvfp4.py,
+# 0.33.0 and 0.34.0: is_global_sf_supported_for_nvfp4_backend is true for the FlashInfer backends, the ones vLLM
+# selects on Blackwell by default; ModelOptNvFp4FusedMoE.create_weights sizes w13_input_scale / w2_input_scale by the
+# global expert count for them)
+NVFP4_BACKENDS = {
+    "global": "FlashInfer (FLASHINFER_TRTLLM, Blackwell's default; FLASHINFER_CUTLASS, FLASHINFER_CUTEDSL)",
+    "local": "VLLM_CUTLASS, MARLIN, HUMMING, EMULATION",
+}
+
+
+def nvfp4_input_scales(config: V4Config, opts: Options) -> str | None:
+    """The NVFP4 input-scale layout of the plan: the option's (default "global") where it changes the bytes (NVFP4
+    experts under --moe-parallel ep), else None."""
+    if opts.moe_parallel != "ep" or "nvfp4" not in formats_used(config):
+        return None
+    chosen = opts.nvfp4_input_scales or "global"
+    if chosen not in NVFP4_INPUT_SCALES:
+        raise PlanError(f"--nvfp4-input-scales must be 'global' or 'local', got {chosen!r}")
+    return chosen
 
 
 def _require_options(opts: Options) -> None:

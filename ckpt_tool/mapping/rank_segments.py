@@ -71,6 +71,8 @@ def _plan_stack(
     E = getattr(cfg, rule.experts_key)
     conv = conversions.effective(g.parts[(0, 0)].dtype, rule.convert)
     nsrc = len(rule.sources)
+    # under ep a rank holds its own experts, unless the NVFP4 MoE backend keeps every expert's input scales
+    local_experts = opts.moe_parallel == "ep" and not (rule.global_experts and opts.nvfp4_input_scales == "global")
     if opts.moe_parallel == "ep":
         if E % tp:
             raise PlanError(
@@ -80,19 +82,25 @@ def _plan_stack(
     else:
         split_dim = rule.expert_split_dim
         check_experts(g, E, split_dim, tp, sources, uniform_stacks)
-        check_mxfp4_rows(cfg, tp)
+        if split_dim is not None:
+            check_mxfp4_rows(cfg, tp, g.parts[(0, 0)])
     period = [g.parts[(idx, 0)] for idx in range(nsrc)]
+    scalars = all(not i.shape for i in period)  # one value per expert and projection: [E, parts] (w2's: [E])
     out = []
     for rank in range(tp):
         bounds = tuple(_bounds(i, split_dim, tp, rank) for i in period)
-        if opts.moe_parallel == "ep":
+        if local_experts:
             step = E // tp
             names = srcs[rank * step * nsrc : (rank + 1) * step * nsrc]
             n_local = step
         else:
             names, n_local = srcs, E
         rows = sum(b[1] - b[0] for b in bounds)
-        out.append(((n_local, rows, bounds[0][3] - bounds[0][2]), Segments(names, bounds, conv), names[0], 0))
+        if scalars:
+            shape: tuple[int, ...] = (n_local, nsrc) if nsrc > 1 else (n_local,)
+        else:
+            shape = (n_local, rows, bounds[0][3] - bounds[0][2])
+        out.append((shape, Segments(names, bounds, conv), names[0], 0))
     return out
 
 

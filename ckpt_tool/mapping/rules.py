@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ckpt_tool.checkpoint.expert_format import FP8, MXFP4, NVFP4, ExpertFormat
+
 
 class Split(str, Enum):
     """How a tensor is divided over tensor-parallel ranks (as vLLM's parallel layers divide it:
@@ -53,7 +55,12 @@ class Rule:
     convert: str = "copy"
     component: str = "model"  # model | mtp: which output folder the tensor goes to
     note: str = ""
-    expert_split_dim: int = 0  # for Split.EXPERTS under --moe-parallel tp: 0 = w13 rows, 1 = w2 inputs
+    # for Split.EXPERTS under --moe-parallel tp: 0 = w13 rows, 1 = w2 inputs, None = every expert's whole (a value per
+    # expert and projection, as NVFP4's global scales)
+    expert_split_dim: int | None = 0
+    # Split.EXPERTS under --moe-parallel ep: every rank holds every expert's, where the plan's NVFP4 MoE backend keeps
+    # them all (Options.nvfp4_input_scales "global"), not only its own
+    global_experts: bool = False
     when_mtp: str | None = None  # None | "first" | "rest": restrict an MTP rule to mtp.0 or mtp.1..
     # the engine zero-pads this TP split up to whole 128-blocks per rank where the blocks do not divide tp
     # (set by the profile, see Profile.pads); otherwise such a split is refused
@@ -89,7 +96,9 @@ def Fuse(
     return Rule("fuse", srcs, dst, split, convert, note=note, **kw)
 
 
-def StackExperts(srcs: tuple[str, ...], dst: str, convert: str, split_dim: int, note: str = "", **kw) -> Rule:
+def StackExperts(
+    srcs: tuple[str, ...], dst: str, convert: str, split_dim: int | None, note: str = "", **kw
+) -> Rule:
     return Rule("stack", srcs, dst, Split.EXPERTS, convert, note=note, expert_split_dim=split_dim, **kw)
 
 
@@ -228,12 +237,6 @@ def _compressor_rules(src: str, dst: str, c: dict) -> list[Rule]:
 
 def _ffn_rules(src: str, dst: str, expert_dtype: str, c: dict) -> list[Rule]:
     """A block's router, shared experts and routed experts (stacked)."""
-    fp4 = expert_dtype == "fp4"
-    # fp4 experts: uint8 params holding raw bytes (seed: `.view(torch.uint8)`), `.weight_scale`.
-    # fp8 experts: block-FP8 params with float32 `.weight_scale_inv`; E8M0 scales become 2^(b-127).
-    expert_w = "raw_uint8" if fp4 else "copy"
-    expert_s = "raw_uint8" if fp4 else "e8m0_to_f32"
-    escale = "weight_scale" if fp4 else "weight_scale_inv"
     f, df = f"{src}.ffn", f"{dst}.ffn"
     return [
         Rename(f"{f}.gate.weight", f"{df}.gate.weight", **c),
@@ -260,26 +263,43 @@ def _ffn_rules(src: str, dst: str, expert_dtype: str, c: dict) -> list[Rule]:
             **c,
         ),
         Rename(f"{f}.shared_experts.w2.scale", f"{df}.shared_experts.down_proj.weight_scale_inv", Split.DIM1, **c),
-        StackExperts(
-            (f"{f}.experts.{{expert}}.w1.weight", f"{f}.experts.{{expert}}.w3.weight"),
-            f"{df}.experts.w13_weight",
-            expert_w,
-            0,
-            note="FusedMoE w13: per expert w1 rows then w3 rows",
-            **c,
-        ),
-        StackExperts(
-            (f"{f}.experts.{{expert}}.w1.scale", f"{f}.experts.{{expert}}.w3.scale"),
-            f"{df}.experts.w13_{escale}",
-            expert_s,
-            0,
-            **c,
-        ),
-        StackExperts(
-            (f"{f}.experts.{{expert}}.w2.weight",), f"{df}.experts.w2_weight", expert_w, 1, note="FusedMoE w2", **c
-        ),
-        StackExperts((f"{f}.experts.{{expert}}.w2.scale",), f"{df}.experts.w2_{escale}", expert_s, 1, **c),
+        *routed_expert_rules(f"{f}.experts", f"{df}.experts", expert_formats_of(expert_dtype), c),
     ]
+
+
+def expert_formats_of(expert_dtype: str) -> tuple[ExpertFormat, ...]:
+    """The formats a block's routed experts may come in for config.json's ``expert_dtype``: block FP8, or MXFP4 and
+    NVFP4 alike (an NVFP4 export keeps ``expert_dtype: "fp4"``; its ``ignore`` list leaves some layers MXFP4). Their
+    rules match disjoint source names but the shared packed weight's; which applies to a layer is config.json's
+    (ckpt_tool.checkpoint.expert_format.layer_format), held against the tensors present before planning."""
+    return (FP8,) if expert_dtype == "fp8" else (MXFP4, NVFP4)
+
+
+def routed_expert_rules(src: str, dst: str, formats: tuple[ExpertFormat, ...], c: dict) -> list[Rule]:
+    """The stacked routed-expert parameters of every format in ``formats`` (``src``/``dst``: the experts' module in
+    the checkpoint's and the engine's names): FusedMoE's ``w13_*`` from each expert's w1 then w3, ``w2_*`` from w2
+    (vLLM's fused_moe_make_expert_params_mapping); a rule two formats share (the packed weight) once."""
+    rules: list[Rule] = []
+    seen: set[tuple[str, ...]] = set()
+    for fmt in formats:
+        for stack, parts, rows_dim in (("w13", ("w1", "w3"), 0), ("w2", ("w2",), 1)):
+            for param in fmt.params:
+                sources = tuple(f"{src}.{{expert}}.{w}.{param.source}" for w in parts)
+                if sources in seen:
+                    continue
+                seen.add(sources)
+                rules.append(
+                    StackExperts(
+                        sources,
+                        f"{dst}.{stack}_{param.name}",
+                        param.convert,
+                        rows_dim if param.split == "rows" else None,
+                        note=f"{fmt.name}: {param.vllm}",
+                        global_experts=param.split == "global-experts",
+                        **c,
+                    )
+                )
+    return rules
 
 
 def vllm_seed_rules(expert_dtype: str) -> list[Rule]:

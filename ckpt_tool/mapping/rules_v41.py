@@ -22,6 +22,7 @@ The rules match the names that are there; which must be there (a compressor on a
 
 from __future__ import annotations
 
+from ckpt_tool.checkpoint.expert_format import MXFP4, NVFP4
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.rules import (
     DSPARK_EMBED,
@@ -30,9 +31,9 @@ from ckpt_tool.mapping.rules import (
     Rename,
     Rule,
     Split,
-    StackExperts,
     _compiled,
     dspark_context_wkv,
+    routed_expert_rules,
     vision_tower_rules,
 )
 
@@ -92,23 +93,9 @@ def v41_block_rules(src: str, dst: str, component: str, experts_key: str = "n_ro
         Fuse((f"{sh}.w1.weight", f"{sh}.w3.weight"), f"{dsh}.gate_up_proj.weight", Split.DIM0, **c),
         Fuse((f"{sh}.w1.scale", f"{sh}.w3.scale"), f"{dsh}.gate_up_proj.weight_scale", Split.DIM0, **MX, **c),
         *_mx_linear(f"{sh}.w2", f"{dsh}.down_proj", Split.DIM1, "RowParallelLinear", **c),
-        # MXFP4 routed experts: uint8 bytes and E8M0 scales viewed as uint8 (nvidia/model.py load_weights)
-        StackExperts(
-            (f"{f}.experts.{{expert}}.w1.weight", f"{f}.experts.{{expert}}.w3.weight"),
-            f"{df}.experts.w13_weight",
-            "raw_uint8",
-            0,
-            **e,
-        ),
-        StackExperts(
-            (f"{f}.experts.{{expert}}.w1.scale", f"{f}.experts.{{expert}}.w3.scale"),
-            f"{df}.experts.w13_weight_scale",
-            "raw_uint8",
-            0,
-            **e,
-        ),
-        StackExperts((f"{f}.experts.{{expert}}.w2.weight",), f"{df}.experts.w2_weight", "raw_uint8", 1, **e),
-        StackExperts((f"{f}.experts.{{expert}}.w2.scale",), f"{df}.experts.w2_weight_scale", "raw_uint8", 1, **e),
+        # MXFP4 routed experts: uint8 bytes and E8M0 scales viewed as uint8 (nvidia/model.py load_weights); an NVIDIA
+        # NVFP4 export's (DeepSeek-V4.1-Flash-NVFP4) NVFP4 ones beside them (ckpt_tool.checkpoint.expert_format)
+        *routed_expert_rules(f"{f}.experts", f"{df}.experts", (MXFP4, NVFP4), e),
     ]
     return r
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 
-from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expert_format import MXFP4, layer_format
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.grouping import DTYPE_SHAPE, SourceGroup
@@ -40,9 +41,10 @@ def _check_split(
             f"{scale.file}: tensor {scale.name!r}: {sdim} scale blocks on dim {dim} do not split evenly over tp={tp} "
             "(each rank must hold whole quantization blocks); choose a smaller tp"
         )
-    if weight.dtype in ("I8", "U8"):  # packed MXFP4: 2 values per byte along the input dim
+    if weight.dtype in ("I8", "U8"):  # packed MXFP4 / NVFP4: 2 values per byte along the input dim
         logical = wdim * 2 if dim == 1 else wdim
-        block = MX_BLOCK if dim == 1 else 1
+        # inputs a scale covers: 32 (MXFP4) or 16 (NVFP4), as the whole tensors' shapes (checked before) say
+        block = (weight.shape[1] * 2) // (scale.shape[1] or 1) if dim == 1 else 1
     else:
         logical, block = wdim, fp8_block
     if (logical // tp) != (sdim // tp) * block:
@@ -71,12 +73,22 @@ def sibling_name(name: str) -> str | None:
         return name[: -len(".weight")] + ".scale"
     if name.endswith(".scale"):
         return name[: -len(".scale")] + ".weight"
+    if name.endswith(NVFP4_SCALE):
+        return name[: -len(NVFP4_SCALE)] + ".weight"
     return None
+
+
+NVFP4_SCALE = ".weight_scale"  # an NVFP4 expert's block scale, sibling of its .weight
 
 
 def _sibling(sources: dict[str, TensorInfo], name: str) -> TensorInfo | None:
     other = sibling_name(name)
-    return None if other is None else sources.get(other)
+    if other is None:
+        return None
+    found = sources.get(other)
+    if found is None and name.endswith(".weight"):  # an NVFP4 expert's weight: its scale is .weight_scale
+        found = sources.get(name[: -len(".weight")] + NVFP4_SCALE)
+    return found
 
 
 def check_piece(
@@ -150,17 +162,21 @@ def check_experts(
 MXFP4_ROW_ALIGN = 128  # vLLM's MXFP4 MoE backends (Marlin, DeepGEMM, CUTLASS, TRTLLM, ...) pad a rank's rows to this
 
 
-def check_mxfp4_rows(cfg: V4Config, tp: int) -> None:
-    """Routed MXFP4 experts split by tp must leave each rank a multiple of 128 intermediate rows."""
+def check_mxfp4_rows(cfg: V4Config, tp: int, first: TensorInfo) -> None:
+    """Routed MXFP4 experts split by tp must leave each rank a multiple of 128 intermediate rows (``first``: a source
+    tensor of the experts' stack, whose layer's format decides)."""
     rows = cfg.moe_intermediate_size // tp
-    if cfg.expert_dtype == "fp4" and tp > 1 and rows % MXFP4_ROW_ALIGN:
-        raise PlanError(
-            f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a "
-            "rank, "
-            "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
-            "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
-            "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
-        )
+    if tp == 1 or rows % MXFP4_ROW_ALIGN == 0 or cfg.expert_dtype != "fp4":
+        return
+    if layer_format(cfg, first.name.split(".ffn.experts.", 1)[0]) is not MXFP4:
+        return
+    raise PlanError(
+        f"routed experts: moe_intermediate_size={cfg.moe_intermediate_size} over tp={tp} leaves {rows} rows a "
+        "rank, "
+        "not a multiple of 128; most of vLLM's MXFP4 MoE backends round that up at load, a layout that depends on "
+        "the backend and that no sharded checkpoint can match: convert with --moe-parallel ep (serve with "
+        "--enable-expert-parallel), or choose a tp that leaves a multiple of 128 rows"
+    )
 
 
 def pad_note(size: int, per_rank: int, tp: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ckpt_tool.checkpoint.expert_format import MOE_QUANT_KEY, formats_used
 from ckpt_tool.errors import PlanError
 from ckpt_tool.mapping.profiles.draft_kind import DraftKind, draft_kind_of
 from ckpt_tool.mapping.profiles.model_class import TEXT, ModelClass
@@ -77,6 +78,19 @@ class Profile:
     aliases: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ("mtp",)  # the draft kinds (draft_kind.DRAFT_KINDS) this engine layout builds
     models: tuple[str, ...] = ("text", "vision")  # the model classes (model_class.MODEL_CLASSES) it builds
+    # the formats of routed experts (ckpt_tool.checkpoint.expert_format.EXPERT_FORMATS) its engine builds
+    expert_formats: tuple[str, ...] = ("mxfp4", "fp8")
+
+    def require_expert_formats(self, config) -> None:
+        """PlanError when ``config``'s routed experts come in a format this layout's engine does not build."""
+        used = formats_used(config)
+        unknown = [f for f in used if f not in self.expert_formats]
+        if unknown:
+            raise PlanError(
+                f"config.json describes {', '.join(unknown)} routed experts ({MOE_QUANT_KEY} "
+                f"{config.moe_quant.algo!r}), which profile {self.name!r} does not build (its engine builds: "
+                f"{', '.join(self.expert_formats)}); convert with a profile whose vLLM serves them (ckpt-tool profiles)"
+            )
 
     def draft_of(self, config) -> DraftKind:
         """The draft kind of ``config``; PlanError when this layout's engine does not build it."""

@@ -79,4 +79,8 @@ PROFILE = Profile(
     drafts=("mtp", "dspark", "dspark-v41"),
     # DeepseekV41ForCausalLM (vllm/models/deepseek_v41/nvidia/vl_model.py): the same target keys in 0.33.0 and 0.34.0
     models=("text", "vision", "v41"),
+    # NVIDIA's NVFP4 exports: DeepseekV4FP8Config.get_quant_method (models/deepseek_v41/quant_config.py, 0.33.0 and
+    # 0.34.0) builds ModelOptNvFp4FusedMoE for the routed experts its ignore list leaves (ckpt_tool.checkpoint.
+    # expert_format); the seed's vLLM predates it
+    expert_formats=("mxfp4", "fp8", "nvfp4"),
 )
