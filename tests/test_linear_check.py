@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expert_format import MoeQuant
 from ckpt_tool.checkpoint.source import open_checkpoint
 from ckpt_tool.fixtures.make import EXPERTS
 from ckpt_tool.mapping.engine_table import ENGINES, engine_params
@@ -21,7 +23,15 @@ from ckpt_tool.verify.kernels import fp8_block_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.linear_check import LinearRunner
 from ckpt_tool.verify.rows import RowReader
-from ckpt_tool.verify.tensor_units import LinearUnit, Part, tensor_units, unit_tensors
+from ckpt_tool.verify.tensor_units import (
+    ExactUnit,
+    LinearUnit,
+    Part,
+    _Builder,
+    tensor_units,
+    unit_label,
+    unit_tensors,
+)
 
 LAYOUTS = [(1, "tp"), (2, "tp"), (4, "tp"), (4, "ep")]
 
@@ -303,27 +313,31 @@ def test_an_mxfp8_split_inside_a_32_row_scale_block_is_checked_from_the_block_st
 NV_E, NV_D, NV_I = 2, 64, 64  # experts, hidden size, expert intermediate size: I / 2 ranks = 32 inputs, 2 groups
 
 
-def _nvfp4_experts(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Source tensors of NV_E NVFP4 experts as NVIDIA's export names them: .weight, .weight_scale, .weight_scale_2
-    (every part's global scale different, so one taken for another shows)."""
+def _nvfp4_experts(gen: torch.Generator, prefix: str = "src") -> dict[str, torch.Tensor]:
+    """Source tensors of NV_E NVFP4 experts as NVIDIA's export names them: .weight, .weight_scale, .weight_scale_2,
+    .input_scale (every part's scales different, so one taken for another shows)."""
     src = {}
     for j in range(NV_E):
         for which, (rows, inp) in {"w1": (NV_I, NV_D), "w3": (NV_I, NV_D), "w2": (NV_D, NV_I)}.items():
             packed, scale, g = quant.nvfp4_quant(torch.randn(rows, inp, generator=gen) * (1 + j + len(which)))
-            base = f"src.experts.{j}.{which}"
+            base = f"{prefix}.experts.{j}.{which}"
             src[f"{base}.weight"], src[f"{base}.weight_scale"], src[f"{base}.weight_scale_2"] = packed, scale, g
+            src[f"{base}.input_scale"] = torch.rand((), generator=gen) + 0.01
     return src
 
 
-def _nvfp4_ranks(src: dict[str, torch.Tensor], moe: str) -> dict[int, dict[str, torch.Tensor]]:
+def _nvfp4_ranks(
+    src: dict[str, torch.Tensor], moe: str, prefix: str = "src", engine: str = "r", input_scales: str | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
     """Each rank's stacked parameters as vLLM's ModelOptNvFp4FusedMoE holds them: tp 2 splits w1/w3 rows and w2
-    inputs (packed bytes and scale groups alike), ep 2 gives each rank one whole expert."""
+    inputs (packed bytes and scale groups alike), ep 2 gives each rank one whole expert; with ``input_scales``
+    ("local" or "global": every expert's on every rank) also w13_input_scale / w2_input_scale."""
     ranks = {}
     for r in range(2):
         experts = range(NV_E) if moe == "tp" else [r]
         w13, s13, g13, w2, s2, g2 = [], [], [], [], [], []
         for j in experts:
-            e = f"src.experts.{j}"
+            e = f"{prefix}.experts.{j}"
             rows = slice(r * NV_I // 2, (r + 1) * NV_I // 2) if moe == "tp" else slice(None)
             w13.append(torch.cat([src[f"{e}.w1.weight"][rows], src[f"{e}.w3.weight"][rows]]))
             s13.append(torch.cat([src[f"{e}.w1.weight_scale"][rows], src[f"{e}.w3.weight_scale"][rows]]))
@@ -334,13 +348,20 @@ def _nvfp4_ranks(src: dict[str, torch.Tensor], moe: str) -> dict[int, dict[str, 
             s2.append(src[f"{e}.w2.weight_scale"][:, groups])
             g2.append(src[f"{e}.w2.weight_scale_2"])
         ranks[r] = {
-            "r.w13_weight": torch.stack(w13),
-            "r.w13_weight_scale": torch.stack(s13),
-            "r.w13_weight_scale_2": torch.stack(g13),
-            "r.w2_weight": torch.stack(w2),
-            "r.w2_weight_scale": torch.stack(s2),
-            "r.w2_weight_scale_2": torch.stack(g2),
+            f"{engine}.w13_weight": torch.stack(w13),
+            f"{engine}.w13_weight_scale": torch.stack(s13),
+            f"{engine}.w13_weight_scale_2": torch.stack(g13),
+            f"{engine}.w2_weight": torch.stack(w2),
+            f"{engine}.w2_weight_scale": torch.stack(s2),
+            f"{engine}.w2_weight_scale_2": torch.stack(g2),
         }
+        if input_scales:
+            held = range(NV_E) if input_scales == "global" else experts
+            a13 = [torch.stack([src[f"{prefix}.experts.{j}.{w}.input_scale"] for w in ("w1", "w3")]) for j in held]
+            ranks[r][f"{engine}.w13_input_scale"] = torch.stack(a13)
+            ranks[r][f"{engine}.w2_input_scale"] = torch.stack(
+                [src[f"{prefix}.experts.{j}.w2.input_scale"] for j in held]
+            )
     return ranks
 
 
@@ -411,3 +432,50 @@ def test_nvfp4_experts_through_the_triton_kernel_agree(monkeypatch: pytest.Monke
 def test_nvfp4_units_name_their_global_scales_for_the_coverage() -> None:
     unit = _nvfp4_units("tp")[0]
     assert unit_tensors(unit) == ["r.w13_weight", "r.w13_weight_scale", "r.w13_weight_scale_2"]
+
+
+@pytest.mark.parametrize(("moe", "input_scales"), [("tp", "local"), ("ep", "local"), ("ep", "global")])
+@pytest.mark.parametrize("broken", [False, True])
+def test_nvfp4_routed_units_follow_the_config_and_check_input_scales(
+    fixture_dir, moe: str, input_scales: str, broken: bool
+) -> None:
+    """A config whose moe_quant_algo is NVFP4 with mtp.* ignored: layers.0's routed experts become nvfp4 units (global
+    scales on the linears, each expert's three input scales as elements of the stacked w13_input_scale [E_x, 2] /
+    w2_input_scale [E_x], local slots or global ids under ep), mtp.0's stay mxfp4; every unit runs clean and counts
+    every rank; rank 1 holding w1's and w3's input scales swapped fails naming the tensor and the rank."""
+    base = open_checkpoint(fixture_dir("fp4")).require_config()
+    cfg = replace(
+        base,
+        hidden_size=NV_D,
+        moe_intermediate_size=NV_I,
+        n_routed_experts=NV_E,
+        moe_quant=MoeQuant("NVFP4", ("mtp.*",)),
+    )
+    profile = sorted(ENGINES)[0]
+    b = _Builder(cfg, ENGINES[profile], 2, moe == "ep", set(), global_input_scales=input_scales == "global")
+    b.routed("P", "layers.0", NV_E)
+    b.routed("Q", "mtp.0", NV_E)
+    engine = f"P.{ENGINES[profile].routed}"
+    layer, draft = [u for u in b.units if "P." in unit_label(u)], [u for u in b.units if "Q." in unit_label(u)]
+    assert {u.kind for u in draft} == {"mxfp4"} and all(u.global_scale is None for u in draft)
+    assert {u.kind for u in layer if isinstance(u, LinearUnit)} == {"nvfp4"}
+    assert sorted({n for u in layer for n in unit_tensors(u)}) == sorted(
+        f"{engine}.{t}" for w in ("w13", "w2") for t in (f"{w}_weight", f"{w}_weight_scale", f"{w}_weight_scale_2",
+                                                          f"{w}_input_scale")
+    )  # fmt: skip
+    src = _nvfp4_experts(torch.Generator().manual_seed(46), "layers.0.ffn")
+    ranks = _nvfp4_ranks(src, moe, "layers.0.ffn", engine, input_scales)
+    if broken:
+        ranks[1][f"{engine}.w13_input_scale"] = ranks[1][f"{engine}.w13_input_scale"].flip(-1).contiguous()
+    runner = LinearRunner(_InMemorySides(src, ranks), kernels="torch", act="bf16", seed=0)
+    problems = [p for p in (runner.run_exact(u) if isinstance(u, ExactUnit) else runner.run(u) for u in layer) if p]
+    if broken:
+        assert problems and all(f"'{engine}.w13_input_scale' (rank 1)" in p for p in problems), problems
+        return
+    assert problems == []
+    held = {r: range(NV_E) if moe == "tp" or input_scales == "global" else [r] for r in (0, 1)}
+    for j in range(NV_E):
+        for w in ("w1", "w3", "w2"):
+            want = sum(1 << r for r in (0, 1) if j in held[r])
+            key = (f"{engine}.{'w2' if w == 'w2' else 'w13'}_input_scale", f"layers.0.ffn.experts.{j}.{w}.input_scale")
+            assert runner.computed[key] == want, (key, runner.computed.get(key))

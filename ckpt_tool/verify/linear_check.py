@@ -276,9 +276,18 @@ class LinearRunner:
         if u.global_scale is None:
             return None
         _, info = self.sides.engine_info(rank, u.global_scale)
-        if len(info.shape) == 2:  # one per expert and part: the row of the expert
-            return self.sides.engine_rows(rank, u.global_scale, slot, slot + 1)[0, part]
-        return self.sides.engine_rows(rank, u.global_scale, 0, 1).reshape(-1)[slot]  # one per expert: one row
+        return self._engine_element(rank, u.global_scale, (slot, part) if len(info.shape) == 2 else (slot,))
+
+    def _engine_element(self, rank: int, name: str, index: tuple[int, ...]) -> torch.Tensor:
+        """One element (0-d) of a rank's 1-D or 2-D tensor, read as the row reader reads rows (a 1-D tensor is one)."""
+        _, info = self.sides.engine_info(rank, name)
+        if len(info.shape) != len(index) or not all(0 <= i < n for i, n in zip(index, info.shape)):
+            raise CheckpointError(
+                f"tensor {name!r} (rank {rank}): shape {list(info.shape)} has no element {list(index)}"
+            )
+        if len(index) == 2:
+            return self.sides.engine_rows(rank, name, index[0], index[0] + 1)[0, index[1]]
+        return self.sides.engine_rows(rank, name, 0, 1).reshape(-1)[index[0]]
 
     def _tiles(self, u: LinearUnit, part_rows: int) -> Iterator[tuple[int, int, int | None]]:
         """(a, b, rank) source row tiles of one part; rank is the column-parallel owner, else None."""
@@ -421,6 +430,8 @@ class LinearRunner:
     def run_exact(self, u: ExactUnit) -> str | None:
         if u.layout == "rows":
             return self._run_rows(u)
+        if u.layout == "element":
+            return self._run_element(u)
         info = self.sides.source_info(u.source)
         src = self.sides.reader.source_whole(self.sides.ckpt, info)
         T = len(u.ranks)
@@ -437,6 +448,20 @@ class LinearRunner:
             self._done(u, u.source, [r])
             if not same:
                 return f"tensor {u.name!r} (rank {r}): values differ from source {u.source}"
+        return None
+
+    def _run_element(self, u: ExactUnit) -> str | None:
+        """A source scalar against its element of each rank's tensor (an NVFP4 expert's input_scale in the stacked
+        ``w13_input_scale`` / ``w2_input_scale``), bit for bit: the converter copies the float32."""
+        want = self.sides.source_rows(u.source, 0, 1).reshape(())
+        for r, index in zip(u.ranks, u.element):
+            got = self._engine_element(r, u.name, index)
+            if got.dtype != want.dtype or not _same_bytes(got.reshape(1), want.reshape(1)):
+                return (
+                    f"tensor {u.name!r} (rank {r}): element {list(index)} is {got.item()!r} ({got.dtype}), but source "
+                    f"{u.source} is {want.item()!r} ({want.dtype})"
+                )
+            self._done(u, u.source, [r])
         return None
 
     def _run_rows(self, u: ExactUnit) -> str | None:

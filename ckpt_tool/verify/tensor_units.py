@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import EngramSplit, engram_split
+from ckpt_tool.checkpoint.expert_format import layer_format
 from ckpt_tool.errors import UsageError
 from ckpt_tool.mapping.engine_table import ENGINES, EngineNames
 from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
@@ -71,8 +72,9 @@ class LinearUnit:
 
 @dataclass(frozen=True)
 class ExactUnit:
-    """A non-linear tensor compared by value: whole on every rank, split evenly by rows (``col``), or each rank its own
-    row range (``rows``)."""
+    """A non-linear tensor compared by value: whole on every rank, split evenly by rows (``col``), each rank its own
+    row range (``rows``), or one element of each rank's tensor equal to a source scalar (``element``: an NVFP4
+    expert's ``input_scale`` in the stacked ``w13_input_scale`` / ``w2_input_scale``)."""
 
     group: str
     name: str
@@ -83,6 +85,8 @@ class ExactUnit:
     # layout "rows": per entry of ranks, the [start, end) source rows the rank holds (an Engram table's hash heads),
     # compared byte for byte a tile of rows at a time
     rows: tuple[tuple[int, int], ...] = ()
+    # layout "element": per entry of ranks, the index of the element of the rank's tensor that holds the source scalar
+    element: tuple[tuple[int, ...], ...] = ()
 
 
 Unit = LinearUnit | ExactUnit
@@ -91,8 +95,17 @@ Unit = LinearUnit | ExactUnit
 class _Builder:
     """The unit table of one component: engine names (engine.py) against DeepSeek source names."""
 
-    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool, source_names: set[str]) -> None:
+    def __init__(
+        self,
+        cfg: V4Config,
+        names: EngineNames,
+        tp: int,
+        ep: bool,
+        source_names: set[str],
+        global_input_scales: bool = False,
+    ) -> None:
         self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
+        self.global_input_scales = global_input_scales
         self.source_names = source_names
         self.units: list[Unit] = []
         self.group = ""
@@ -227,14 +240,18 @@ class _Builder:
                 per_rank = cdiv(Ish // FP8_BLOCK, self.tp) * FP8_BLOCK
             self.fp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col", per_rank)
             self.fp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row", per_rank)
-        self.routed(p, sp, E, "mxfp4" if c.expert_dtype == "fp4" else "fp8")
+        self.routed(p, sp, E)
 
-    def routed(self, p: str, sp: str, E: int, kind: str) -> None:
-        """The ``E`` routed experts of block ``p`` (source ``sp``), one unit per expert and stacked tensor: split
-        over the ranks (tp), or each expert whole on its owner (ep)."""
+    def routed(self, p: str, sp: str, E: int) -> None:
+        """The ``E`` routed experts of block ``p`` (source ``sp``) in the format vLLM builds them in
+        (:func:`~ckpt_tool.checkpoint.expert_format.layer_format`), one unit per expert and stacked tensor: split
+        over the ranks (tp), or each expert whole on its owner (ep); NVFP4's global scales ride on their linear's
+        units, its activation scales are compared by value (:meth:`input_scales`)."""
         D, I, n = self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.n
+        kind = layer_format(self.cfg, sp).name
         r, sf = f"{p}.{n.routed}", f"{sp}.ffn"
-        sfx = "weight_scale" if kind == "mxfp4" else "weight_scale_inv"
+        sfx = "weight_scale_inv" if kind == "fp8" else "weight_scale"
+        g13, g2 = (f"{r}.w13_weight_scale_2", f"{r}.w2_weight_scale_2") if kind == "nvfp4" else (None, None)
         per = E // self.tp
         for j in range(E):
             if self.ep:
@@ -254,6 +271,7 @@ class _Builder:
                     ranks,
                     j,
                     local,
+                    global_scale=g13,
                 )
             )
             self.units.append(
@@ -268,7 +286,31 @@ class _Builder:
                     ranks,
                     j,
                     local,
+                    global_scale=g2,
                 )
+            )
+            if kind == "nvfp4":
+                self.input_scales(r, se, j, ranks, local)
+
+    def input_scales(self, r: str, se: str, j: int, ranks: tuple[int, ...], local: tuple[int, ...]) -> None:
+        """Routed expert ``j``'s activation scales (source ``{se}.w{1,3,2}.input_scale``, F32 scalars) in the ranks'
+        ``w13_input_scale [E_x, 2]`` (w1's, w3's) and ``w2_input_scale [E_x]`` (vLLM 0.34.0 modelopt.py
+        ``ModelOptNvFp4FusedMoE.create_weights``): under tp every rank holds every expert's, under ep the owner its
+        own at the expert's slot, unless the OUT was written for an NVFP4 MoE backend that keeps every expert's
+        (``global_input_scales``, FlashInfer's: fused_moe/oracle/nvfp4.py ``is_global_sf_supported_for_nvfp4_backend``):
+        then every rank holds all of them at the global expert id."""
+        if self.ep and self.global_input_scales:
+            ranks, rows = self.all_ranks, (j,) * self.tp
+        else:
+            rows = local
+        for name, which, col in (
+            ("w13_input_scale", "w1", (0,)),
+            ("w13_input_scale", "w3", (1,)),
+            ("w2_input_scale", "w2", ()),
+        ):
+            element = tuple((row, *col) for row in rows)
+            self.units.append(
+                ExactUnit(self.group, f"{r}.{name}", f"{se}.{which}.input_scale", "element", ranks, element=element)
             )
 
     def v41_block(self, p: str, sp: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
@@ -298,7 +340,7 @@ class _Builder:
         sh, ss, Ish = f"{p}.{self.n.shared}", f"{sf}.shared_experts", c.moe_intermediate_size * c.n_shared_experts
         self.mxfp8(f"{sh}.gate_up_proj", [(f"{ss}.w1", Ish), (f"{ss}.w3", Ish)], D, "col")
         self.mxfp8(f"{sh}.down_proj", [(f"{ss}.w2", D)], Ish, "row")
-        self.routed(p, sp, experts, "mxfp4")
+        self.routed(p, sp, experts)
 
     def engram(self, p: str, sp: str, layer: int, layout: EngramSplit) -> None:
         """The Engram of layer ``layer`` (vllm/models/deepseek_v41/common/engram.py): its FP8 table and per-row E8M0
@@ -323,15 +365,17 @@ def tensor_units(
     moe_parallel: str,
     source_names: set[str],
     vllm_series: str | None = None,
+    nvfp4_global_input_scales: bool = False,
 ) -> list[Unit]:
     """Every engine tensor of one rank set of ``component`` as check units (see the module docstring);
     ``vllm_series``: the series a draft whose parameters differ by series was written for (the manifest's
-    ``options.vllm_series``; None: the newest)."""
+    ``options.vllm_series``; None: the newest); ``nvfp4_global_input_scales``: under ep, the OUT holds every NVFP4
+    expert's activation scales on every rank (written for a FlashInfer NVFP4 MoE backend: ``_Builder.input_scales``)."""
     if profile not in ENGINES:
         raise UsageError(
             f"profile {profile!r} has no engine table; add one to its profile module in ckpt_tool/mapping/profiles/"
         )
-    b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names)
+    b = _Builder(cfg, ENGINES[profile], tp, moe_parallel == "ep", source_names, nvfp4_global_input_scales)
     if cfg.is_v41:
         if component == "model":
             _v41_target_units(b, cfg)
