@@ -18,6 +18,7 @@ from tests.cli_helpers import run_cli
 REPO = Path(__file__).resolve().parents[1]
 SINK = "model.layers.0.attn.attn_sink"
 WQ = "model.layers.0.attn.wq_b.weight"
+METER = REPO / "ckpt_tool" / "verify" / "engine" / "load_meter.py"
 TABLE = {SINK: ("float32", [64]), WQ: ("float8_e4m3fn", [256, 128])}
 
 
@@ -167,3 +168,74 @@ def test_the_probe_needs_no_ckpt_tool(tmp_path) -> None:
     )
     answer = json.loads(proc.stdout)
     assert proc.returncode == 0 and answer["fatal"]["kind"] == "no-vllm", proc.stderr
+
+
+def _load_meter():
+    """ckpt_tool/verify/engine/load_meter.py as probe.py and the engine worker load it: by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_meter_under_test", METER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_load_meter_counts_what_a_cold_load_reads(tmp_path) -> None:
+    """The figures verify --engine and the serve-load bench report come from the load itself: the tensor bytes the
+    iterator handed over, and the bytes this process made the disk read (the file evicted first: every byte)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 8 MiB of float32
+    path = tmp_path / "rank.safetensors"
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which DONTNEED drops
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    meter = _load_meter().LoadMeter()
+
+    def read_all():  # what ShardedStateLoader.iterate_over_files does (vLLM 0.33.0/0.34.0 sharded_state_loader.py)
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                yield key, f.get_tensor(key)
+
+    with meter:
+        loaded = {k: t.clone() for k, t in meter.counted(read_all())}
+    got = meter.figures()
+    want = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)  # counting changed nothing
+    assert got["tensor_bytes"] == want and got["tensors"] == len(tensors)
+    assert got["seconds"] > 0 and got["cpu_seconds"] >= 0
+    if got["disk_read_bytes"] is not None:  # /proc/self/io readable (Linux with task I/O accounting)
+        assert got["disk_read_bytes"] >= want, got
+    assert got["peak_rss_bytes"] >= got["rss_before_bytes"] > 0
+
+
+def test_each_real_load_reaches_the_text_and_the_junit_output(tmp_path, capsys) -> None:
+    """verify --engine's per-rank load figures: one text line per loaded rank, the JUnit testcase's time and
+    properties; a rank judged from its table alone has neither."""
+    import xml.etree.ElementTree as ET
+
+    from ckpt_tool.cli import render
+    from ckpt_tool.verify.verdict import Check, VerifyReport
+
+    load = {"seconds": 0.25, "bytes": 3 * 1024**2, "disk_read_bytes": 1024**2, "cpu_seconds": 0.2}
+    report = VerifyReport(out="OUT", source=None, level="engine")
+    report.add(Check("engine-vllm:model/rank-0", True, "judged", details={"real_load": {**load, "exception": None}}))
+    report.add(Check("engine-vllm:model/rank-1", True, "judged", details={"real_load": None}))
+    report.engine = {"vllm_version": "0.34.0", "ranks": 2, "real_loads": 1, "loads": [
+        {"component": "model", "rank": 0, **load, "peak_rss_bytes": 1}]}  # fmt: skip
+    render.render_verify(report)
+    text = capsys.readouterr().out
+    assert "engine load model/rank-0: 3.00 MiB of tensors in 0.25 s, 0.2 CPU s, 1.00 MiB of it from disk" in text
+    assert "rank-1:" not in text
+    render.write_junit(report, tmp_path / "v.xml")
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "v.xml").getroot().iter("testcase")}
+    loaded, table_only = cases["engine-vllm:model/rank-0"], cases["engine-vllm:model/rank-1"]
+    assert float(loaded.get("time")) == 0.25 and table_only.get("time") is None
+    props = {p.get("name"): p.get("value") for p in loaded.iter("property")}
+    assert props == {"load_bytes": str(3 * 1024**2), "load_disk_read_bytes": str(1024**2), "load_cpu_seconds": "0.2"}

@@ -71,6 +71,9 @@ JSON_FIELDS: dict[str, tuple[str, ...]] = {
     # counted in units actually computed; percent is null when total is 0 (n/a), never 100.
     # target: the manifest's target (profile, vLLM releases it is verified against, the vLLM installed at convert
     # time, "verified": false when the profile is not verified for it).
+    # engine (--engine): the vLLM that judged (vllm_version, python, tp, expert_parallel, ranks, real_loads, seconds)
+    # and loads: one {"component", "rank", "seconds", "bytes", "disk_read_bytes", "cpu_seconds", "peak_rss_bytes"}
+    # per rank its ShardedStateLoader loaded for real (bytes: tensor bytes it read; disk_read_bytes: from the disk).
     "verify": (
         "out",
         "source",

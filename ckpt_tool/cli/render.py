@@ -384,6 +384,8 @@ def render_verify(report) -> None:
         out.print(f"numeric coverage: {coverage_text(report.coverage)}", highlight=False)
     if report.engine:
         out.print(escape(engine_line(report.engine)), highlight=False)
+        for load in report.engine.get("loads") or []:
+            out.print(escape(engine_load_line(load)), highlight=False)
     verdict = "[green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
     out.print(f"verify ({report.level}): {verdict} {report.counts()} ({len(report.checks)} checks)", highlight=False)
 
@@ -395,6 +397,16 @@ def engine_line(engine: dict) -> str:
         "tp "
         f"{engine.get('tp')}{' with expert parallel' if engine.get('expert_parallel') else ''}, "
         f"{engine.get('real_loads')} loaded by its ShardedStateLoader, in {engine.get('seconds')} s"
+    )
+
+
+def engine_load_line(load: dict) -> str:
+    """verify --engine: one rank's real load by vLLM's ShardedStateLoader, as the probe measured it."""
+    disk = load.get("disk_read_bytes")
+    return (
+        f"engine load {load['component']}/rank-{load['rank']}: {human_bytes(load['bytes'] or 0)} of tensors in "
+        f"{load['seconds']} s, {load['cpu_seconds']} CPU s"
+        + ("" if disk is None else f", {human_bytes(disk)} of it from disk (the rest from the page cache)")
     )
 
 

@@ -210,6 +210,40 @@ def test_good_out_passes_beside_a_level_and_names_the_release(
     assert f"engine: vLLM {release}" in text and "| mtp/rank-1 | 41 | yes | ✅ |" in text
 
 
+def _tensor_data_bytes(files: list[Path]) -> int:
+    """The bytes of every tensor the files hold (from their headers): what a load of them reads."""
+    from ckpt_tool.checkpoint.headers import read_shard_header
+
+    return sum(t.end - t.start for p in files for t in read_shard_header(p, p.name).tensors.values())
+
+
+def test_each_rank_vllm_loaded_reports_its_load_seconds_and_bytes(serving_python, converted, tmp_path) -> None:
+    """Every rank vLLM's ShardedStateLoader loaded for real reports, in the JSON, the text and the JUnit output,
+    its load seconds and the tensor bytes the loader read, which are exactly the tensor data of the rank's files
+    (counted as vLLM's own iterate_over_files handed them over), and the bytes of it the disk gave."""
+    out = converted("fp4", 2)
+    proc = verify(out, "--engine", "--engine-python", serving_python, "--json", "--junit", tmp_path / "v.xml")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    loads = {(x["component"], x["rank"]): x for x in doc["engine"]["loads"]}
+    assert sorted(loads) == [(c, r) for c in ("model", "mtp") for r in range(2)] and doc["engine"]["real_loads"] == 4
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "v.xml").getroot().iter("testcase")}
+    text = verify(out, "--engine", "--engine-python", serving_python).stdout
+    for (comp, rank), load in loads.items():
+        files = sorted((out / comp).glob(f"model-rank-{rank}-part-*.safetensors"))
+        want = _tensor_data_bytes(files)
+        assert want > 0 and load["bytes"] == want, (comp, rank, load, want)
+        assert load["seconds"] > 0 and load["cpu_seconds"] is not None and load["peak_rss_bytes"] > 0, load
+        assert load["disk_read_bytes"] is not None and 0 <= load["disk_read_bytes"], load
+        name = f"engine-vllm:{comp}/rank-{rank}"
+        (check,) = [c for c in doc["results"] if c["name"] == name]
+        assert f"loaded them ({want / 1024**2:.2f} MiB in " in check["message"], check["message"]
+        assert float(cases[name].get("time")) > 0
+        props = {p.get("name"): p.get("value") for p in cases[name].iter("property")}
+        assert props["load_bytes"] == str(want), props
+        assert f"engine load {comp}/rank-{rank}: {want / 1024**2:.2f} MiB of tensors in " in text, text
+
+
 # the tower split at tp 2 (its replicated layout at tp 4 is the matrix's: the judge builds the same class either way)
 @pytest.mark.parametrize("variant,tp", [("vl-fp4", 2)])
 def test_a_vision_out_is_judged_by_vllms_vision_class(serving_python, converted, variant, tp) -> None:

@@ -122,8 +122,51 @@ def check_with_vllm(
         "expert_parallel": ep,
         "ranks": len(answer["results"]),
         "real_loads": sum(1 for r in answer["results"] if r.get("load") is not None),
+        "loads": _loads(answer["results"]),
         "seconds": round(seconds, 2),
     }
+
+
+def _loads(results: list[dict]) -> list[dict]:
+    """What each rank's real load cost, as the probe measured it around vLLM's ``load_weights``: seconds, the tensor
+    bytes the loader read from the rank's files (``bytes``), how much of that came from the disk rather than the page
+    cache (``disk_read_bytes``, null where /proc/self/io is not readable), CPU seconds, peak RSS."""
+    loads = []
+    for res in results:
+        load = res.get("load")
+        if load is None:
+            continue
+        cost = load.get("cost") or {}
+        loads.append(
+            {
+                "component": res["component"],
+                "rank": res["rank"],
+                "seconds": load.get("seconds"),
+                "bytes": cost.get("tensor_bytes"),
+                "disk_read_bytes": cost.get("disk_read_bytes"),
+                "cpu_seconds": cost.get("cpu_seconds"),
+                "peak_rss_bytes": cost.get("peak_rss_bytes"),
+            }
+        )
+    return loads
+
+
+def load_text(load: dict) -> str:
+    """``5.38 MiB in 0.017 s (0 B from disk)``: one rank's real load."""
+    disk = load.get("disk_read_bytes")
+    return (
+        f"{_size(load.get('bytes'))} in {load.get('seconds')} s"
+        f" ({'disk reads unknown' if disk is None else _size(disk) + ' from disk'})"
+    )
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "? B"
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _series_hint(written_for: str | None, judged: str | None) -> str:
@@ -214,7 +257,16 @@ def _rank_check(out: Path, comp: str, rank: int, files: list[Path], res: dict, a
     if load is not None:
         load_problems, others = judge_load(load, res["table"], allowed)
         problems += load_problems
-        details["real_load"] = {"seconds": load.get("seconds"), "exception": load.get("exception"), "warnings": others}
+        cost = load.get("cost") or {}
+        details["real_load"] = {
+            "seconds": load.get("seconds"),
+            "bytes": cost.get("tensor_bytes"),
+            "disk_read_bytes": cost.get("disk_read_bytes"),
+            "cpu_seconds": cost.get("cpu_seconds"),
+            "peak_rss_bytes": cost.get("peak_rss_bytes"),
+            "exception": load.get("exception"),
+            "warnings": others,
+        }
     else:
         details["real_load"] = None
     details["prefix_loads"] = prefix
@@ -231,7 +283,7 @@ def _rank_check(out: Path, comp: str, rank: int, files: list[Path], res: dict, a
             details=details,
         )
     how = (
-        "ShardedStateLoader.load_weights loaded them"
+        f"ShardedStateLoader.load_weights loaded them ({load_text(details['real_load'])})"
         if load is not None
         else "parameter table only: files too large for a real load here"
     )

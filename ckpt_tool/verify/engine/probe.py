@@ -19,8 +19,9 @@ meta device (no memory for the weights), with the engine config ``vllm serve`` m
 expert-parallel setting. ``table`` is its ``state_dict()`` after vLLM's own ``ShardedStateLoader._filter_subtensors``
 (storages placed at distinct addresses, vllm_stubs.filter_state_dict). With ``real_load`` the class is built
 again on the CPU and vLLM's ``ShardedStateLoader.load_weights`` loads ``folder`` into it: ``load`` holds its
-exception, its log records at WARNING and above, Python warnings, and the filtered table of the CPU build
-(``cpu_table``: the meta table must equal it).
+exception, its log records at WARNING and above, Python warnings, the filtered table of the CPU build
+(``cpu_table``: the meta table must equal it), its ``seconds`` and ``cost`` (``load_meter.py``: the tensor bytes the
+loader read from the rank's files, the bytes the disk gave, CPU seconds and peak RSS during the load).
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ HERE = Path(__file__).resolve().parent
 PROTOCOL = 1
 
 
-def _load_stubs():
-    spec = importlib.util.spec_from_file_location("ckpt_tool_vllm_stubs", HERE / "vllm_stubs.py")
+def _load_by_path(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / file)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _load_stubs():
+    return _load_by_path("ckpt_tool_vllm_stubs", "vllm_stubs.py")
 
 
 def _table(kept: dict, stubs) -> dict:
@@ -108,15 +113,21 @@ def _real_load(cfg, model_config, component: str, folder: str, where: str, stubs
     load_config = cfg.load_config if component == "model" else get_draft_load_config(cfg)
     loader = get_model_loader(load_config)
     out = {"loader": f"{type(loader).__module__}.{type(loader).__qualname__}", "cpu_table": cpu_table}
+    meter = _load_by_path("ckpt_tool_load_meter", "load_meter.py").LoadMeter()
+    # ShardedStateLoader.load_weights reads the rank's files through its own iterate_over_files (vLLM 0.33.0 and
+    # 0.34.0, sharded_state_loader.py): counted as it hands the tensors over, unchanged
+    real_iterate = loader.iterate_over_files
+    loader.iterate_over_files = lambda paths: meter.counted(real_iterate(paths))
     t0 = time.perf_counter()
     with stubs.capture() as cap:
         try:
-            with set_current_vllm_config(cfg):  # as vLLM's GPU worker holds it while loading
+            with set_current_vllm_config(cfg), meter:  # as vLLM's GPU worker holds it while loading
                 loader.load_weights(model, stubs.ModelConfigAt(model_config, folder))
             out["exception"] = None
         except Exception as e:  # noqa: BLE001 - the loader's verdict on these files
             out["exception"] = {"type": type(e).__name__, "message": str(e)[:4000]}
-    out["seconds"] = round(time.perf_counter() - t0, 3)
+    out["seconds"] = round(time.perf_counter() - t0, 6)
+    out["cost"] = meter.figures()
     out["log"] = [r for r in cap["log"] if r["level"] in ("WARNING", "ERROR", "CRITICAL")]
     out["warnings"] = cap["warnings"]
     del model
