@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.checkpoint import page_cache
 from ckpt_tool.checkpoint import reader as reads
 from ckpt_tool.checkpoint.reader import LocalFiles, Scratch, SequentialRead
 from ckpt_tool.errors import CheckpointError
@@ -31,6 +32,7 @@ def test_spans_at_any_offset_and_size_are_the_files_bytes_direct_or_not(data_fil
     and a direct reader really reads the large ones with O_DIRECT."""
     monkeypatch.setattr(reads, "DIRECT_FROM", 8192)
     path, data = data_file
+    _evict(path)  # (else a direct reader copies the whole file from the page cache)
     spans = [(0, 1), (1, 8191), (4095, 8193), (5000, 100_000), (len(data) - 7, 7), (0, len(data)), (12_345, 0)]
     with LocalFiles(path.parent, direct=direct) as files:
 
@@ -83,10 +85,9 @@ def test_a_file_system_that_refuses_direct_io_is_read_through_the_cache(data_fil
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, bufs, pos)
 
+    _evicted(path)  # (a cached file is read through the cache anyway)
     monkeypatch.setattr(reads.os, "open", refusing_open)
     monkeypatch.setattr(reads.os, "preadv", refusing_preadv)
-    if not reads.DIRECT_IO:
-        pytest.skip("direct I/O is off here")
     with LocalFiles(path.parent, direct=True) as files:
         assert bytes(files.read_span(path.name, 3, 500_000, Scratch())) == data[3:500_003]
         assert bytes(files.read_span(path.name, 4096, 300_000, Scratch())) == data[4096:304_096]
@@ -138,3 +139,131 @@ def test_no_stage_reads_checkpoint_bytes_but_through_the_reader() -> None:
         if str(p.relative_to(PACKAGE)) not in allowed and pattern.search(p.read_text())
     ]
     assert offenders == []
+
+
+def _recording_preadv(monkeypatch) -> list[tuple[bool, int, int]]:
+    """Every ``preadv`` from now on as (through an O_DIRECT descriptor, offset, bytes asked)."""
+    import fcntl
+
+    calls: list[tuple[bool, int, int]] = []
+    real = os.preadv
+
+    def preadv(fd, bufs, pos, *flags):
+        calls.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), pos, sum(len(b) for b in bufs)))
+        return real(fd, bufs, pos, *flags)
+
+    monkeypatch.setattr(reads.os, "preadv", preadv)
+    return calls
+
+
+def _evict(path: Path) -> list | None:
+    """``path`` written to the disk and dropped from the page cache; what the cache then holds of it (as
+    ``page_cache.cached_runs`` says: None where it cannot be asked)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        end = -(-path.stat().st_size // page_cache.PAGE) * page_cache.PAGE
+        return page_cache.cached_runs(fd, 0, end, page_cache.PAGE)
+    finally:
+        os.close(fd)
+
+
+def _evicted(path: Path) -> None:
+    """``path`` out of the page cache, or the test skipped (no direct I/O, the cache cannot be asked, or the file
+    system keeps its pages: tmpfs)."""
+    if not reads.DIRECT_IO:
+        pytest.skip("direct I/O is off here")
+    runs = _evict(path)
+    end = -(-path.stat().st_size // page_cache.PAGE) * page_cache.PAGE
+    if runs != [(0, end, False)]:
+        pytest.skip(f"{path.parent}: the page cache cannot be asked, or keeps the file's pages ({runs})")
+
+
+@pytest.mark.parametrize("query", ["cachestat", "mincore"])
+def test_the_page_cache_is_asked_what_it_holds_without_reading(data_file, monkeypatch, query) -> None:
+    """cached_runs: a file just evicted is all to be read directly; after its first 64 KiB are read through the cache,
+    they come back as pieces to take from the cache and the rest still as direct, in page-aligned pieces (asking read
+    nothing: the tail is still not cached). Both ways of asking: cachestat, and mincore where the kernel lacks it
+    (ENOSYS, injected)."""
+    import ctypes
+    import errno
+
+    path, data = data_file
+    _evicted(path)
+    if query == "mincore":
+        monkeypatch.setattr(page_cache, "_has_cachestat", True)
+
+        def no_cachestat(*args):
+            ctypes.set_errno(errno.ENOSYS)
+            return -1
+
+        monkeypatch.setattr(page_cache._LIBC, "syscall", no_cachestat)
+    end = -(-len(data) // page_cache.PAGE) * page_cache.PAGE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: the 64 KiB asked for, no more
+        assert len(os.pread(fd, 65536, 0)) == 65536
+        assert page_cache.cached_runs(fd, 0, end, page_cache.PAGE) == [(0, 65536, True), (65536, end, False)]
+        assert page_cache.cached_runs(fd, 65536, end, page_cache.PAGE) == [(65536, end, False)]
+        assert page_cache.cached_runs(fd, 0, end, 1 << 30) == [(0, end, True)]  # mixed, not split: through the cache
+        if query == "mincore":
+            assert not page_cache._has_cachestat
+            monkeypatch.setattr(page_cache, "_mincore_tells_truth", lambda fd: False)
+            assert page_cache.cached_runs(fd, 0, end, page_cache.PAGE) is None  # it would say "all cached"
+    finally:
+        os.close(fd)
+
+
+def test_a_direct_reader_takes_what_the_page_cache_holds_from_it_and_the_rest_from_the_disk(data_file, monkeypatch):
+    """Cold, a large read is one O_DIRECT read; warm (the file just read), one read through the cache and none direct
+    (the disk would read again what the cache holds: verify values right after convert read its source twice over);
+    partly cached, the cached pages through the cache and the others directly, each byte asked for once. The bytes
+    are the file's every time."""
+    path, data = data_file
+    _evicted(path)
+    offset, n = 5000, 1_000_000
+    calls = _recording_preadv(monkeypatch)
+    with LocalFiles(direct=True) as files:
+        assert bytes(files.read_span(path, offset, n, Scratch())) == data[offset : offset + n]
+        assert calls == [(True, 4096, 1_003_520)]  # [4096, 1007616): whole pages
+
+        calls.clear()
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, 65536, 0)  # pages [0, 64 KiB) cached (not through the recorded preadv)
+        os.pread(fd, 65536, 524288)  # and [512, 576) KiB
+        os.close(fd)
+        calls.clear()
+        monkeypatch.setattr(reads, "DIRECT_FROM", 4096)  # pieces split down to a page
+        assert bytes(files.read_span(path, offset, n, Scratch())) == data[offset : offset + n]
+        assert calls == [(False, 4096, 61440), (True, 65536, 458752), (False, 524288, 65536), (True, 589824, 417792)]
+
+        calls.clear()
+        path.read_bytes()  # all of it cached
+        assert bytes(files.read_span(path, offset, n, Scratch())) == data[offset : offset + n]
+        assert calls == [(False, offset, n)]
+
+
+def test_a_direct_read_split_between_cache_and_disk_ends_at_the_end_of_the_file(data_file, monkeypatch) -> None:
+    """Pieces past the end of the file (cached or not, as the kernel answers) give a short read: what there is, or
+    the 'ended early' error; the pieces' order is kept whatever they are."""
+    path, data = data_file
+    if not reads.DIRECT_IO:
+        pytest.skip("direct I/O is off here")
+    size = len(data)
+    end = -(-size // 4096) * 4096
+    with LocalFiles(direct=True) as files:
+        for runs in ([(0, 8192, False), (8192, end, True)], [(0, end - 4096, True), (end - 4096, end, False)]):
+            monkeypatch.setattr(
+                page_cache,
+                "cached_runs",
+                lambda fd, a, b, least, runs=runs: [
+                    (max(a, r0), min(b, r1), c) for r0, r1, c in runs if r1 > a and r0 < b
+                ],
+            )
+            assert bytes(files.read_span(path, 100, size, Scratch(), short_ok=True)) == data[100:]
+            with pytest.raises(CheckpointError, match="ended early"):
+                files.read_span(path, 100, size, Scratch())

@@ -7,8 +7,11 @@ decided here, once:
 - each file is opened once, read-only, and read positionally (``pread``), so threads share the descriptors;
 - ``direct`` files are read with ``O_DIRECT`` where the file system allows it: whole 4 KiB pages into page-aligned
   memory, nothing copied through or left in the page cache (convert writes OUT that way, so it is not cached; the
-  numeric level reads each source byte once). A read under ``DIRECT_FROM`` bytes (the scales of one expert's rank
-  slice: 32 KiB) goes through a second, buffered descriptor instead, without read-ahead (``POSIX_FADV_RANDOM``):
+  numeric level reads each source byte once). What the page cache already holds of a direct read's range is copied
+  from there instead (``ckpt_tool.checkpoint.page_cache``: asked, not read; the disk would read it again, and a source
+  verified right after convert is all cached); a range that is only partly cached is read a piece at a time, each
+  from where it is, so no byte comes from the disk twice. A read under ``DIRECT_FROM`` bytes (the scales of one
+  expert's rank slice: 32 KiB) goes through a second, buffered descriptor instead, without read-ahead (``POSIX_FADV_RANDOM``):
   the kernel's would read up to ``read_ahead_kb`` (8 MiB on this VM) of the weights beside it, which are read
   directly, so from the disk a second time (values level, 3-layer skeleton: 34.46 GiB read with it, 33.53 without);
   a file system that refuses ``O_DIRECT`` (at the open or at the first read) is read through the cache;
@@ -33,9 +36,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
+from ckpt_tool.checkpoint import page_cache
 from ckpt_tool.errors import CheckpointError
 
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length/address granularity kept to (covers 512-byte devices too)
+ALIGN = max(DIRECT_ALIGN, page_cache.PAGE)  # a direct read's bounds: also whole pages of the page cache, asked about
 DIRECT_IO = os.environ.get("CKPT_TOOL_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
 DIRECT_FROM = 256 * 1024  # reads of a direct file from this size on bypass the page cache; smaller ones do not
 SEQUENTIAL_BLOCK = 8 * 1024 * 1024  # bytes a front-to-back read asks for at once
@@ -185,16 +190,29 @@ class LocalFiles:
         again: bool = False,
     ) -> memoryview:
         """Bytes ``[offset, offset + n)`` of ``file`` as a view into ``scratch`` (valid until its next read): read
-        with ``O_DIRECT`` (whole pages, no copy) where this reader's policy says so, else through the cache.
+        with ``O_DIRECT`` (whole pages, no copy) where this reader's policy says so and the page cache does not hold
+        them (the pages it holds copied from it), else through the cache.
         ``short_ok``: a read past the end of the file returns what there is instead of raising. ``again``: the bytes
         will be read again, so through the page cache, where the next read finds them (both reads with ``again``)."""
         fd, direct = self._fd(file, buffered=n < DIRECT_FROM or again)
         if direct:
-            a0 = offset - offset % DIRECT_ALIGN
-            a1 = -(-(offset + n) // DIRECT_ALIGN) * DIRECT_ALIGN
+            a0 = offset - offset % ALIGN
+            a1 = -(-(offset + n) // ALIGN) * ALIGN
+            small, _ = self._fd(file, buffered=True)
+            runs = page_cache.cached_runs(small, a0, a1, DIRECT_FROM)
+            if runs is None:
+                runs = [(a0, a1, False)]
+            if runs == [(a0, a1, True)]:  # all cached: copied from there, no disk read (as a buffered reader reads)
+                fd, direct = small, False
+        if direct:
             page = scratch.take(a1 - a0)
+            got = 0  # bytes from a0
             try:
-                got = self._pread(fd, file, page, a0, what, direct=True)
+                for r0, r1, cached in runs:  # each piece from where it is: the page cache, else the disk directly
+                    into = page[r0 - a0 : r1 - a0]
+                    got += self._pread(small if cached else fd, file, into, r0, what, direct=not cached)
+                    if got < r1 - a0:  # the end of the file
+                        break
             except _DirectRefused:
                 self._refused_direct(file)
                 return self.read_span(file, offset, n, scratch, what=what, short_ok=short_ok, again=again)
