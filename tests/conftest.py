@@ -38,3 +38,23 @@ def fixture_copy(fixture_dir, tmp_path: Path):
         return dst
 
     return get
+
+
+def _no_cuda_reason() -> str | None:
+    """Why the tests marked ``cuda`` cannot run here, or None where torch sees a CUDA device."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"needs a CUDA device: this torch ({torch.__version__}) is built without CUDA"
+    if not torch.cuda.is_available():
+        return f"needs a CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` (registered in pyproject.toml) are skipped, with the reason, where there is no GPU."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    reason = _no_cuda_reason() if marked else None
+    if reason:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
