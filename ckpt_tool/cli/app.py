@@ -255,6 +255,16 @@ def convert(
             "with --enable-expert-parallel).",
         ),
     ] = "tp",
+    nvfp4_input_scales: Annotated[
+        Literal["global", "local"],
+        typer.Option(
+            "--nvfp4-input-scales",
+            help="NVFP4 experts (NVIDIA's NVFP4 exports) under --moe-parallel ep: global (default) writes every "
+            "expert's input scales on every rank, as vLLM's FlashInfer NVFP4 MoE backends hold them (what vLLM picks "
+            "on Blackwell); local writes each rank's own, for the other backends (--moe-backend cutlass, marlin). "
+            "See docs/nvfp4.md.",
+        ),
+    ] = "global",
     only: Annotated[
         Literal["model", "mtp"] | None,
         typer.Option(
@@ -370,6 +380,7 @@ def convert(
             src,
             tp=tp,
             moe_parallel=moe_parallel,
+            nvfp4_input_scales=nvfp4_input_scales,
             only=only,
             max_shard_size=size,
             target=target.value,

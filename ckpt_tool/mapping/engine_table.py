@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, cdiv
+from ckpt_tool.checkpoint.blocks import FP8_BLOCK, MX_BLOCK, NVFP4_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.engram import engram_split
+from ckpt_tool.checkpoint.expert_format import MXFP4, NVFP4, layer_format
 from ckpt_tool.mapping.profiles import PROFILES, EngineNames, draft_kind_of, get_profile, model_class_of
 
 
@@ -36,8 +37,9 @@ ENGINES: dict[str, EngineNames] = {name: p.engine for name, p in PROFILES.items(
 
 
 class _Table:
-    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool) -> None:
+    def __init__(self, cfg: V4Config, names: EngineNames, tp: int, ep: bool, global_input_scales: bool = True) -> None:
         self.cfg, self.n, self.tp, self.ep = cfg, names, tp, ep
+        self.global_input_scales = global_input_scales
         self.params: dict[str, EngineParam] = {}
         fp4 = cfg.expert_dtype == "fp4"
         self.scale_dtype = names.fp4_expert_linear_scale if fp4 else names.fp8_expert_linear_scale
@@ -55,7 +57,38 @@ class _Table:
         self.add(f"{name}.weight", (out, inp), "F8_E4M3")
         self.add(f"{name}.weight_scale_inv", (so, si), self.scale_dtype)
 
-    def block(self, p: str, *, ratio: int, hash_layer: bool) -> None:
+    def routed(self, r: str, src: str, experts: int) -> None:
+        """The routed experts under ``r`` of the block the checkpoint holds under ``src`` (``layers.L`` / ``mtp.K``),
+        in that block's format (ckpt_tool.checkpoint.expert_format: vLLM's choice), ``experts`` of them."""
+        D, I, T = self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.tp
+        El, Il = (experts // T, I) if self.ep else (experts, I // T)
+        fmt = layer_format(self.cfg, src)
+        if fmt is MXFP4:  # Mxfp4MoEMethod: packed bytes and E8M0 per-32 scales, as uint8
+            self.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
+            self.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // MX_BLOCK), "U8")
+            self.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
+            self.add(f"{r}.w2_weight_scale", (El, D, Il // MX_BLOCK), "U8")
+        elif fmt is NVFP4:
+            # ModelOptNvFp4FusedMoE.create_weights (model_executor/layers/quantization/modelopt.py, 0.33.0 and 0.34.0):
+            # packed uint8, E4M3 scales per 16 inputs, one float32 global scale a projection (w13: w1's, w3's), and
+            # the input scales of every expert where the FlashInfer backends keep them all (fused_moe/oracle/nvfp4.py
+            # is_global_sf_supported_for_nvfp4_backend), else of the local ones
+            Eg = experts if self.global_input_scales else El
+            self.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
+            self.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // NVFP4_BLOCK), "F8_E4M3")
+            self.add(f"{r}.w13_weight_scale_2", (El, 2), "F32")
+            self.add(f"{r}.w13_input_scale", (Eg, 2), "F32")
+            self.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
+            self.add(f"{r}.w2_weight_scale", (El, D, Il // NVFP4_BLOCK), "F8_E4M3")
+            self.add(f"{r}.w2_weight_scale_2", (El,), "F32")
+            self.add(f"{r}.w2_input_scale", (Eg,), "F32")
+        else:  # block FP8 with float32 scales
+            self.add(f"{r}.w13_weight", (El, 2 * Il, D), "F8_E4M3")
+            self.add(f"{r}.w13_weight_scale_inv", (El, 2 * Il // FP8_BLOCK, D // FP8_BLOCK), "F32")
+            self.add(f"{r}.w2_weight", (El, D, Il), "F8_E4M3")
+            self.add(f"{r}.w2_weight_scale_inv", (El, D // FP8_BLOCK, Il // FP8_BLOCK), "F32")
+
+    def block(self, p: str, src: str, *, ratio: int, hash_layer: bool) -> None:
         c, n, T = self.cfg, self.n, self.tp
         D, hc = c.hidden_size, c.hc_mult
         mix = (2 + hc) * hc
@@ -121,18 +154,7 @@ class _Table:
                 self.scale_dtype,
             )
             self.linear(f"{sh}.down_proj", D, Ish, "row")
-        El, Il = (E // T, I) if self.ep else (E, I // T)
-        r = f"{p}.{n.routed}"
-        if c.expert_dtype == "fp4":  # MXFP4 packed bytes and E8M0 per-32 scales, as uint8
-            self.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
-            self.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // MX_BLOCK), "U8")
-            self.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
-            self.add(f"{r}.w2_weight_scale", (El, D, Il // MX_BLOCK), "U8")
-        else:  # block FP8 with float32 scales
-            self.add(f"{r}.w13_weight", (El, 2 * Il, D), "F8_E4M3")
-            self.add(f"{r}.w13_weight_scale_inv", (El, 2 * Il // FP8_BLOCK, D // FP8_BLOCK), "F32")
-            self.add(f"{r}.w2_weight", (El, D, Il), "F8_E4M3")
-            self.add(f"{r}.w2_weight_scale_inv", (El, D // FP8_BLOCK, Il // FP8_BLOCK), "F32")
+        self.routed(f"{p}.{n.routed}", src, E)
 
 
 def engine_params(
@@ -143,11 +165,14 @@ def engine_params(
     moe_parallel: str = "tp",
     rank: int = 0,
     vllm_series: str | None = None,
+    nvfp4_input_scales: str | None = None,
 ) -> dict[str, EngineParam]:
     """Every parameter rank ``rank`` of ``component`` (model | mtp | dspark) holds under ``profile`` (the same set
     on every rank; the same shapes too but for V4.1's Engram tables, split unevenly by hash head); for a draft whose
-    parameters differ between the series the profile covers, those of ``vllm_series`` (None: the newest)."""
-    t = _Table(cfg, get_profile(profile).engine, tp, moe_parallel == "ep")
+    parameters differ between the series the profile covers, those of ``vllm_series`` (None: the newest); NVFP4
+    experts' input scales under ep as ``nvfp4_input_scales`` says (None: "global", the plan's default)."""
+    ep = moe_parallel == "ep"
+    t = _Table(cfg, get_profile(profile).engine, tp, ep, global_input_scales=not ep or nvfp4_input_scales != "local")
     if cfg.is_v41:
         if component == "model":
             return _v41_target(t, cfg, rank)
@@ -156,7 +181,8 @@ def engine_params(
     t.add("model.embed_tokens.weight", (V // tp, D), "BF16")
     if component == "model":
         for layer in range(cfg.num_hidden_layers):
-            t.block(f"model.layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
+            p = f"model.layers.{layer}"
+            t.block(p, f"layers.{layer}", ratio=cfg.compress_ratio(layer), hash_layer=layer < cfg.num_hash_layers)
         t.add("model.norm.weight", (D,), "BF16")
         t.add("lm_head.weight", (V // tp, D), "BF16")
         head = "model"
@@ -173,7 +199,7 @@ def engine_params(
     if component == "dspark":
         _dspark(t, cfg)
         return t.params
-    for S in cfg.mtp_layer_ids:  # MTP blocks never compress and are never hash-routed
+    for i, S in enumerate(cfg.mtp_layer_ids):  # MTP blocks never compress and are never hash-routed
         p = f"model.layers.{S}"
         t.add(f"{p}.enorm.weight", (D,), "BF16")
         t.add(f"{p}.hnorm.weight", (D,), "BF16")
@@ -184,7 +210,7 @@ def engine_params(
         t.add(f"{p}.hc_head_scale", (1,), "F32")
         t.add(f"{p}.shared_head.norm.weight", (D,), "BF16")
         t.add(f"{p}.shared_head.head.weight", (V // tp, D), "BF16")
-        t.block(f"{p}.mtp_block", ratio=0, hash_layer=False)
+        t.block(f"{p}.mtp_block", f"mtp.{i}", ratio=0, hash_layer=False)
     return t.params
 
 
@@ -214,7 +240,7 @@ def _dspark(t: _Table, cfg: V4Config) -> None:
     if cfg.enable_confidence_head:
         t.add("model.confidence_head.proj.weight", (1, D + r), "F32")
     for i in range(n):
-        t.block(f"model.layers.{i}", ratio=0, hash_layer=False)
+        t.block(f"model.layers.{i}", f"mtp.{i}", ratio=0, hash_layer=False)
 
 
 def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
@@ -230,8 +256,9 @@ def _v41_target(t: _Table, cfg: V4Config, rank: int) -> dict[str, EngineParam]:
     t.add("model.norm.weight", (D,), "BF16")
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        _v41_block(t, p, kv=layer in cfg.kv_source_layer_ids, index=layer in cfg.index_source_layer_ids,
-                   ratio=cfg.compress_ratio(layer), experts=cfg.n_routed_experts)  # fmt: skip
+        _v41_block(t, p, f"layers.{layer}", kv=layer in cfg.kv_source_layer_ids,
+                   index=layer in cfg.index_source_layer_ids, ratio=cfg.compress_ratio(layer),
+                   experts=cfg.n_routed_experts)  # fmt: skip
         if layout is not None and layer in layout.layer_ids:
             e, ed = f"{p}.engram", cfg.engram_head_dim
             lo, hi = layout.rank_rows(layer, T)[rank]
@@ -266,7 +293,8 @@ def _v41_dspark(t: _Table, cfg: V4Config, context_wkv: bool) -> dict[str, Engine
     if cfg.enable_confidence_head:
         t.add("model.confidence_head.proj.weight", (1, D + r), "F32")
     for i in range(n):
-        _v41_block(t, f"model.layers.{i}", kv=False, index=False, ratio=0, experts=cfg.dspark_n_routed_experts)
+        _v41_block(t, f"model.layers.{i}", f"mtp.{i}", kv=False, index=False, ratio=0,
+                   experts=cfg.dspark_n_routed_experts)  # fmt: skip
     return t.params
 
 
@@ -278,7 +306,7 @@ def _v41_linear(t: _Table, name: str, out: int, inp: int, split: str | None = No
     t.add(f"{name}.weight_scale", (out, inp // MX_BLOCK), "U8")
 
 
-def _v41_block(t: _Table, p: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
+def _v41_block(t: _Table, p: str, src: str, *, kv: bool, index: bool, ratio: int, experts: int) -> None:
     """One V4.1 decoder block at ``p``: its hyper-connections, attention (a compressor on a kv source, an indexer on
     an index source) and MoE of ``experts`` routed experts."""
     cfg, T, mx = t.cfg, t.tp, MX_BLOCK
@@ -309,11 +337,12 @@ def _v41_block(t: _Table, p: str, *, kv: bool, index: bool, ratio: int, experts:
         if kv:
             t.add(f"{a}.indexer.wk.weight", (ihd, hd), "BF16")
             t.add(f"{a}.indexer.k_norm.weight", (ihd,), "BF16")
-    _v41_moe(t, cfg, p, t.n, experts)
+    _v41_moe(t, cfg, p, src, t.n, experts)
 
 
-def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int) -> None:
-    """A V4.1 MoE: the router with bias_vl, MXFP8 shared experts, MXFP4 routed experts (``experts`` of them)."""
+def _v41_moe(t: _Table, cfg: V4Config, p: str, src: str, n: EngineNames, experts: int) -> None:
+    """A V4.1 MoE: the router with bias_vl, MXFP8 shared experts, MXFP4 (or an NVFP4 export's) routed experts
+    (``experts`` of them)."""
     D, I, T = cfg.hidden_size, cfg.moe_intermediate_size, t.tp
     g = f"{p}.{n.gate}"
     t.add(f"{g}.weight", (experts, D), "BF16")
@@ -323,12 +352,7 @@ def _v41_moe(t: _Table, cfg: V4Config, p: str, n: EngineNames, experts: int) -> 
     t.add(f"{sh}.gate_up_proj.weight", (2 * Ish // T, D), "F8_E4M3")
     t.add(f"{sh}.gate_up_proj.weight_scale", (2 * Ish // T, D // MX_BLOCK), "U8")
     _v41_linear(t, f"{sh}.down_proj", D, Ish, "row")
-    El, Il = (experts // T, I) if t.ep else (experts, I // T)
-    r = f"{p}.{n.routed}"
-    t.add(f"{r}.w13_weight", (El, 2 * Il, D // 2), "U8")
-    t.add(f"{r}.w13_weight_scale", (El, 2 * Il, D // MX_BLOCK), "U8")
-    t.add(f"{r}.w2_weight", (El, D, Il // 2), "U8")
-    t.add(f"{r}.w2_weight_scale", (El, D, Il // MX_BLOCK), "U8")
+    t.routed(f"{p}.{n.routed}", src, experts)
 
 
 def vision_params(cfg: V4Config, tp: int) -> dict[str, EngineParam]:

@@ -47,6 +47,7 @@ def convert_request(
     *,
     tp: int = 1,
     moe_parallel: str = "tp",
+    nvfp4_input_scales: str = "global",
     only: str | None = None,
     max_shard_size: int | None = None,
     target: str = "auto",
@@ -68,7 +69,13 @@ def convert_request(
         warn(chosen.warning)
     sizes = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     opts = Options(
-        tp=tp, moe_parallel=moe_parallel, only=only, profile=chosen.profile, vllm_series=vllm or chosen.vllm, **sizes
+        tp=tp,
+        moe_parallel=moe_parallel,
+        only=only,
+        profile=chosen.profile,
+        vllm_series=vllm or chosen.vllm,
+        nvfp4_input_scales=nvfp4_input_scales,
+        **sizes,
     )
     rank_list = parse_ranks(ranks, tp) if ranks is not None else None
     ref = parse_hub_ref(src, revision=revision, token=token, cache_dir=cache_dir)

@@ -145,6 +145,7 @@ def options_from_manifest(manifest: dict) -> Options:
         max_shard_size=int(o.get("max_shard_size", 5 * 1024**3)),
         profile=str(o.get("profile", manifest.get("profile", "vllm-seed"))),  # an earlier name resolves in Options
         vllm_series=o.get("vllm_series"),
+        nvfp4_input_scales=o.get("nvfp4_input_scales"),
     )
 
 

@@ -523,8 +523,11 @@ class TensorCheck:
         self.progress = progress or NoProgress()
         opts, cfg = plan.options, plan.config
         self.components = sorted({f.component for f in plan.files})
+        global_scales = opts.nvfp4_input_scales == "global"  # the plan's layout (set only for NVFP4 experts under ep)
         plans = {
-            comp: tensor_units(cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors), opts.vllm_series)
+            comp: tensor_units(
+                cfg, opts.profile, comp, opts.tp, opts.moe_parallel, set(ckpt.tensors), opts.vllm_series, global_scales
+            )
             for comp in self.components
         }
         self.coverage = Coverage(plan, headers, plans)

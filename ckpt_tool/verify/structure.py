@@ -40,7 +40,9 @@ def check_engine(plan: Plan, headers: dict[str, ShardHeader], report: VerifyRepo
             continue  # a structure failure already names the unreadable or missing file
         for rel in files:
             written.update({n: (t.shape, t.dtype) for n, t in headers[rel].tensors.items()})
-        expected = engine_params(plan.config, opts.profile, comp, opts.tp, opts.moe_parallel, rank, opts.vllm_series)
+        expected = engine_params(
+            plan.config, opts.profile, comp, opts.tp, opts.moe_parallel, rank, opts.vllm_series, opts.nvfp4_input_scales
+        )
         problems = compare_with_engine(written, expected)
         name = f"engine:{comp}/rank-{rank}"
         where = f"{comp}/model-rank-{rank}-part-*.safetensors"

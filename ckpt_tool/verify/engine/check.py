@@ -213,7 +213,14 @@ def _documented_prefix(out: Path, manifest: dict, components: list[str]) -> dict
         except CkptToolError:
             continue  # nothing is documented for an unreadable config; the probe names the problem
         params = engine_params(
-            cfg, profile, comp, int(opts.get("tp", 1)), opts.get("moe_parallel", "tp"), 0, opts.get("vllm_series")
+            cfg,
+            profile,
+            comp,
+            int(opts.get("tp", 1)),
+            opts.get("moe_parallel", "tp"),
+            0,
+            opts.get("vllm_series"),
+            opts.get("nvfp4_input_scales"),
         )
         allowed[comp] = {k for k, p in params.items() if p.prefix}
     return allowed
