@@ -18,7 +18,8 @@ from ckpt_tool.mapping.engine_table import ENGINES, engine_params
 from ckpt_tool.mapping.plan import Options
 from ckpt_tool.mapping.planner import plan_conversion
 from ckpt_tool.output.convert import convert
-from ckpt_tool.verify import numeric, quant, reference
+from ckpt_tool.verify import numeric, quant, reference, weight_sides
+from ckpt_tool.verify.forward_names import CONVERTED_TENSORS
 from ckpt_tool.verify.kernels import fp8_block_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.linear_check import LinearRunner
@@ -479,3 +480,61 @@ def test_nvfp4_routed_units_follow_the_config_and_check_input_scales(
             want = sum(1 << r for r in (0, 1) if j in held[r])
             key = (f"{engine}.{'w2' if w == 'w2' else 'w13'}_input_scale", f"layers.0.ffn.experts.{j}.{w}.input_scale")
             assert runner.computed[key] == want, (key, runner.computed.get(key))
+
+
+class _InMemoryReader:
+    """RowReader's reads from tensors in memory, by tensor name (the rows of their 2-D view)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.infos = {n: SimpleNamespace(name=n, shape=tuple(t.shape)) for n, t in tensors.items()}
+
+    def rows(self, path, info, r0, r1, into=None):
+        return _InMemorySides._rows(self.tensors[info.name], r0, r1)
+
+    def source_rows(self, ckpt, name, r0, r1, into=None):
+        return _InMemorySides._rows(self.tensors[name], r0, r1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_mtp_forwards_weight_sides_run_nvfp4_experts(fixture_dir, broken: bool) -> None:
+    """The MTP forward's two sides (verify/weight_sides.py) on an older NVFP4 export (no ignore: the draft's experts
+    NVFP4 too): the source's experts dequantized in torch from .weight_scale / .weight_scale_2, each tp rank's through
+    the NVFP4 GEMM with its w13_weight_scale_2[slot, part] / w2_weight_scale_2[slot]; recombined as the engine does
+    they agree, and a rank holding w1's and w3's global scales swapped gives w1 and w3 outputs that do not."""
+    base_cfg = open_checkpoint(fixture_dir("fp4")).require_config()
+    cfg = replace(
+        base_cfg, hidden_size=NV_D, moe_intermediate_size=NV_I, n_routed_experts=NV_E, moe_quant=MoeQuant("NVFP4")
+    )
+    profile = sorted(CONVERTED_TENSORS)[0]
+    engine = CONVERTED_TENSORS[profile]["experts"].format(S=cfg.num_hidden_layers)
+    src = _nvfp4_experts(torch.Generator().manual_seed(47), "mtp.0.ffn")
+    ranks = _nvfp4_ranks(src, "tp", "mtp.0.ffn", engine)
+    if broken:
+        ranks[1][f"{engine}.w13_weight_scale_2"] = ranks[1][f"{engine}.w13_weight_scale_2"].flip(-1).contiguous()
+    source_reader = _InMemoryReader(src)
+    source = weight_sides.SourceShard(
+        cfg, SimpleNamespace(tensors=source_reader.infos), 0, torch.device("cpu"), source_reader
+    )
+    plan = SimpleNamespace(options=SimpleNamespace(tp=2, moe_parallel="tp", profile=profile), files=[])
+    shards = []
+    for r in (0, 1):
+        reader = _InMemoryReader(ranks[r])
+        shard = weight_sides.ConvertedShard(cfg, plan, None, {}, r, 0, torch.device("cpu"), reader, "torch", "bf16")
+        shard.locate = {n: (None, info) for n, info in reader.infos.items()}
+        shards.append(shard)
+    assert shards[0].expert_kind == "nvfp4"
+    x = torch.randn(3, NV_D, generator=torch.Generator().manual_seed(1))
+    worst = {}
+    for j in range(NV_E):
+        for which in ("w1", "w3", "w2"):
+            role = f"expert.{j}.{which}"
+            xs = x if which != "w2" else torch.randn(3, NV_I, generator=torch.Generator().manual_seed(j))
+            want = source.linear(role, xs)
+            if which == "w2":  # row parallel: each rank its half of the inputs, partial sums added
+                got = sum(s.linear(role, xs[:, r * NV_I // 2 : (r + 1) * NV_I // 2]) for r, s in enumerate(shards))
+            else:  # column parallel: each rank its half of the rows
+                got = torch.cat([s.linear(role, xs) for s in shards], dim=-1)
+            worst[role] = ((got - want).abs().max() / want.abs().max()).item()
+    bad = {role for role, rel in worst.items() if rel > 1e-5}
+    assert bad == ({f"expert.{j}.{w}" for j in range(NV_E) for w in ("w1", "w3")} if broken else set()), worst

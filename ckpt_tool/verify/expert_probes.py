@@ -8,6 +8,7 @@ import zlib
 import torch
 
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expert_format import layer_format
 from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.verify.forward_names import CONVERTED_TENSORS
 from ckpt_tool.verify.linear_check import LINEAR_MAX_REL, PROBE_ROWS
@@ -61,7 +62,7 @@ def compare_expert_probes(
     opts = plan.options
     S = cfg.num_hidden_layers + mtp
     base = CONVERTED_TENSORS[opts.profile]["experts"].format(S=S)
-    sfx = "weight_scale" if cfg.expert_dtype == "fp4" else "weight_scale_inv"
+    sfx = "weight_scale_inv" if layer_format(cfg, f"mtp.{mtp}").name == "fp8" else "weight_scale"
     bad: list[tuple[str, str]] = []
     compared: set[tuple[int, str]] = set()
     for j in range(cfg.n_routed_experts):

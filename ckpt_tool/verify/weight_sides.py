@@ -12,6 +12,7 @@ import torch
 
 from ckpt_tool.checkpoint.blocks import FP8_BLOCK, cdiv
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expert_format import layer_format
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo
 from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.checkpoint.source import Checkpoint
@@ -20,7 +21,7 @@ from ckpt_tool.mapping.plan import Plan
 from ckpt_tool.verify import tiled_matmul
 from ckpt_tool.verify.compute_pool import ComputePool, compute_slot, map_tasks
 from ckpt_tool.verify.forward_names import CONVERTED_TENSORS, SOURCE_LINEARS, SOURCE_TENSORS
-from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm
+from ckpt_tool.verify.kernels import fp8_block_gemm, mxfp4_gemm, nvfp4_gemm
 from ckpt_tool.verify.kernels.fp8_gemm import prepare_activation
 from ckpt_tool.verify.rows import RowReader, read_tile_rows, source_info
 
@@ -111,20 +112,26 @@ class SourceShard:
             base = p + SOURCE_LINEARS["wo_a"]
         else:
             base = p + SOURCE_LINEARS[role]
-        fp4 = role.startswith("expert.") and cfg.expert_dtype == "fp4"
+        # the routed experts' format as vLLM builds this layer's (MXFP4, block FP8, or NVIDIA's NVFP4)
+        kind = layer_format(cfg, f"mtp.{self.mtp}").name if role.startswith("expert.") else "fp8"
+        fp4 = kind in ("mxfp4", "nvfp4")
         rows = cfg.o_lora_rank if role.startswith("wo_a.") else self._info(base + ".weight").shape[0]
         align = 1 if fp4 else FP8_BLOCK
+        scale = base + (".weight_scale" if kind == "nvfp4" else ".scale")  # NVFP4: E4M3 blocks, F32 weight_scale_2
+        g = self._rows(base + ".weight_scale_2", 0, 1) if kind == "nvfp4" else None
 
         def tile(a: int, b: int):
             a, b = r0 + a, r0 + b
             s0, s1 = (a, b) if fp4 else (a // FP8_BLOCK, cdiv(b, FP8_BLOCK))
             w_buf, s_buf = _tile_buffers()
-            return self._rows(base + ".weight", a, b, w_buf), self._rows(base + ".scale", s0, s1, s_buf)
+            return self._rows(base + ".weight", a, b, w_buf), self._rows(scale, s0, s1, s_buf)
 
-        # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 GEMM always
-        # takes bf16): both sides then compute identical math up to summation order, so routing
+        # Same activation rounding as the kernels (bf16, or per-token-group fp8; the MXFP4 and NVFP4 GEMMs always
+        # take bf16): both sides then compute identical math up to summation order, so routing
         # decisions cannot flip on rounding noise and the tolerances can stay tight.
         def gemm(x2, w, s):
+            if kind == "nvfp4":
+                return tiled_matmul.nvfp4_matmul(prepare_activation(x2, "bf16"), w, s, g, what=base)
             if fp4:
                 return tiled_matmul.mxfp4_matmul(prepare_activation(x2, "bf16"), w, s, what=base)
             return tiled_matmul.fp8_block_matmul(prepare_activation(x2, self.act), w, s, what=base)
@@ -164,7 +171,7 @@ class ConvertedShard:
         for f in plan.files:
             if f.component == "mtp" and f.rank == rank and f.relpath in headers:
                 self.locate.update({n: (out / f.relpath, t) for n, t in headers[f.relpath].tensors.items()})
-        self.fp4 = cfg.expert_dtype == "fp4"
+        self.expert_kind = layer_format(cfg, f"mtp.{mtp}").name  # mxfp4 | fp8 | nvfp4, as vLLM builds this layer's
 
     def _info(self, name: str) -> tuple[Path, TensorInfo]:
         hit = self.locate.get(name)
@@ -194,9 +201,11 @@ class ConvertedShard:
         *,
         mx: bool,
         slot: int | None = None,
+        g: torch.Tensor | None = None,
         what: str,
     ) -> torch.Tensor:
-        """Rows [r0, r0 + rows) of ``weight`` (of stacked expert ``slot``) through the kernel."""
+        """Rows [r0, r0 + rows) of ``weight`` (of stacked expert ``slot``) through the kernel (``mx``: packed fp4,
+        NVFP4 when its global scale ``g`` is given, else MXFP4)."""
         wbase = sbase = 0
         if slot is not None:
             wbase = slot * self._info(weight)[1].shape[1]
@@ -211,6 +220,8 @@ class ConvertedShard:
             return self._rows(weight, wbase + a, wbase + b, w_buf), self._rows(scale, sbase + s0, sbase + s1, s_buf)
 
         def gemm(x2, w, s):
+            if g is not None:
+                return nvfp4_gemm(x2, w, s, g, backend=self.kernels, what=what)
             if mx:
                 return mxfp4_gemm(x2, w, s, backend=self.kernels, what=what)
             return fp8_block_gemm(x2, w, s, act=self.act, backend=self.kernels, what=what)
@@ -218,6 +229,19 @@ class ConvertedShard:
         return _gemm_by_tiles(
             x, rows, x.shape[-1] // 2 if mx else x.shape[-1], 1 if mx else FP8_BLOCK, tile, gemm, self.pool
         )
+
+    def _global_scale(self, name: str, slot: int, part: int | None) -> torch.Tensor | None:
+        """An NVFP4 expert's global scale (0-d): ``w13_weight_scale_2[slot, part]`` (part 0: w1, 1: w3) or
+        ``w2_weight_scale_2[slot]`` (vLLM 0.34.0 modelopt.py ``ModelOptNvFp4FusedMoE.create_weights``); None unless
+        this layer's experts are NVFP4."""
+        if self.expert_kind != "nvfp4":
+            return None
+        shape = self._info(name)[1].shape
+        if len(shape) != (1 if part is None else 2) or slot >= shape[0] or (part is not None and part >= shape[1]):
+            raise CheckpointError(f"{name}: shape {list(shape)} holds no global scale for expert slot {slot}")
+        if part is None:
+            return self._rows(name, 0, 1).reshape(-1)[slot]
+        return self._rows(name, slot, slot + 1)[0, part]
 
     def _fp8(self, x: torch.Tensor, base: str, r0: int = 0, rows: int | None = None) -> torch.Tensor:
         if rows is None:
@@ -259,13 +283,17 @@ class ConvertedShard:
             _, j, which = role.split(".")
             slot = self.local_experts.index(int(j))
             base = n["experts"]
-            sfx = "weight_scale" if self.fp4 else "weight_scale_inv"
-            mx = self.fp4
+            sfx = "weight_scale_inv" if self.expert_kind == "fp8" else "weight_scale"
+            mx = self.expert_kind != "fp8"
             what = f"{base} expert {j} {which}"
             if which == "w2":
                 rows = self._info(f"{base}.w2_weight")[1].shape[1]
-                return self._linear(x, f"{base}.w2_weight", f"{base}.w2_{sfx}", 0, rows, mx=mx, slot=slot, what=what)
+                g = self._global_scale(f"{base}.w2_weight_scale_2", slot, None)
+                w, s = f"{base}.w2_weight", f"{base}.w2_{sfx}"
+                return self._linear(x, w, s, 0, rows, mx=mx, slot=slot, g=g, what=what)
             half = self._info(f"{base}.w13_weight")[1].shape[1] // 2
             r0 = 0 if which == "w1" else half
-            return self._linear(x, f"{base}.w13_weight", f"{base}.w13_{sfx}", r0, half, mx=mx, slot=slot, what=what)
+            g = self._global_scale(f"{base}.w13_weight_scale_2", slot, 0 if which == "w1" else 1)
+            w, s = f"{base}.w13_weight", f"{base}.w13_{sfx}"
+            return self._linear(x, w, s, r0, half, mx=mx, slot=slot, g=g, what=what)
         raise KeyError(f"unknown linear role {role!r}")
