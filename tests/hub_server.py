@@ -32,8 +32,10 @@ them into ``RepositoryNotFoundError`` / ``RevisionNotFoundError`` / ``RemoteEntr
 
 Every request is logged (:class:`Request`: method, path, file, Range, status, body bytes sent) and faults can be
 injected per request (:class:`Fault`: a status such as 429 with ``Retry-After`` or 503, a connection dropped after
-N body bytes, a short body, a slow answer). huggingface_hub retries 408/429/5xx in ``http_backoff`` (``utils/_http.py``;
-``Retry-After`` honoured) and resumes a dropped ``http_get`` from the byte it reached (``Range: bytes=n-``).
+N body bytes, a short body, a slow answer; only while a condition holds; after an action of the test's, such as a
+push or a wait for the test's go, so a test orders events by construction, never by how long a sleep lasts).
+huggingface_hub retries 408/429/5xx in ``http_backoff`` (``utils/_http.py``; ``Retry-After`` honoured) and resumes
+a dropped ``http_get`` from the byte it reached (``Range: bytes=n-``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +61,7 @@ LFS_MIN_SIZE = 10 * 1000 * 1000  # the hub's default .gitattributes sends large 
 CHUNK = 1 << 20
 BODY_BLOCK = 8 << 20  # a body is read from disk and sent in blocks of this
 PAGE = 4096
+HANG_S = 60  # how long a wait in the imitation lasts at most: only a hang reaches it, not a busy machine
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -112,8 +116,11 @@ class Fault:
     - ``drop_after=N``: the normal headers, N body bytes, then the connection is closed;
     - ``short_by=N``: a well-formed response N bytes shorter than asked (Content-Range and Content-Length agree
       with the short body), as a misbehaving proxy or CDN may answer;
-    - ``delay_s=S``: the answer (normal or faulty) after S seconds, as a slow hub gives it: a request is then
-      surely still in flight when another one starts.
+    - ``delay_s=S``: the answer (normal or faulty) after S seconds, as a slow hub gives it (no test may count
+      on what happens meanwhile: a busy machine can stall either side for longer; use ``before``);
+    - ``before``: called in the server's thread once the request is counted in flight, before the answer:
+      an action that must land while a request is in flight (a push), or a wait until the test says go;
+    - ``when``: the fault applies only to a request that arrives while ``when()`` is true.
     """
 
     method: str | None = "GET"
@@ -124,6 +131,8 @@ class Fault:
     drop_after: int | None = None
     short_by: int | None = None
     delay_s: float | None = None
+    before: Callable[[], object] | None = None
+    when: Callable[[], bool] | None = None
     times: int = 1
 
     def matches(self, req: Request) -> bool:
@@ -132,6 +141,7 @@ class Fault:
             and self.method in (None, req.method)
             and self.file in (None, req.file)
             and self.host in (None, req.host)
+            and (self.when is None or self.when())
         )
 
 
@@ -178,9 +188,15 @@ class HubServer:
     def requests(self, method: str | None = None, file: str | None = None, host: str | None = None) -> list[Request]:
         """Logged requests (after every request in flight has finished), filtered by what is given."""
         with self._idle:
-            self._idle.wait_for(lambda: self._inflight == 0, timeout=10)
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=HANG_S)
             log = list(self.log)
         return [r for r in log if method in (None, r.method) and file in (None, r.file) and host in (None, r.host)]
+
+    def wait_peak(self, n: int) -> bool:
+        """Wait until ``n`` requests have been answered at once (a fault's ``before``: an answer held until the
+        client has that many in flight); False after HANG_S."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.peak_inflight >= n, timeout=HANG_S)
 
     def bytes_sent(self, file: str | None = None) -> int:
         """Body bytes sent, of ``file`` or of everything."""
@@ -223,6 +239,7 @@ class HubServer:
         with self._lock:
             self._inflight += 1
             self.peak_inflight = max(self.peak_inflight, self._inflight)
+            self._idle.notify_all()
             self.log.append(req)
             fault = next((f for f in self.faults if f.matches(req)), None)
             if fault is not None:
@@ -278,6 +295,8 @@ class _Handler(BaseHTTPRequestHandler):
         answer = self._route(url.path, parse_qs(url.query), body)  # sets req.file
         fault = self.hub._begin(self.req)
         try:
+            if fault is not None and fault.before is not None:
+                fault.before()
             if fault is not None and fault.delay_s:
                 time.sleep(fault.delay_s)
             if fault is not None and fault.status is not None:

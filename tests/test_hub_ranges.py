@@ -287,8 +287,8 @@ def test_the_cache_never_holds_more_than_cache_bytes_and_evicts_the_least_recent
 
 def test_prefetch_has_several_requests_in_flight_and_the_reads_then_fetch_nothing(hub, src) -> None:
     files = sorted(shard_sizes(src))[:3]
-    for file in files:
-        hub.inject(Fault(file=file, host="cdn", delay_s=0.3))
+    for file in files:  # each answer waits until two requests were in flight at once (a hang if never)
+        hub.inject(Fault(file=file, host="cdn", before=lambda: hub.wait_peak(2)))
     with reader_for(hub, src, workers=3) as reader:
         for file in files:
             reader.prefetch(file, 0, 2 * CHUNK)

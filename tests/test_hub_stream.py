@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_server import Fault, HubServer, Request
+from hub_server import HANG_S, Fault, HubServer, Request
 from test_hub import REPO, REPO_ID, shard_of, tensor_files
 
 from ckpt_tool.mapping.plan import Options
@@ -117,18 +117,16 @@ def test_a_fault_while_streaming_is_retried_and_out_is_the_same(hub, fixture_dir
 
 
 def test_retries_spent_is_exit_1_naming_file_and_bytes_and_nothing_complete(hub, tmp_path) -> None:
-    """The hub fails every read of one shard once the conversion has started writing: one error line naming the
-    shard and the byte range, each retry a warning before it, exit 1, no complete manifest."""
+    """The hub fails every read of one shard once the conversion has started writing (its journal exists: the
+    hub looks when each request arrives): one error line naming the shard and the byte range, each retry a warning
+    before it, exit 1, no complete manifest."""
     shard = "model-00003-of-00004.safetensors"
     out = tmp_path / "out"
-    hub.inject(Fault(delay_s=0.2, host="cdn", times=10_000))
+    writing = (out / ".ckpt-tool-journal.json").exists
+    hub.inject(Fault(status=503, file=shard, host="cdn", times=10_000, when=writing))
     env = env_for(tmp_path / "hf", hub.url, {"CKPT_TOOL_HUB_ATTEMPTS": "2", **FAST})
     args = [sys.executable, "-m", "ckpt_tool", "convert", REPO_ID, str(out), "--tp", "2", "--stream"]
     proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (out / ".ckpt-tool-journal.json").exists():
-        time.sleep(0.01)
-    hub.faults.insert(0, Fault(status=503, file=shard, host="cdn", times=10_000))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -148,20 +146,9 @@ def test_a_branch_moved_during_the_run_does_not_mix_commits(hub, fixture_dir, tm
         data[-1000:] = bytes(1000)  # tensor bytes, not the header: the plan is the same
         (changed / shard).write_bytes(bytes(data))
     first = hub.repos[REPO_ID].refs["main"]
-    hub.inject(Fault(delay_s=0.1, host="cdn", times=10_000))  # every read waits: the push lands mid-run
-
-    def move_once_reading() -> None:  # after the run resolved main and began to read shards
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(r.host == "cdn" for r in list(hub.log)):
-            time.sleep(0.01)
-        hub.push(REPO_ID, changed)
-
-    mover = threading.Thread(target=move_once_reading)
-    mover.start()
-    try:
-        res = run(tmp_path, hub, "convert", REPO_ID, tmp_path / "out", "--tp", "2", "--stream")
-    finally:
-        mover.join()
+    # the push lands while the run's first read of a shard (it has resolved main by then) waits for its answer
+    hub.inject(Fault(host="cdn", before=lambda: hub.push(REPO_ID, changed)))
+    res = run(tmp_path, hub, "convert", REPO_ID, tmp_path / "out", "--tp", "2", "--stream")
     assert res.returncode == 0, res.stderr
     assert hub.repos[REPO_ID].refs["main"] != first  # main did move, mid-run
     assert all(f"/resolve/{first}/" in r.path for r in hub.requests(host="hub") if "/resolve/" in r.path)
@@ -179,17 +166,32 @@ def test_kill_9_mid_stream_then_the_same_command_finishes_identically_fetching_n
     out = tmp_path / "out"
     args = [sys.executable, "-m", "ckpt_tool", "convert", REPO_ID, str(out), "--tp", "4", "--stream"]
     env = env_for(tmp_path / "hf", hub.url, {})
-    hub.inject(Fault(delay_s=0.3, host="cdn", times=10_000))  # slow enough to be caught mid-way
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     journal = out / ".ckpt-tool-journal.json"
     model = {f"model/model-rank-{r}-part-0.safetensors" for r in range(4)}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if journal.exists() and model <= set(json.loads(journal.read_text() or "{}").get("files", {})):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+    def target_written() -> bool:
+        try:
+            return model <= set(json.loads(journal.read_text() or "{}").get("files", {}))
+        except FileNotFoundError:  # not yet, or no longer: the run removes it once OUT is complete
+            return False
+
+    held, killed = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a read once the target's files are written: the draft's, answered after the kill
+        held.set()
+        killed.wait(HANG_S)
+
+    hub.inject(Fault(host="cdn", times=10_000, when=target_written, before=hold))
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not held.wait(0.05):
+            assert proc.poll() is None, f"the run never read after its target's files: {proc.communicate()[1]}"
+            assert time.monotonic() < deadline, "the run never wrote its target's files"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed.set()
     assert model <= set(json.loads(journal.read_text())["files"]), "the target's files did not finish first"
     hub.faults.clear()
     hub.clear()
