@@ -65,6 +65,7 @@ def test_a_profile_writing_the_wrong_dtype_fails_verify(fixture_dir, tmp_path, m
 def test_engine_table_of_v4_flash_dimensions() -> None:
     cfg = V4Config.from_dict(
         {
+            "model_type": "deepseek_v4",
             "vocab_size": 129280,
             "hidden_size": 4096,
             "num_hidden_layers": 43,
@@ -81,6 +82,7 @@ def test_engine_table_of_v4_flash_dimensions() -> None:
             "moe_intermediate_size": 2048,
             "num_hash_layers": 3,
             "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
             "hc_mult": 4,
             "rms_norm_eps": 1e-6,
         }

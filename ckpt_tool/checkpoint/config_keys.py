@@ -43,6 +43,8 @@ DSPARKS = frozenset({DSPARK, DSPARK_V41})
 # The largest count (layers, stages, experts, hash heads) the tool plans for: beyond any DeepSeek model (V4-Pro: 61
 # layers, 384 experts), and it bounds the name lists built from the config before a header is compared with them.
 MAX_COUNT = 4096
+MAX_EXPERT_LAYERS = 1 << 18  # routed experts times the layers holding them (V4-Pro: 62 x 384): 6 names each
+MAX_HASH_HEADS = 16384  # Engram hash heads over all layers (V4.1-Flash: 24 a layer), each a prime to find
 
 V4_SRC = "vllm/models/deepseek_v4/nvidia/model.py, attention.py"
 V41_SRC = "vllm/models/deepseek_v41/nvidia/model.py, attention.py"
@@ -149,6 +151,12 @@ def _sources(key: str) -> Check:
     return check
 
 
+def _v41(flat: dict) -> bool:
+    """V4.1's config class (vllm/transformers_utils/configs/deepseek_v41.py) copies text_config as it is, with no
+    defaults: a key its model reads as ``config.key`` must be there (V4's transformers config has defaults)."""
+    return flat.get("model_type") == "deepseek_v41"
+
+
 def _any_compressed(flat: dict) -> bool:
     return any(r > 0 for r in flat.get("compress_ratios") or [] if isinstance(r, int))
 
@@ -167,10 +175,33 @@ def _engram_layers(ids, flat):
     return None
 
 
+def _experts(v, flat):
+    """A count, and with the layers that hold experts (main layers and draft layers) within the names the tool lists."""
+    problem = COUNT(v, flat)
+    if problem:
+        return problem
+    counts = (flat["num_hidden_layers"], flat["num_nextn_predict_layers"], _int_or(flat.get("n_mtp_layers"), 0))
+    if max(counts) > MAX_COUNT:
+        return None  # that count's own rule refuses it
+    layers = counts[0] + max(counts[1:])
+    if v * layers > MAX_EXPERT_LAYERS:
+        return f"with {layers} layers it makes {v * layers} routed experts, beyond any DeepSeek model"
+    return None
+
+
+def _int_or(value, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def _hash_heads(v, flat):
+    """The hash heads of every Engram layer together: each a prime the tool draws (engram.EngramSplit)."""
     heads = (flat.get("engram_max_ngram_size", 2) - 1) * flat.get("engram_n_heads", 1)
-    if heads > MAX_COUNT:
-        return f"it makes {heads} hash heads a layer, beyond any DeepSeek model (the tool reads at most {MAX_COUNT})"
+    total = heads * len(flat.get("engram_layer_ids") or [])
+    if total > MAX_HASH_HEADS:
+        return (
+            f"it makes {heads} hash heads a layer, {total} in all, beyond any DeepSeek model (the tool reads at most "
+            f"{MAX_HASH_HEADS})"
+        )
     return None
 
 
@@ -204,6 +235,14 @@ def _head_dim(v, flat):
 
 def _above_zero(v, flat):
     return None if v > 0 else "it must be above 0"
+
+
+def _model_type(v, flat):
+    return None if v in ("deepseek_v4", "deepseek_v41") else "it is neither deepseek_v4 nor deepseek_v41"
+
+
+def _expert_dtype(v, flat):
+    return None if v in ("fp4", "fp8") else "it is neither fp4 nor fp8"
 
 
 def _groups(v, flat):
@@ -280,6 +319,8 @@ def _r(key, json_type, applies, rule, source, **kw) -> KeyRule:
 # fmt: off
 RULES: tuple[KeyRule, ...] = (
     # the model, every class
+    _r("model_type", STRING, EVERY, "deepseek_v4 or deepseek_v41", "vllm/transformers_utils/config.py (the config "
+       "class by model_type)", required=True, check=_model_type),
     _r("num_hidden_layers", INT, EVERY, f"1-{MAX_COUNT}", V4_SRC, required=True, check=COUNT),
     _r("num_nextn_predict_layers", INT, EVERY, f"0-{MAX_COUNT}", V4_SRC, required=True, check=_at_least(0)),
     _r("vocab_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
@@ -290,7 +331,7 @@ RULES: tuple[KeyRule, ...] = (
     _r("q_lora_rank", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("o_groups", INT, EVERY, "divides num_attention_heads", V4_SRC, required=True, check=_groups),
     _r("o_lora_rank", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
-    _r("n_routed_experts", INT, EVERY, f"1-{MAX_COUNT}", V4_SRC, required=True, check=COUNT),
+    _r("n_routed_experts", INT, EVERY, f"1-{MAX_COUNT}", V4_SRC, required=True, check=_experts),
     _r("n_shared_experts", INT, EVERY, f"0-{MAX_COUNT}", V4_SRC, required=True, check=_at_least(0)),
     _r("num_experts_per_tok", INT, EVERY, "1-n_routed_experts", V4_SRC, required=True,
        check=_topk("n_routed_experts")),
@@ -303,20 +344,23 @@ RULES: tuple[KeyRule, ...] = (
     _r("compress_ratios", INTS, {V41}, "each 0, 1 or 2 (layers past the list: 0)", "vllm/models/deepseek_v41/"
        "attention.py", required=True, check=_v41_ratios),
     _r("rms_norm_eps", NUMBER, EVERY, "> 0", V4_SRC, required=True, check=_above_zero),
-    _r("index_n_heads", INT, EVERY, ">= 1", V4_SRC, check=POSITIVE),
-    _r("index_head_dim", INT, EVERY, ">= 1", V4_SRC, check=POSITIVE),
-    _r("sliding_window", INT, EVERY, ">= 1", V4_SRC, check=POSITIVE),
-    _r("hc_sinkhorn_iters", INT, EVERY, ">= 1", V4_SRC, check=POSITIVE),
-    _r("hc_eps", NUMBER, EVERY, "any", V4_SRC),
+    _r("index_n_heads", INT, EVERY, ">= 1", V4_SRC, required=_v41, check=POSITIVE),
+    _r("index_head_dim", INT, EVERY, ">= 1", V4_SRC, required=_v41, check=POSITIVE),
+    _r("sliding_window", INT, EVERY, ">= 1", V4_SRC, required=_v41, check=POSITIVE),
+    _r("hc_sinkhorn_iters", INT, EVERY, ">= 1", V4_SRC, required=_v41, check=POSITIVE),
+    _r("hc_eps", NUMBER, EVERY, "any", V4_SRC, required=_v41),
     _r("routed_scaling_factor", NUMBER, EVERY, "any", V4_SRC),
-    _r("swiglu_limit", NUMBER, EVERY, "any", V4_SRC),
+    _r("swiglu_limit", NUMBER, EVERY, "any", V4_SRC, required=_v41),
     _r("rope_theta", NUMBER, EVERY, "any", V4_SRC),
     _r("scoring_func", STRING, EVERY, "any", V4_SRC),
-    _r("norm_topk_prob", BOOL, EVERY, "any", V4_SRC),
-    _r("expert_dtype", STRING, EVERY, "fp4 or fp8 (checked where read)", V4_SRC),
-    _r("quantization_config", OBJECT, EVERY, "an object", "vllm/models/deepseek_v41/quant_config.py"),
+    _r("norm_topk_prob", BOOL, EVERY, "any", V4_SRC, required=_v41),
+    _r("expert_dtype", STRING, EVERY, "fp4 or fp8", "vllm/models/deepseek_v4/quant_config.py", check=_expert_dtype),
+    # vLLM picks the FP8 linear method and its block from it: without it every linear would be built unquantized
+    _r("quantization_config", OBJECT, EVERY, "an object", "vllm/models/deepseek_v41/quant_config.py", required=True),
     _r("quantization_config.weight_block_size", INTS, EVERY, "two sizes, each >= 1",
-       "vllm/models/deepseek_v41/quant_config.py", check=_block_size),
+       "vllm/models/deepseek_v41/quant_config.py", required=True, check=_block_size),
+    _r("quantization_config.expert_dtype", STRING, {V41}, "fp4 or fp8 (V4.1's expert format when no expert_dtype)",
+       V41_VISION_SRC, check=_expert_dtype),
     _r("quantization_config.scale_fmt", STRING, EVERY, "any", "vllm/models/deepseek_v41/quant_config.py"),
     # the vision tower (V4: top-level vision_* keys; V4.1: vision_config, with vLLM's defaults)
     _r("vision_n_layers", INT, EVERY, f"0-{MAX_COUNT}", VISION_SRC, check=_at_least(0)),
@@ -360,7 +404,7 @@ RULES: tuple[KeyRule, ...] = (
     _r("engram_layer_ids", INTS, {V41}, "model layers, each once, ascending; as many as engram_num_embeddings",
        ENGRAM_SRC + "; nvidia/model.py picks a layer's table by its index here", check=_engram_layers),
     _r("engram_max_ngram_size", INT, {V41}, "2-", ENGRAM_SRC, required=_engram, check=_at_least(2, None)),
-    _r("engram_n_heads", INT, {V41}, f">= 1, at most {MAX_COUNT} hash heads a layer", ENGRAM_SRC, required=_engram,
+    _r("engram_n_heads", INT, {V41}, f">= 1, at most {MAX_HASH_HEADS} hash heads in all", ENGRAM_SRC, required=_engram,
        check=lambda v, f: POSITIVE(v, f) or _hash_heads(v, f)),
     _r("engram_head_dim", INT, {V41}, "a multiple of 32", ENGRAM_SRC, required=_engram, check=_multiple_of_32),
     _r("engram_vocab_size", INT, {V41}, ">= 2", ENGRAM_SRC, required=_engram, check=_at_least(2, None)),

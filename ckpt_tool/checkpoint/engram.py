@@ -64,20 +64,20 @@ class EngramSplit:
         """The split of ``config`` (a V4Config); None without ``engram_layer_ids``."""
         if not config.engram_layer_ids:
             return None
-        seen: set[int] = set()
-        layers = []
-        for _ in config.engram_layer_ids:
-            sizes = []
-            for _ in range(config.engram_max_ngram_size - 1):
-                current = config.engram_vocab_size - 1
-                for _ in range(config.engram_n_heads):
-                    current += 1
-                    while not is_prime(current) or current in seen:
-                        current += 1
-                    seen.add(current)
-                    sizes.append(current)
-            layers.append(tuple(sizes))
-        return cls(tuple(config.engram_layer_ids), tuple(config.engram_num_embeddings), tuple(layers))
+        # vLLM restarts every n-gram's run at engram_vocab_size - 1 and skips the primes taken before; the primes
+        # taken are then always the first ones from engram_vocab_size on (each run takes the next in order), so the
+        # buckets are consecutive primes dealt out layer by layer, n-gram by n-gram, head by head: one pass, not a
+        # walk over every taken prime again for each run (quadratic: a minute for 8k heads)
+        heads = max(config.engram_max_ngram_size - 1, 0) * max(config.engram_n_heads, 0)
+        primes: list[int] = []
+        current = config.engram_vocab_size - 1
+        for _ in range(len(config.engram_layer_ids) * heads):
+            current += 1
+            while not is_prime(current):
+                current += 1
+            primes.append(current)
+        layers = tuple(tuple(primes[k * heads : (k + 1) * heads]) for k in range(len(config.engram_layer_ids)))
+        return cls(tuple(config.engram_layer_ids), tuple(config.engram_num_embeddings), layers)
 
     @property
     def hash_heads(self) -> int:

@@ -1,0 +1,329 @@
+"""Hand-edited config.json, generated: every key the tool reads (ckpt_tool.checkpoint.config_keys.RULES, as written
+in each fixture's file) set to every JSON type (missing, null, booleans, negative, zero and huge integers, floats,
+strings, lists too short, too long, out of range, reordered, objects), for the V4 (``fp4``), vision (``vl-fp4``),
+DSpark (``dspark-fp4``) and V4.1 (``v41``) fixtures. For each edit, ``inspect`` and ``convert`` (in-process) must
+either both exit 0 with a complete OUT, where :func:`harmless` says the edit is harmless, or both exit 1 with one
+line on stderr and no traceback, leaving no complete OUT; the source is never touched.
+
+:func:`harmless` decides by a stated rule, not by what the tool did. An edit is harmless when vLLM's loader builds
+the very parameters of the unedited fixture from the edited config, which the engine matrix proves it loads:
+
+1. the value is the same JSON value (same type) as before;
+2. the key only matters at run time (:data:`RUNTIME`: no parameter's shape or presence depends on it) and the new
+   value is one vLLM reads as such (the JSON type, the range);
+3. vLLM does not read the key for this model class and draft (:data:`IGNORED`);
+4. the key is removed (or set to null where vLLM reads null as absent) and vLLM's default equals the fixture's
+   value, or set to the default where the fixture omits it (:data:`DEFAULTS`);
+5. ``compress_ratios`` keeps every ratio vLLM reads for a main layer and every entry is a ratio vLLM accepts.
+
+Everything else changes what vLLM would build or is a value it cannot read: it must be refused.
+
+Bounded for CI: a fixed number of examples, derandomized (the same edits every run), no deadline. A counter-example
+found once stays below as a regular test (``test_found_*``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_cli, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckpt_tool.checkpoint.config import V4Config, flatten_v41
+from ckpt_tool.checkpoint.config_keys import MAX_COUNT, RULES, classes_of, key_in_file, rules_for
+from ckpt_tool.fixtures.make import VARIANTS, make_config
+
+FIXTURES = ("fp4", "vl-fp4", "dspark-fp4", "v41")
+EXAMPLES = int(os.environ.get("CONFIG_EDIT_EXAMPLES", "60"))
+MISSING = object()
+
+
+def _flat(doc: dict) -> dict:
+    return flatten_v41(doc, "config.json") if doc.get("model_type") == "deepseek_v41" else doc
+
+
+def _paths(variant: str) -> list[tuple[str, ...]]:
+    """Every key the tool reads for ``variant``, as a path into its config.json (V4.1's nested ones included)."""
+    doc = make_config(VARIANTS[variant])
+    paths = []
+    for rule in rules_for(classes_of(_flat(doc))):
+        paths.append(tuple(key_in_file(doc, rule.key).split(".")))
+    if variant == "v41":
+        paths += [("text_config",), ("vision_config",)]
+    return list(dict.fromkeys(paths))
+
+
+PATHS = {v: _paths(v) for v in FIXTURES}
+
+
+def _get(doc: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(doc, dict) or key not in doc:
+            return MISSING
+        doc = doc[key]
+    return doc
+
+
+def _set(doc: dict, path: tuple[str, ...], value) -> dict:
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    if value is MISSING:
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+    return doc
+
+
+# --- the rule -----------------------------------------------------------------------------------------------------
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive_int(v) -> bool:
+    return _int(v) and v >= 1
+
+
+# key -> (what vLLM reads at run time, whether the key may be absent: vLLM and the tool have a default)
+RUNTIME = {
+    "hc_eps": (_number, True),
+    "routed_scaling_factor": (_number, True),
+    "swiglu_limit": (_number, True),
+    "rope_theta": (_number, True),
+    "rms_norm_eps": (lambda v: _number(v) and v > 0, False),
+    "scoring_func": (lambda v: isinstance(v, str), True),
+    "norm_topk_prob": (lambda v: isinstance(v, bool), True),
+    "sliding_window": (_positive_int, True),
+    "hc_sinkhorn_iters": (_positive_int, True),
+    "quantization_config.scale_fmt": (lambda v: isinstance(v, str), True),
+    "dspark_block_size": (_positive_int, False),  # the serve line's number: the tool asks for it
+    "block_size": (_positive_int, True),
+    "dspark_noise_token_id": (lambda v: _int(v) and 0 <= v < 512, True),  # the fixtures' vocab: 512
+    "engram_pad_token_id": (lambda v: _int(v) and v >= 0, False),  # vLLM reads it without a default
+}
+# (fixture, key) -> what vLLM reads there, for a key vLLM does not read for that model class and draft
+IGNORED = {
+    # V4's DSpark draft counts n_mtp_layers (nvidia/dspark.py: `n_mtp_layers or 3`), never num_nextn_predict_layers
+    ("dspark-fp4", "num_nextn_predict_layers"): lambda v: _int(v) and 0 <= v <= MAX_COUNT,
+    # V4.1's draft: n_mtp_layers first (deepseek_v41/nvidia/dspark.py), and it is given
+    ("v41", "num_nextn_predict_layers"): lambda v: _int(v) and 0 <= v <= MAX_COUNT,
+    # V4.1 has no hash layers (deepseek_v41/nvidia/model.py passes num_hash_layers=0)
+    ("v41", "num_hash_layers"): lambda v: v is MISSING or _int(v),
+    # ... so the experts a token takes size no tensor (V4's hash table ffn.gate.tid2eid is [vocab, top-k]): routing
+    # at run time only, 1 up to the experts (8 in the main layers, 16 in the draft's; null or absent in the draft:
+    # the main layers' 2, nvidia/model.py)
+    ("v41", "num_experts_per_tok"): lambda v: _int(v) and 1 <= v <= 8,
+    ("v41", "dspark_num_experts_per_tok"): lambda v: v is MISSING or v is None or (_int(v) and 1 <= v <= 16),
+}
+# key -> vLLM's default where the key is absent (and null, where vLLM reads null as absent: NULL_IS_DEFAULT)
+DEFAULTS = {
+    "expert_dtype": "fp4",  # vllm/models/deepseek_v4/quant_config.py: getattr(hf_config, "expert_dtype", "fp4")
+    "enable_confidence_head": True,  # nvidia/dspark.py: getattr(config, "enable_confidence_head", True)
+    "n_mtp_layers": 3,  # V4: `or 3`; V4.1: `or num_nextn_predict_layers (3) or 3`
+    "draft_vocab_size": 512,  # nvidia/dspark.py: `getattr(config, "draft_vocab_size", None) or config.vocab_size`
+    # V4.1 without it: vLLM's DeepseekV41Config leaves expert_dtype unset and quant_config.py reads "fp4"
+    "quantization_config.expert_dtype": "fp4",
+}
+NULL_IS_DEFAULT = {"n_mtp_layers", "draft_vocab_size"}
+
+
+def _ratios_harmless(variant: str, old: list, new) -> bool:
+    if not isinstance(new, list) or not all(_int(r) for r in new):
+        return False
+    layers = 4 if variant == "v41" else 3
+    if variant == "v41":  # deepseek_v41/attention.py: 0, 1 or 2; a layer past the list reads 0
+        return all(r in (0, 1, 2) for r in new) and [*new, *[0] * layers][:layers] == old[:layers]
+    # transformers' DeepseekV4Config maps every entry (0, 4, 128), vLLM reads layer_types[layer] for each main layer
+    return all(r in (0, 4, 128) for r in new) and len(new) >= layers and new[:layers] == old[:layers]
+
+
+# V4.1's config class copies text_config with no defaults: what its model reads as config.key must be there
+V41_NO_DEFAULT = {"sliding_window", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "norm_topk_prob"}
+# V4's transformers DeepseekV4Config defaults (configuration_deepseek_v4.py), the tool's too
+V4_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128}
+
+
+def harmless(variant: str, path: tuple[str, ...], old, new) -> bool:
+    """Whether setting ``path`` from ``old`` to ``new`` (MISSING: removed) is harmless, by the rule above."""
+    key = ".".join(path)
+    flat_key = path[-1] if path[0] in ("text_config",) else key
+    if path[0] == "vision_config":
+        flat_key = "vision:" + path[-1]
+    if (old is MISSING and new is MISSING) or (type(old) is type(new) and old == new):
+        return True
+    if flat_key in RUNTIME:
+        ok, may_be_absent = RUNTIME[flat_key]
+        if new is MISSING:
+            return may_be_absent and not (variant == "v41" and flat_key in V41_NO_DEFAULT)
+        return ok(new)
+    if (variant, flat_key) in IGNORED:
+        return IGNORED[(variant, flat_key)](new)
+    defaults = DEFAULTS if variant == "v41" else {**DEFAULTS, **V4_DEFAULTS}
+    if flat_key in defaults:  # what vLLM reads before and after the edit
+        default = defaults[flat_key]
+        before = default if old is MISSING else old
+        after = default if new is MISSING or (new is None and flat_key in NULL_IS_DEFAULT) else new
+        return type(before) is type(after) and before == after
+    if flat_key == "compress_ratios":
+        return _ratios_harmless(variant, old, new)
+    return False
+
+
+# --- the edits ----------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def config_edits(draw):
+    """(fixture, path, old value, new value): one key of one fixture's config.json set to a generated JSON value."""
+    variant = draw(st.sampled_from(FIXTURES))
+    path = draw(st.sampled_from(PATHS[variant]))
+    old = _get(make_config(VARIANTS[variant]), path)
+    base = old if _int(old) else 3
+    ints = st.one_of(
+        st.sampled_from([0, -1, base - 1, base + 1, base + 3, 2**31, 10**12]),
+        st.integers(-(2**40), 2**40),
+    )
+    lists = st.just([])
+    if isinstance(old, list) and old:
+        lists = st.sampled_from(
+            [
+                [],
+                old[:-1],
+                [*old, old[-1]],
+                [*old, max(old) + 1] if all(_int(x) for x in old) else [*old, 1],
+                [old[0] + 100 if _int(old[0]) else 1, *old[1:]],
+                [str(old[0]), *old[1:]],
+                [float(old[0]) if _int(old[0]) else 0.5, *old[1:]],
+                [True, *old[1:]],
+                list(reversed(old)),
+                [old[-1], *old[1:]],  # the last id twice
+                [old],
+            ]
+        )
+    new = draw(
+        st.one_of(
+            st.just(MISSING),
+            st.none(),
+            st.booleans(),
+            ints,
+            st.sampled_from([float(base), base + 0.5, -1.5]),
+            st.floats(allow_nan=False, allow_infinity=False),
+            st.sampled_from([str(base), "x", "", json.dumps(old) if old is not MISSING else "null"]),
+            lists,
+            st.just({}),
+        )
+    )
+    return variant, path, old, new
+
+
+@pytest.fixture(scope="module")
+def editable(fixture_dir, tmp_path_factory):
+    """``editable(variant)`` -> a source whose shards are the fixture's (hard links) and whose config.json each example
+    rewrites."""
+    root = tmp_path_factory.mktemp("edited")
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            src, dst = fixture_dir(variant), root / variant
+            dst.mkdir()
+            for f in src.iterdir():
+                if f.is_file() and f.name != "config.json":
+                    os.link(f, dst / f.name)
+            made[variant] = dst
+        return made[variant]
+
+    return get
+
+
+def check_edit(editable, capsys, tmp_path: Path, variant: str, path: tuple[str, ...], new) -> None:
+    """Apply one edit and require the verdict :func:`harmless` names."""
+    good = make_config(VARIANTS[variant])
+    old = _get(good, path)
+    src = editable(variant)
+    (src / "config.json").write_text(json.dumps(_set(good, path, new), indent=2))
+    before = snapshot(src)
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    want = 0 if harmless(variant, path, old, new) else 1
+    case = f"{variant}: {'.'.join(path)} {'(removed)' if new is MISSING else json.dumps(new)} (was {old!r})"
+    for args in (("inspect", src), ("convert", src, out, "--tp", "1")):
+        code, _, err = run_cli(capsys, *args)
+        assert code == want, f"{case}: {args[0]} exited {code}, the rule says {want}:\n{err}"
+        assert "Traceback" not in err, f"{case}: {args[0]}:\n{err}"
+        if want == 1:
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: {args[0]}:\n{err}"
+    manifest = out / "ckpt-tool.json"
+    complete = manifest.is_file() and json.loads(manifest.read_text()).get("complete") is True
+    assert complete == (want == 0), f"{case}: OUT complete: {complete}"
+    if want == 0:  # OUT carries the config.json it was converted from, byte for byte
+        assert (out / "model" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert snapshot(src) == before, f"{case}: the source changed"
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(edit=config_edits())
+def test_a_generated_config_edit_is_converted_whole_or_refused_in_one_line(editable, capsys, tmp_path, edit) -> None:
+    variant, path, _old, new = edit
+    check_edit(editable, capsys, tmp_path, variant, path, new)
+
+
+def test_every_key_the_config_reads_has_a_rule() -> None:
+    """The keys config.py and the draft kind read from config.json (found in their source) are all in the table, so
+    the edits above reach them."""
+    import re
+
+    import ckpt_tool.checkpoint.config as config_module
+    import ckpt_tool.mapping.profiles.draft_kind as draft_module
+
+    text = Path(config_module.__file__).read_text() + Path(draft_module.__file__).read_text()
+    read = set(re.findall(r"""(?:raw|quant|flat)(?:\.get\(|\[)"([a-z_0-9]+)""", text))
+    read |= set(re.findall(r"""_flat_get\(config\.raw, "([a-z_0-9]+)"\)""", text))
+    read -= {"text_config", "vision_config"}  # the V4.1 nesting itself: edited as a whole above
+    ruled = {r.key.split(".")[-1] for r in RULES}
+    assert read - ruled == set(), read - ruled
+
+
+# --- the two cases of issue 45, and counter-examples the generator found -------------------------------------------
+
+FOUND = [
+    ("dspark-fp4", ("dspark_target_layer_ids",), [0, 1, 6]),  # issue 45: a layer past the model, exit 0 before
+    ("v41", ("text_config", "engram_layer_ids"), [1, 2, 3]),  # issue 45: IndexError before
+    ("fp4", ("quantization_config",), MISSING),  # vLLM would build every linear unquantized: exit 0 before
+    ("v41", ("text_config", "dspark_num_experts_per_tok"), MISSING),  # harmless: the main layers' top-k
+    ("v41", ("draft_vocab_size",), None),  # harmless: vLLM reads null as vocab_size
+    ("fp4", ("index_head_dim",), MISSING),  # harmless: transformers' default, 128
+    ("v41", ("text_config", "index_head_dim"), MISSING),  # V4.1 has no default: exit 0 before
+    ("v41", ("text_config", "hc_eps"), MISSING),  # the same
+]
+
+
+@pytest.mark.parametrize(("variant", "path", "new"), FOUND, ids=[f"{v}-{'.'.join(p)}" for v, p, _ in FOUND])
+def test_found_edits_are_refused_in_one_line(editable, capsys, tmp_path, variant, path, new) -> None:
+    check_edit(editable, capsys, tmp_path, variant, path, new)
+
+
+def test_every_fixture_config_is_accepted_as_it_is() -> None:
+    for variant in FIXTURES:
+        V4Config.from_dict(make_config(VARIANTS[variant]))
