@@ -222,7 +222,13 @@ ST_DTYPE = {torch_name: name for name, torch_name in TORCH_NAMES.items()}  # vLL
 
 
 def engine_table_problems(
-    results: list[dict], src: Path, tp: int, ep: bool, target: str, vllm_series: str | None = None
+    results: list[dict],
+    src: Path,
+    tp: int,
+    ep: bool,
+    target: str,
+    vllm_series: str | None = None,
+    nvfp4_input_scales: str | None = None,
 ) -> list[str]:
     """ckpt_tool.mapping.engine_table's table (what verify checks OUT against, for ``vllm_series``) vs the keys vLLM's
     own classes hold, every rank."""
@@ -235,7 +241,7 @@ def engine_table_problems(
         if r["op"] != "sharded-load":
             continue
         comp, rank = r["job"]["component"], r["job"]["rank"]
-        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp", rank, vllm_series)
+        ours = engine_params(cfg, target, comp, tp, "ep" if ep else "tp", rank, vllm_series, nvfp4_input_scales)
         vllm = {k: (tuple(v["shape"]), ST_DTYPE.get(v["dtype"], v["dtype"])) for k, v in r["keys"].items()}
         where = f"{comp} rank {rank}"
         for k in sorted(set(ours) ^ set(vllm)):

@@ -92,6 +92,10 @@ STUB_OP_NAMESPACES = (
     "_qutlass_C",
     "_flashmla_C",
     "_flashmla_extension_C",
+    # vllm._deepselect_C (vLLM 0.34.0 model_executor/layers/indexer_topk.py): asked on the SM100 family while the
+    # config of a DeepSeek V4 / V4.1 with an indexer is checked (models/config.py _indexer_sparse_logits_supported);
+    # it decides a runtime kernel, no parameter
+    "deep_select",
 )
 
 
@@ -289,6 +293,9 @@ class _OpsNamespace:
         "cutlass_scaled_mm_supports_block_fp8": lambda cap: cap >= 90,
         "cutlass_scaled_mm_supports_fp4": lambda cap: cap >= 100,
         "cutlass_group_gemm_supported": lambda cap: cap in (90, 100),
+        # the row-stride alignment DeepSelect needs, (input, output) bytes: "1024B / 32B on SM100" (vLLM 0.34.0
+        # model_executor/kernels/attention/dsa/sparse_mqa_logits.py check_deep_select_layout)
+        "get_alignment_requirement": lambda: (1024, 32),
     }
 
     def __init__(self, ns: str):
