@@ -5,6 +5,7 @@
     python bench/verify_bench.py --src /tmp/vb/src        # reuse a skeleton made by bench/make_skeleton.py --layers K
     python bench/verify_bench.py --layers 0 --model pro   # the MTP layer alone at V4-Pro widths (memory must stay flat)
     python bench/verify_bench.py --rounds 3 --json verify.json --keep
+    python bench/verify_bench.py --warm --layers 0 --tp 2 --rounds 5   # values against convert, page cache warm
 
 In one run, on one skeleton (bench/make_skeleton.py: the real config, names, shapes and dtypes, random valid
 bytes; by default 3 main layers and the MTP layer, 256 MXFP4 experts each): ``convert --tp 8``, then rounds of
@@ -22,6 +23,13 @@ fits there. Targets (issue 31): numeric reads <= 1.05 x (the source the plan nee
 Figures per GiB of the source, and against the values level of the same round (the VM's speed moves over the
 day: only ratios within a round compare). The script fails if a verify fails or coverage is below 100 %.
 Targets (issue 22): numeric <= 2 x values, coverage 100 %, peak RSS <= 2 GiB; values <= 1.5 x convert.
+
+Warm (``--warm``, issue 46): the page cache as a user has it right after converting: the source read into it just
+before each command (the bench reads it and says how much of it the cache then held), OUT not cached (convert writes
+it with O_DIRECT). Rounds of ``convert`` then ``verify --level values`` (``--levels``), each level's time against the
+convert of its own round; the median of those ratios is the figure (target: values <= 1.5 x convert). A level that
+read more from the disk than OUT plus the part of the source the cache did not hold had its cache dropped under it
+(another process's ``drop_caches``): the row says so.
 
 Projection to V4-Flash (148.6 GiB) and V4-Pro (805 GiB, make_skeleton's specs): a level takes
 max(CPU seconds / cores, bytes it asks to read / disk rate). CPU seconds scale with the source from this run;
@@ -184,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         help="while verify runs, drop the source from the page cache every S seconds: a cache smaller than the "
         "source, as at V4-Flash scale (default: never)",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="the source in the page cache before each command, rounds of convert then the levels (default values), "
+        "each against its round's convert",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
@@ -203,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             make_skeleton.make_skeleton(src, layers=args.layers)
         out = work / f"out-tp{args.tp}"
         only = ["--only", "mtp"] if args.layers == 0 else []  # a skeleton without main layers converts its draft
+        if args.warm:
+            levels = args.levels if args.levels != "values,numeric" else "values"
+            return warm_rounds(src, out, [*only, "--tp", str(args.tp)], levels, args, log)
         conv = timed(
             [*ckpt, "convert", str(src), str(out), "--tp", str(args.tp), *only, "--force", "--json"], log, [src]
         )
@@ -296,6 +313,98 @@ def main(argv: list[str] | None = None) -> int:
             "projection": projection,
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+def warm(folder: Path) -> float:
+    """Read every safetensors file under ``folder`` through the page cache; the fraction of their bytes the cache
+    then holds (``ckpt_tool.checkpoint.page_cache``; None where it cannot be asked)."""
+    from ckpt_tool.checkpoint import page_cache
+
+    total = held = 0
+    for p in sorted(folder.rglob("*.safetensors")):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            pos = 0
+            while pos < size:
+                pos += len(os.pread(fd, 16 * 1024 * 1024, pos)) or size
+            end = -(-size // page_cache.PAGE) * page_cache.PAGE
+            runs = page_cache.cached_runs(fd, 0, end, page_cache.PAGE)
+            total += size
+            held += sum(min(b, size) - a for a, b, cached in runs or [] if cached) if runs is not None else 0
+        finally:
+            os.close(fd)
+    return held / total if total else 0.0
+
+
+def warm_rounds(src: Path, out: Path, convert_opts: list[str], levels: str, args, log) -> int:
+    """``--warm``: rounds of convert then each level, the source warm before each, each level against its round's
+    convert; the table and the median ratio printed (and written with ``--json``). 1 if a verify failed."""
+    ckpt = [sys.executable, "-m", "ckpt_tool"]
+    extra = ["--workers", str(args.workers)] if args.workers else []
+    rows, failed = [], False
+    src_bytes = folder_bytes(src)
+    for rnd in range(args.rounds):
+        cmds = [("convert", [*ckpt, "convert", str(src), str(out), *convert_opts, "--force", "--json"])]
+        cmds += [
+            (lv, [*ckpt, "verify", str(out), "--source", str(src), "--level", lv, "--json", *extra])
+            for lv in levels.split(",")
+        ]
+        for what, cmd in cmds:
+            held = warm(src)
+            log(f"round {rnd + 1}: source {held * 100:.1f} % in the page cache")
+            t = run_timed(cmd, cwd=REPO)
+            if t.rc != 0:
+                log(t.stderr[-2000:])
+                failed = True
+            out_bytes = folder_bytes(out)
+            # what a level must read from the disk: OUT, and the source the cache did not hold (+ 2 % slack)
+            dropped = what != "convert" and t.disk_read_bytes > 1.02 * (out_bytes + (1 - held) * src_bytes)
+            rows.append(
+                {
+                    "round": rnd + 1,
+                    "command": what,
+                    "seconds": t.seconds,
+                    "cpu_seconds": t.cpu_seconds,
+                    "peak_rss_mib": t.peak_rss_mib,
+                    "disk_read_gib": t.disk_read_bytes / GiB,
+                    "source_cached": held,
+                    "cache_dropped_under_it": dropped,
+                    "load": os.getloadavg()[0],
+                    "rc": t.rc,
+                }
+            )
+            log(
+                f"{what:8s} {t.seconds:7.2f} s {t.cpu_seconds:6.1f} CPU s {t.peak_rss_mib:5.0f} MiB "
+                f"{t.disk_read_bytes / GiB:6.2f} GiB from disk  rc {t.rc}" + ("  (cache dropped under it)" * dropped)
+            )
+    conv = {r["round"]: r["seconds"] for r in rows if r["command"] == "convert"}
+    for r in rows:
+        r["x_convert"] = r["seconds"] / conv[r["round"]]
+    print(
+        f"\nwarm page cache: skeleton {src_bytes / GiB:.2f} GiB ({args.model}, {args.layers} main layers + MTP), "
+        f"convert {' '.join(convert_opts)}, OUT {folder_bytes(out) / GiB:.2f} GiB; {os.cpu_count()} CPUs\n"
+    )
+    print("| round | command | seconds | x convert (its round) | CPU s | peak RSS | from disk | source cached | load |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        name = r["command"] if r["command"] == "convert" else f"verify --level {r['command']}"
+        note = " (cache dropped under it)" if r["cache_dropped_under_it"] else ""
+        print(
+            f"| {r['round']} | {name} | {r['seconds']:.2f} | {r['x_convert']:.2f}{note} | {r['cpu_seconds']:.1f} | "
+            f"{r['peak_rss_mib']:.0f} MiB | {r['disk_read_gib']:.2f} GiB | {r['source_cached'] * 100:.0f} % | "
+            f"{r['load']:.1f} |"
+        )
+    medians = {}
+    for lv in levels.split(","):
+        ratios = [r["x_convert"] for r in rows if r["command"] == lv and not r["cache_dropped_under_it"]]
+        medians[lv] = statistics.median(ratios) if ratios else None
+        shown = f"{medians[lv]:.2f}" if ratios else "(no round with the cache kept)"
+        print(f"\nverify --level {lv} / convert, median of {len(ratios)} rounds: {shown} (target <= 1.5)")
+    if args.json:
+        doc = {"warm": True, "cpus": os.cpu_count(), "tp": args.tp, "layers": args.layers, "model": args.model}
+        args.json.write_text(json.dumps({**doc, "rows": rows, "median_x_convert": medians}, indent=2) + "\n")
     return 1 if failed else 0
 
 

@@ -122,7 +122,8 @@ def verify(
         if deep and report.ok:
             pace = numeric.pace if numeric is not None else None
             # alone, this level reads each source block once (shared by the ranks cut from it): with O_DIRECT, no copy
-            # through the page cache; in one pass with the numeric level, whose workers read the source again from it
+            # through the page cache (what the cache holds already is copied from it, not read from the disk again);
+            # in one pass with the numeric level, whose workers read the source again from it
             with closing(ckpt.open_bytes(direct=pace is None)) as source_bytes:
                 check_values(
                     out, plan, source_bytes, headers, report, progress, workers=workers, manifest=manifest, pace=pace

@@ -73,7 +73,8 @@ def check_values(
     (pread, sha256 and the comparisons release the GIL).
 
     ``source`` is read as it was opened: verify opens it with ``O_DIRECT`` for this level alone (no copy through the
-    page cache), buffered under ``pace``.
+    page cache, except of what the cache already holds: a source just converted is read from there, not from the
+    disk again; ckpt_tool.checkpoint.page_cache), buffered under ``pace``.
 
     ``pace`` (verify --level numeric, ckpt_tool.verify.one_pass): every thread reports its progress to it before each
     block and may be held there, and OUT is read through the page cache (the numeric workers read it again from
