@@ -685,7 +685,8 @@ def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, d
     --load-format load_format --speculative-config SPEC``, SPEC being ``{"method": "mtp", "model": draft_dir,
     "num_speculative_tokens": 1}`` when config.json has MTP layers, ``{"method": "dspark", "model": draft_dir}``
     (num_speculative_tokens: vLLM's default, dspark_block_size) when it has ``dspark_target_layer_ids``, none
-    otherwise; ``draft_dir`` defaults to ``config_dir``."""
+    otherwise; ``draft_dir`` defaults to ``config_dir``. Made (and the model then built) on the GPU a user serves
+    the checkpoint on (:func:`gpu_for_checkpoint`, :func:`use_gpu`)."""
     from vllm.engine.arg_utils import EngineArgs  # after bootstrap(): see build_model
 
     use_gpu(gpu_for_checkpoint(config_dir))  # before vLLM asks the platform anything about this checkpoint
