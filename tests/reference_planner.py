@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ckpt_tool.checkpoint.agreement import require_agreement
 from ckpt_tool.checkpoint.completeness import require_complete
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.config_keys import check_tensors
 from ckpt_tool.checkpoint.dtypes import DTYPE_BITS
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
@@ -329,6 +330,7 @@ def plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opti
         raise PlanError(f"unknown target profile {opts.profile!r}; known: {', '.join(PROFILES)}")
     rules = PROFILES[opts.profile].rules(config.expert_dtype)
 
+    check_tensors(config, tensors)  # the keys that name layers holding tensors (config_keys)
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     mtp_present = {int(m.group(1)) for n in tensors if (m := _MTP_RE.match(n))}

@@ -74,7 +74,8 @@ def block(prefix: str, d: dict, *, ratio: int, hash_layer: bool) -> list[tuple[s
         ]
     f, E, M = f"{prefix}.ffn", d["experts"], d["inter"]
     s += [(f"{f}.gate.weight", "BF16", (E, H))]
-    s += [(f"{f}.gate.tid2eid", "I64", (d["vocab"], 2))] if hash_layer else [(f"{f}.gate.bias", "F32", (E,))]
+    topk = min(2, E)  # num_experts_per_tok
+    s += [(f"{f}.gate.tid2eid", "I64", (d["vocab"], topk))] if hash_layer else [(f"{f}.gate.bias", "F32", (E,))]
     for w, (o, i) in (("w1", (M, H)), ("w2", (H, M)), ("w3", (M, H))):
         s += _linear(f"{f}.shared_experts.{w}", o, i, sdt)
     for j in range(E):
@@ -135,7 +136,7 @@ def config(d: dict) -> V4Config:
             "o_lora_rank": 128,
             "n_routed_experts": d["experts"],
             "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
+            "num_experts_per_tok": min(2, d["experts"]),  # vLLM's router takes top-k of the experts there are
             "moe_intermediate_size": d["inter"],
             "num_hash_layers": d["hash_layers"],
             "compress_ratios": d["ratios"] + [0] * d["mtp"],

@@ -262,10 +262,6 @@ def _topk(total_key: str, fallback: str | None = None) -> Check:
     return check
 
 
-def _hash_layers(v, flat):
-    return None if 0 <= v <= _layers(flat) else f"it must be in 0-{_layers(flat)} (num_hidden_layers)"
-
-
 def _vision_dim(v, flat):
     heads = flat.get("vision_n_heads")
     if v < 1:
@@ -321,7 +317,7 @@ RULES: tuple[KeyRule, ...] = (
     # the model, every class
     _r("model_type", STRING, EVERY, "deepseek_v4 or deepseek_v41", "vllm/transformers_utils/config.py (the config "
        "class by model_type)", required=True, check=_model_type),
-    _r("num_hidden_layers", INT, EVERY, f"1-{MAX_COUNT}", V4_SRC, required=True, check=COUNT),
+    _r("num_hidden_layers", INT, EVERY, f"0-{MAX_COUNT}", V4_SRC, required=True, check=_at_least(0)),
     _r("num_nextn_predict_layers", INT, EVERY, f"0-{MAX_COUNT}", V4_SRC, required=True, check=_at_least(0)),
     _r("vocab_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("hidden_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
@@ -337,7 +333,8 @@ RULES: tuple[KeyRule, ...] = (
        check=_topk("n_routed_experts")),
     _r("moe_intermediate_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("hc_mult", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
-    _r("num_hash_layers", INT, V4, "0-num_hidden_layers", HF_V4_SRC, required=True, check=_hash_layers),
+    _r("num_hash_layers", INT, V4, ">= 0 (the first min(it, num_hidden_layers) layers)", HF_V4_SRC, required=True,
+       check=_at_least(0, None)),
     _r("num_hash_layers", INT, {V41}, "any (V4.1 has no hash layers: nvidia/model.py passes 0)", V41_SRC),
     _r("compress_ratios", INTS, V4, "each 0, 4 or 128; one per layer at least", HF_V4_SRC + " (layer_types)",
        required=True, check=_v4_ratios),
