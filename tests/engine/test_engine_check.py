@@ -217,18 +217,19 @@ def _tensor_data_bytes(files: list[Path]) -> int:
     return sum(t.end - t.start for p in files for t in read_shard_header(p, p.name).tensors.values())
 
 
-def test_each_rank_vllm_loaded_reports_its_load_seconds_and_bytes(serving_python, converted, tmp_path) -> None:
+def test_each_rank_vllm_loaded_reports_its_load_seconds_and_bytes(newest_engine_site, newest_converted, tmp_path):
     """Every rank vLLM's ShardedStateLoader loaded for real reports, in the JSON, the text and the JUnit output,
     its load seconds and the tensor bytes the loader read, which are exactly the tensor data of the rank's files
-    (counted as vLLM's own iterate_over_files handed them over), and the bytes of it the disk gave."""
-    out = converted("fp4", 2)
-    proc = verify(out, "--engine", "--engine-python", serving_python, "--json", "--junit", tmp_path / "v.xml")
+    (counted as vLLM's own iterate_over_files handed them over), and the bytes of it the disk gave. What ckpt-tool
+    measures around the engine: the newest release only."""
+    out = newest_converted("fp4", 2)
+    proc = verify(out, "--engine", "--json", "--junit", tmp_path / "v.xml", site=newest_engine_site)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     loads = {(x["component"], x["rank"]): x for x in doc["engine"]["loads"]}
     assert sorted(loads) == [(c, r) for c in ("model", "mtp") for r in range(2)] and doc["engine"]["real_loads"] == 4
     cases = {c.get("name"): c for c in ET.parse(tmp_path / "v.xml").getroot().iter("testcase")}
-    text = verify(out, "--engine", "--engine-python", serving_python).stdout
+    text = verify(out, "--engine", site=newest_engine_site).stdout
     for (comp, rank), load in loads.items():
         files = sorted((out / comp).glob(f"model-rank-{rank}-part-*.safetensors"))
         want = _tensor_data_bytes(files)
