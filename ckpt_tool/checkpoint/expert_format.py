@@ -108,7 +108,7 @@ FP8 = ExpertFormat(
         # float32 parameters: an E8M0 byte b becomes 2^(b-127) (the stock loader would store b)
         TargetParam("weight_scale_inv", "scale", "e8m0_to_f32", "rows", "block-FP8 MoE: w13_weight_scale_inv"),
     ),
-    vllm_method="Fp8MoEMethod (block)",
+    vllm_method="Fp8MoEMethod",
     description="block FP8: E4M3, one scale per 128x128 block",
     block=128,
 )
@@ -208,3 +208,120 @@ def formats_by_layer(config) -> dict[str, str]:
 def formats_used(config) -> tuple[str, ...]:
     """The formats ``config``'s experts come in, main layers' first."""
     return tuple(dict.fromkeys(formats_by_layer(config).values()))
+
+
+def describe_experts(config) -> dict:
+    """What ``inspect`` says of the routed experts: each format with the blocks it covers and the class vLLM builds
+    for them, the NVFP4 keys of quantization_config, and which blocks the ignore list leaves in DeepSeek's format."""
+    by_layer = formats_by_layer(config)
+    formats: dict[str, dict] = {}
+    for prefix, name in by_layer.items():
+        entry = formats.setdefault(name, {"vllm_method": EXPERT_FORMATS[name].vllm_method, "blocks": []})
+        entry["blocks"].append(prefix)
+    quant: MoeQuant = config.moe_quant
+    ignored = [p for p, name in by_layer.items() if quant.algo == "NVFP4" and name != NVFP4.name]
+    return {
+        "formats": {name: {**e, "description": EXPERT_FORMATS[name].description} for name, e in formats.items()},
+        "moe_quant_algo": quant.algo,
+        "ignore": list(quant.ignore) if quant.algo else None,
+        "left_by_ignore": ignored,
+    }
+
+
+# the source tensors that mark a projection's format: NVFP4's three scales, MXFP4's (and FP8's) block scale
+_MARKERS = {f".{p.suffix}": NVFP4 for p in NVFP4.parts if p.suffix != "weight"} | {".scale": MXFP4}
+
+
+def stored_formats(names) -> tuple[dict[str, dict[str, str]], dict[str, set[str]]]:
+    """For the routed experts ``names`` (a checkpoint's tensor names) hold: block prefix (``layers.L`` / ``mtp.K``)
+    → {format name: a tensor of it}, told apart by each projection's scale tensors; and every projection holding an
+    NVFP4 scale (``layers.0.ffn.experts.5.w1``) → the NVFP4 parts it holds."""
+    found: dict[str, dict[str, str]] = {}
+    nvfp4_parts: dict[str, set[str]] = {}
+    for name in names:
+        head, sep, tail = name.partition(".ffn.experts.")
+        if not sep:
+            continue
+        for suffix, fmt in _MARKERS.items():
+            if tail.endswith(suffix):
+                found.setdefault(head, {}).setdefault(fmt.name, name)
+                if fmt is NVFP4:
+                    nvfp4_parts.setdefault(name[: -len(suffix)], set()).add(suffix[1:])
+                break
+    return found, nvfp4_parts
+
+
+def require_stored_formats(config, names, where: str = "config.json") -> None:
+    """CheckpointError when a block's routed experts are stored in a format other than the one vLLM would build for
+    them from config.json (``moe_quant_algo`` and ``ignore``, :func:`layer_format`), or in two formats at once:
+    naming the block, the key that decides, the pattern that matched and a tensor of the stored format. Before any
+    other check, so that the diagnosis is the config's, not a list of "missing" tensors."""
+    if config.expert_dtype == "fp8":
+        return
+    by_block, nvfp4_parts = stored_formats(names)
+    for prefix, stored in by_block.items():
+        want = layer_format(config, prefix)
+        module = experts_module(prefix)
+        if len(stored) > 1:
+            shown = ", ".join(f"{fmt.upper()} ({tensor})" for fmt, tensor in sorted(stored.items()))
+            raise CheckpointError(
+                f"{module}: routed experts stored in two formats ({shown}); vLLM builds one method a layer: the "
+                "checkpoint is inconsistent, re-download it"
+            )
+        (fmt, tensor), = stored.items()
+        if fmt == want.name:
+            continue
+        quant: MoeQuant = config.moe_quant
+        if quant.algo is None:
+            why = f"{MOE_QUANT_KEY} is absent, so vLLM builds {want.vllm_method} ({want.name.upper()})"
+            fix = f"a config.json that names {MOE_QUANT_KEY} \"NVFP4\" (the export's own)"
+        else:
+            matched = next((p for p in quant.ignore if fnmatchcase(module, p)), None)
+            why = (
+                f"{IGNORE_KEY} pattern {matched!r} matches {module!r}, so vLLM builds {want.vllm_method} "
+                f"({want.name.upper()})"
+                if matched
+                else f"{IGNORE_KEY} {list(quant.ignore)} matches no {module!r}, so vLLM builds {want.vllm_method} "
+                f"({want.name.upper()})"
+            )
+            fix = f"an {IGNORE_KEY} that {'leaves' if fmt == MXFP4.name else 'does not leave'} {module!r} out"
+        raise CheckpointError(
+            f"{where}: {why}, but {tensor!r} is {fmt.upper()}: the experts' format is ambiguous; use the model's "
+            f"released config.json ({fix})"
+        )
+    _require_nvfp4_parts(nvfp4_parts)
+
+
+def _require_nvfp4_parts(nvfp4_parts: dict[str, set[str]]) -> None:
+    """Every NVFP4 projection holds its block scale, its global scale and its input scale."""
+    want = {p.suffix for p in NVFP4.parts if p.suffix != "weight"}
+    for stem in sorted(nvfp4_parts):
+        missing = sorted(want - nvfp4_parts[stem])
+        if missing:
+            what = {"weight_scale": "E4M3 block scales", "weight_scale_2": "float32 global scale",
+                    "input_scale": "float32 activation scale"}  # fmt: skip
+            named = ", ".join(f"{stem}.{m} ({what[m]})" for m in missing)
+            raise CheckpointError(
+                f"NVFP4 routed expert {stem} lacks {named}: vLLM's ModelOptNvFp4FusedMoE loads one for every "
+                "projection; the shard that holds it is incomplete: download it again, or use a checkpoint that has it"
+            )
+
+
+def require_nvfp4_grid(tensors: dict) -> None:
+    """Every NVFP4 block scale (``.weight_scale`` beside a U8 ``.weight``) holds one E4M3 scale per 16 inputs of its
+    weight's row, as ModelOptNvFp4FusedMoE (group_size 16) loads it; ``tensors``: name → TensorInfo."""
+    for name, info in tensors.items():
+        if ".ffn.experts." not in name or not name.endswith(".weight_scale"):
+            continue
+        weight = tensors.get(name[: -len("_scale")])
+        if weight is None or weight.dtype != "U8" or len(weight.shape) != 2 or len(info.shape) != 2:
+            continue  # the shapes' own check names what is wrong with them
+        inputs = weight.shape[1] * 2
+        if info.shape[0] != weight.shape[0] or info.shape[1] * NVFP4.block != inputs:
+            per = inputs / info.shape[1] if info.shape[1] else float("inf")
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r}: {list(info.shape)} scales for a weight of {weight.shape[0]} rows of "
+                f"{inputs} inputs, one scale per {per:g} inputs; NVFP4 takes one E4M3 scale per {NVFP4.block} "
+                f"inputs ([{weight.shape[0]}, {inputs // NVFP4.block}]): the tensor is not an NVFP4 block scale, "
+                "re-download the shard or use the export as released"
+            )

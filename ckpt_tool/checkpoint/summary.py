@@ -28,10 +28,12 @@ from ckpt_tool.checkpoint.completeness import (
 )
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.config_keys import tensor_key_problem
+from ckpt_tool.checkpoint.expert_format import require_stored_formats
 from ckpt_tool.checkpoint.forked_read import read_shards_forked
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import ShardHeader, TensorInfo, dtype_totals, read_shard_header
 from ckpt_tool.checkpoint.source import open_checkpoint
+from ckpt_tool.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,15 @@ def inspect_tensors(
         return summarize(source, tallies, tensors, config, config_error, whole=whole, disagreement=disagreement)
 
 
+def _stored_format_problem(config: V4Config, names) -> str | None:
+    """The routed experts stored in another format than config.json makes vLLM build (expert_format), if any."""
+    try:
+        require_stored_formats(config, names)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def summarize(
     source: str,
     tallies: list[ShardTally],
@@ -236,6 +247,8 @@ def summarize(
     problems: list[str] = [config_error] if config_error else []
     missing_tensors: dict[str, list[str]] = {}
     held = tensor_key_problem(config, names) if config is not None and whole else None
+    if held is None and config is not None:
+        held = _stored_format_problem(config, names)
     if held is not None:  # a key naming layers that hold other tensors: what else disagrees follows from it
         problems.append(held)
     elif config is not None:

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 import typer
 
 from ckpt_tool import __version__
+from ckpt_tool.checkpoint.expert_format import EXPERT_FORMATS
 from ckpt_tool.cli.common import (
     FORMATS,
     apply_global_flags,
@@ -699,6 +700,7 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
             "verified_by": p.verified_by,
             "notes": list(p.notes),
             "drafts": [draft_doc(DRAFT_KINDS[k]) for k in p.drafts],
+            "expert_formats": [expert_format_doc(EXPERT_FORMATS[f]) for f in p.expert_formats],
         }
         for p in PROFILES.values()
     ]
@@ -714,6 +716,8 @@ def profiles(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
             f"{x['kind']} ({x['architecture']}, method {x['method']}, OUT/{x['folder']})" for x in d["drafts"]
         )
         typer.echo(f"{'':{width}s}drafts: {drafts}")
+        formats = "; ".join(f"{x['name']} ({x['vllm_method']})" for x in d["expert_formats"])
+        typer.echo(f"{'':{width}s}routed experts: {formats}")
     picked = auto["auto"] or auto["auto_error"]
     if auto["auto"] and auto["auto_verified"] is False:
         picked += f" (NOT verified for vLLM {installed}: check OUT with `ckpt-tool verify OUT --engine`)"
@@ -738,3 +742,14 @@ def env(json_out: JsonOpt = False, fmt: FormatOpt = None) -> None:
 def draft_doc(kind) -> dict:
     """One draft kind (``mapping.profiles.DraftKind``) for ``profiles``."""
     return {"kind": kind.name, "architecture": kind.architecture, "method": kind.method, "folder": kind.component}
+
+
+def expert_format_doc(fmt) -> dict:
+    """One format of routed experts (``checkpoint.expert_format.ExpertFormat``) for ``profiles``."""
+    return {
+        "name": fmt.name,
+        "vllm_method": fmt.vllm_method,
+        "description": fmt.description,
+        "source_tensors": [p.suffix for p in fmt.parts],
+        "parameters": [f"w13_{p.name}" for p in fmt.params] + [f"w2_{p.name}" for p in fmt.params],
+    }

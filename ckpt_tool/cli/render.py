@@ -123,6 +123,8 @@ def render_inspect(r: InspectReport) -> None:
         )
         if m.get("engram"):
             out.print(engram_line(m["engram"]), highlight=False)
+        if m.get("experts"):
+            out.print(escape(experts_line(m["experts"])), highlight=False)
     out.print(f"main layers: {_ranges(r.main_layers)} ({len(r.main_layers)})", highlight=False)
     present = ", ".join(f"mtp.{i} ({n} tensors)" for i, n in r.mtp_tensor_counts.items()) or "none"
     kind = (r.model or {}).get("draft_kind")
@@ -139,6 +141,34 @@ def render_inspect(r: InspectReport) -> None:
     else:
         for p in r.problems:
             error_line(p)
+
+
+def experts_line(e: dict) -> str:
+    """``routed experts: NVFP4 (ModelOptNvFp4FusedMoE) in layers.0-2; MXFP4 (Mxfp4MoEMethod) in mtp.0, left by
+    quantization_config.ignore ...``."""
+    parts = [
+        f"{name.upper()} ({f['vllm_method']}) in {_block_ranges(f['blocks'])}" for name, f in e["formats"].items()
+    ]
+    line = "routed experts: " + "; ".join(parts)
+    if e.get("moe_quant_algo"):
+        ignore = ", ".join(e["ignore"] or []) or "none"
+        left = _block_ranges(e["left_by_ignore"]) if e["left_by_ignore"] else "no block"
+        line += (
+            f" (NVIDIA's NVFP4 export: quantization_config.moe_quant_algo {e['moe_quant_algo']}, ignore [{ignore}] "
+            f"leaves {left} in DeepSeek's format; NVFP4 experts run natively on Blackwell GPUs; under --moe-parallel "
+            "ep convert writes every expert's input scales on each rank, as vLLM's FlashInfer NVFP4 backends hold "
+            "them: --nvfp4-input-scales local for the others)"
+        )
+    return line
+
+
+def _block_ranges(blocks: list[str]) -> str:
+    """``layers.0-2, mtp.0`` from ``[layers.0, layers.1, layers.2, mtp.0]``."""
+    by: dict[str, list[int]] = {}
+    for b in blocks:
+        kind, _, i = b.partition(".")
+        by.setdefault(kind, []).append(int(i))
+    return ", ".join(f"{kind}.{_ranges(ids)}" for kind, ids in by.items())
 
 
 def engram_line(e: dict) -> str:

@@ -9,6 +9,7 @@ import os
 import platform
 
 from ckpt_tool import __version__
+from ckpt_tool.checkpoint.expert_format import EXPERT_FORMATS
 from ckpt_tool.errors import CkptToolError
 from ckpt_tool.mapping.profiles import DRAFT_KINDS, get_profile
 from ckpt_tool.mapping.target import installed_vllm, is_verified, resolve_target
@@ -32,6 +33,14 @@ def auto_drafts(profile: str | None) -> str | None:
         return None
     kinds = [DRAFT_KINDS[k] for k in get_profile(profile).drafts]
     return ", ".join(f"{k.name} ({k.architecture}, method {k.method}, OUT/{k.component})" for k in kinds)
+
+
+def auto_expert_formats(profile: str | None) -> str | None:
+    """The formats of routed experts ``profile`` builds: ``mxfp4 (Mxfp4MoEMethod), ...``."""
+    if profile is None:
+        return None
+    formats = [EXPERT_FORMATS[f] for f in get_profile(profile).expert_formats]
+    return ", ".join(f"{f.name} ({f.vllm_method})" for f in formats)
 
 
 def environment_facts() -> dict:
@@ -63,6 +72,7 @@ def environment_facts() -> dict:
     facts["target_auto_verified"] = auto["auto_verified"]
     facts["installed_vllm"] = installed_vllm()
     facts["target_auto_drafts"] = auto_drafts(auto["auto"])
+    facts["target_auto_expert_formats"] = auto_expert_formats(auto["auto"])
     return facts
 
 

@@ -22,7 +22,7 @@ from ckpt_tool.checkpoint.completeness import count_by_index, require_complete
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.config_keys import check_tensors
 from ckpt_tool.checkpoint.engram import engram_split
-from ckpt_tool.checkpoint.expert_format import formats_used
+from ckpt_tool.checkpoint.expert_format import formats_used, require_nvfp4_grid, require_stored_formats
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
@@ -73,6 +73,8 @@ def _plan_conversion(config: V4Config, tensors: dict[str, TensorInfo], opts: Opt
     opts = replace(opts, nvfp4_input_scales=nvfp4_input_scales(config, opts))
 
     check_tensors(config, tensors)  # the keys that name layers holding tensors (config_keys)
+    require_stored_formats(config, tensors)  # each block's experts in the format vLLM builds for it (expert_format)
+    require_nvfp4_grid(tensors)  # NVFP4 block scales one per 16 inputs
     require_agreement(config, tensors)  # shapes and dtypes config.json implies (the experts' format too)
     complete = require_complete(config, tensors, opts.only)
     engram = engram_split(config) if selects(opts.only, "model") else None

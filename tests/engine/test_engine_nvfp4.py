@@ -23,15 +23,20 @@ from test_engine_matrix import COMPONENTS, _jobs, _report, compare, engine_table
 pytestmark = pytest.mark.engine
 
 NVFP4_METHOD = "ModelOptNvFp4FusedMoE"
-# (variant, tp, expert parallel, components): V4 with its MXFP4 MTP draft at tp 1, 2 and ep; the older export (every
-# expert NVFP4) under ep; the DSpark and V4.1 kinds at tp 2 with ep (their other splits are the V4 cases')
+# (variant, tp, expert parallel, components): each kind (V4 with its MXFP4 MTP draft, DSpark, V4.1) at tp 1, 2 and
+# ep; the older export (every expert NVFP4, the draft's too) under ep
+DSPARK = ("model", "dspark")
 NVFP4_CASES = [
     ("nvfp4", 1, False, COMPONENTS),
     ("nvfp4", 2, False, COMPONENTS),
     ("nvfp4", 2, True, COMPONENTS),
     ("nvfp4-all", 2, True, COMPONENTS),
-    ("dspark-nvfp4", 2, True, ("model", "dspark")),
-    ("v41-nvfp4", 2, True, ("model", "dspark")),
+    ("dspark-nvfp4", 1, False, DSPARK),
+    ("dspark-nvfp4", 2, False, DSPARK),
+    ("dspark-nvfp4", 2, True, DSPARK),
+    ("v41-nvfp4", 1, False, DSPARK),
+    ("v41-nvfp4", 2, False, DSPARK),
+    ("v41-nvfp4", 2, True, DSPARK),
 ]
 
 

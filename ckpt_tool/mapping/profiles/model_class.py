@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckpt_tool.checkpoint.engram import engram_split
+from ckpt_tool.checkpoint.expert_format import describe_experts
 from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 from ckpt_tool.mapping.rules import Rule, vision_block_rules, vision_tower_rules
 from ckpt_tool.mapping.rules_v41 import v41_rules
@@ -57,6 +58,7 @@ class ModelClass:
             "draft_kind": kind.describe(config) if config.draft_layers else None,
             "target_prefix": self.target_prefix,
             "description": self.description,
+            "experts": describe_experts(config),
         }
         if self.name == "v41":
             doc["engram"] = _engram_doc(config)

@@ -1,0 +1,183 @@
+"""NVIDIA's NVFP4 exports of DeepSeek V4: which experts are NVFP4 (vLLM's own rule), what convert writes for them at
+tp 1, tp 2 and ep (both input-scale layouts), verify's 100 % numeric coverage of them, what inspect says, and every
+broken NVFP4 fixture refused before a byte is written with its own diagnosis.
+
+vLLM's own loaders judge the same OUTs in tests/engine/test_engine_nvfp4.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import run_cli, snapshot
+from safetensors import safe_open
+
+from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.expert_format import MXFP4, NVFP4, layer_format
+from ckpt_tool.errors import CheckpointError
+from ckpt_tool.fixtures.make import EXPERTS, HIDDEN, MOE_INTER, NVFP4_BROKEN_VARIANTS, NVFP4_VARIANTS, make_config
+from ckpt_tool.fixtures.make import VARIANTS as FIXTURES
+
+ROUTED = "model.layers.0.ffn.experts.routed_experts"
+
+
+def _config(variant: str, **quant) -> V4Config:
+    raw = make_config(FIXTURES[variant])
+    raw["quantization_config"] = {**raw["quantization_config"], **quant}
+    return V4Config.from_dict(raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which experts are NVFP4: vLLM 0.33.0 / 0.34.0 models/deepseek_v41/quant_config.py _is_nvfp4_expert_layer
+
+
+@pytest.mark.parametrize(
+    ("quant", "main", "draft"),
+    [
+        ({}, NVFP4, MXFP4),  # the export's ignore: "mtp.*"
+        ({"ignore": None}, NVFP4, NVFP4),  # absent: every expert layer
+        ({"ignore": []}, NVFP4, NVFP4),  # empty: every expert layer
+        ({"ignore": ["layers.0.*"]}, MXFP4, NVFP4),  # matched as layers.0.ffn.experts, fnmatchcase
+        ({"ignore": ["LAYERS.0.*", "mtp.0"]}, NVFP4, NVFP4),  # case-sensitive; "mtp.0" is not mtp.0.ffn.experts
+        ({"moe_quant_algo": "nvfp4"}, NVFP4, MXFP4),  # vLLM upper-cases the algorithm
+        ({"moe_quant_algo": ""}, MXFP4, MXFP4),  # empty: DeepSeek's own format
+    ],
+)
+def test_layer_format_is_vllms_choice(quant, main, draft):
+    cfg = _config("nvfp4", **quant)
+    assert layer_format(cfg, "layers.0") is main
+    assert layer_format(cfg, "mtp.0") is draft
+
+
+def test_unknown_moe_quant_algo_and_bad_ignore_are_config_errors():
+    with pytest.raises(CheckpointError, match="moe_quant_algo is 'MXFP8'"):
+        _config("nvfp4", moe_quant_algo="MXFP8")
+    with pytest.raises(CheckpointError, match="moe_quant_algo is 4"):
+        _config("nvfp4", moe_quant_algo=4)
+    with pytest.raises(CheckpointError, match="ignore is 'mtp.*', not a list"):
+        _config("nvfp4", ignore="mtp.*")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert and verify
+
+
+def _shapes(out, component: str, rank: int) -> dict[str, tuple[str, list[int]]]:
+    shapes = {}
+    for f in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                sl = h.get_slice(k)
+                shapes[k] = (sl.get_dtype(), list(sl.get_shape()))
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "scales"), [(1, False, "global"), (2, False, "global"), (2, True, "global"), (2, True, "local")]
+)
+def test_convert_writes_modelopts_nvfp4_parameters(tp, ep, scales, fixture_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    moe = ["--moe-parallel", "ep", "--nvfp4-input-scales", scales] if ep else []
+    code, _, err = run_cli(capsys, "convert", fixture_dir("nvfp4"), out, "--tp", tp, *moe, "-q")
+    assert code == 0, err
+    E, I, H = EXPERTS, MOE_INTER, HIDDEN
+    El, Il = (E // tp, I) if ep else (E, I // tp)
+    Eg = El if ep and scales == "local" else E
+    want = {
+        "w13_weight": ("U8", [El, 2 * Il, H // 2]),
+        "w13_weight_scale": ("F8_E4M3", [El, 2 * Il, H // 16]),
+        "w13_weight_scale_2": ("F32", [El, 2]),
+        "w13_input_scale": ("F32", [Eg, 2]),
+        "w2_weight": ("U8", [El, H, Il // 2]),
+        "w2_weight_scale": ("F8_E4M3", [El, H, Il // 16]),
+        "w2_weight_scale_2": ("F32", [El]),
+        "w2_input_scale": ("F32", [Eg]),
+    }
+    for rank in range(tp):
+        got = {k.rsplit(".", 1)[1]: v for k, v in _shapes(out, "model", rank).items() if k.startswith(ROUTED + ".")}
+        assert got == want, rank
+        draft = {k.rsplit(".", 1)[1]: v for k, v in _shapes(out, "mtp", rank).items() if ".routed_experts." in k}
+        assert sorted(draft) == ["w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"]  # left MXFP4
+    options = json.loads((out / "ckpt-tool.json").read_text())["options"]
+    assert options.get("nvfp4_input_scales") == (scales if ep else None)
+
+
+@pytest.mark.parametrize("variant", NVFP4_VARIANTS)
+@pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, True)])
+def test_verify_numeric_covers_every_nvfp4_tensor(variant, tp, ep, fixture_dir, tmp_path, capsys):
+    src, out = fixture_dir(variant), tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", src, out, "--tp", tp, *(["--moe-parallel", "ep"] if ep else []), "-q")
+    assert code == 0, err
+    code, doc, err = run_cli(capsys, "verify", out, "--source", src, "--level", "numeric", "--json")
+    assert code == 0, (err, doc)
+    coverage = json.loads(doc)["coverage"]
+    assert coverage["checked"] == coverage["total"] > 0 and coverage["percent"] == 100.0, coverage
+
+
+def test_verify_catches_an_nvfp4_global_scale_written_for_the_other_part(fixture_dir, tmp_path, capsys):
+    """w1's and w3's global scales swapped in one rank's w13_weight_scale_2: the numeric level names the tensor."""
+    import torch
+    from test_verify import rewrite_tensors  # in place, the manifest's checksums re-recorded: only numbers differ
+
+    src, out = fixture_dir("nvfp4"), tmp_path / "out"
+    assert run_cli(capsys, "convert", src, out, "--tp", 2, "-q")[0] == 0
+    key = f"{ROUTED}.w13_weight_scale_2"
+    rewrite_tensors(out, 1, {key: lambda t: torch.flip(t, dims=[1]).contiguous()}, comp="model")
+    code, doc, _ = run_cli(capsys, "verify", out, "--source", src, "--level", "numeric", "--json")
+    assert code == 1
+    failed = [c for c in json.loads(doc)["results"] if c["status"] == "failed"]
+    assert any(key in (c.get("message") or "") for c in failed), failed
+
+
+def test_the_seed_profile_refuses_nvfp4_experts(fixture_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "convert", fixture_dir("nvfp4"), tmp_path / "out", "--target", "vllm-seed")
+    assert code == 1 and "nvfp4 routed experts" in err and "vllm-seed" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_names_each_layers_expert_format(fixture_dir, capsys):
+    code, doc, _ = run_cli(capsys, "inspect", fixture_dir("nvfp4"), "--json")
+    assert code == 0
+    experts = json.loads(doc)["model"]["experts"]
+    assert experts["formats"]["nvfp4"]["blocks"] == ["layers.0", "layers.1", "layers.2"]
+    assert experts["formats"]["nvfp4"]["vllm_method"] == "ModelOptNvFp4FusedMoE"
+    assert experts["formats"]["mxfp4"]["blocks"] == ["mtp.0"] and experts["left_by_ignore"] == ["mtp.0"]
+    code, text, _ = run_cli(capsys, "inspect", fixture_dir("nvfp4-all"))
+    assert "NVFP4 (ModelOptNvFp4FusedMoE) in layers.0-2, mtp.0" in text and "ignore [none]" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# broken exports: refused before writing, each with its own diagnosis
+
+BROKEN = {
+    "nvfp4-missing-scale-2": ("layers.1.ffn.experts.3.w2.weight_scale_2", "float32 global scale"),
+    "nvfp4-missing-input-scale": ("layers.0.ffn.experts.5.w1.input_scale", "float32 activation scale"),
+    "nvfp4-scale-grid": ("layers.2.ffn.experts.2.w3.weight_scale", "one scale per 32 inputs"),
+    "nvfp4-ignore-mismatch": ("quantization_config.ignore pattern 'layers.1.*'", "format is ambiguous"),
+    "nvfp4-unknown-algo": ("moe_quant_algo is 'MXFP8'", "does not know"),
+}
+
+
+def test_every_broken_nvfp4_fixture_has_its_diagnosis():
+    assert sorted(BROKEN) == sorted(NVFP4_BROKEN_VARIANTS)
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN))
+def test_broken_nvfp4_export_is_refused_before_writing(variant, fixture_dir, tmp_path, capsys):
+    src, out = fixture_dir(variant), tmp_path / "out"
+    before = snapshot(src)
+    names, says = BROKEN[variant]
+    code, _, err = run_cli(capsys, "convert", src, out, "--tp", 2)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1, err
+    assert names in err and says in err, err
+    assert "download the missing files again" not in err or "missing" in variant, err
+    assert not out.exists()
+    assert snapshot(src) == before
+    code, _, err = run_cli(capsys, "inspect", src)
+    assert code == 1 and names.split(" ")[0] in err, err
