@@ -161,7 +161,7 @@ def resume_root(tmp_path_factory, fixture_dir):
     assert main(["convert", str(src), str(ref), *OPTS]) == 0
     killed = {}
     for key, (out, p) in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
+        stdout, stderr = p.communicate(timeout=600)  # 8 at once on a busy 2-core machine: only a hang takes this
         killed[key] = (out, p.returncode, stderr.decode(errors="replace"))
     return {"src": src, "ref": ref, "killed": killed, "root": root}
 

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from hub_server import Fault, HubServer, Request
+from hub_server import HANG_S, Fault, HubServer, Request
 
 from ckpt_tool.checkpoint import hub_ranges
 from ckpt_tool.checkpoint.headers import read_shard_header
@@ -425,7 +425,7 @@ def test_a_fetch_goes_on_while_the_spool_is_written_and_a_chunk_waiting_for_it_i
     real_put = hub_ranges._Spool.put
 
     def slow_put(spool, *args, **kw):
-        assert release.wait(30), "the spool's writer was never released"
+        assert release.wait(HANG_S), "the spool's writer was never released"
         return real_put(spool, *args, **kw)
 
     monkeypatch.setattr(hub_ranges, "SPILL_QUEUE", 100)
@@ -475,7 +475,7 @@ def test_a_spool_read_from_the_disk_holds_up_no_other_reader_and_a_slot_given_aw
     def slow_preadv(fd, buffers, offset):
         if threading.current_thread().name == "slow-reader":
             entered.set()
-            assert release.wait(30), "the slow read was never released"
+            assert release.wait(HANG_S), "the slow read was never released"
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(hub_ranges.os, "preadv", slow_preadv)
@@ -488,7 +488,7 @@ def test_a_spool_read_from_the_disk_holds_up_no_other_reader_and_a_slot_given_aw
     reader = threading.Thread(target=slow_read, name="slow-reader")
     reader.start()
     try:
-        assert entered.wait(30)
+        assert entered.wait(HANG_S)
         spool.put(("a", 2), chunks[2])  # neither waits for the slow read
         other = memoryview(bytearray(10))
         assert spool.read(("a", 1), other, 5) and bytes(other) == b"\x02" * 10

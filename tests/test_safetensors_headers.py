@@ -787,5 +787,5 @@ def test_dtype_table_names_the_torch_dtype_safetensors_writes_and_loads(tmp_path
 )
 def test_header_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"importing {module} imported torch\n{res.stderr}"
