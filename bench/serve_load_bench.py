@@ -81,10 +81,11 @@ class BenchError(RuntimeError):
 class Worker:
     """``vllm_worker.py --site SITE serve``: one job a line; vLLM's logs go to ``log``.
 
-    A served worker keeps every model it built (on the full-width skeleton its anonymous memory grew by about a
-    rank's parameters a job, and ``gc.collect()`` did not free them; the engine tests' small fixtures never
-    notice): once its anonymous RSS passes ``RECYCLE_BYTES`` it is replaced by a fresh one between jobs, which
-    leaves the page cache as it is. Each load's peak is reported as what it added to the process."""
+    A served worker's anonymous memory grows from job to job on the full-width skeleton (0.4-0.7 GiB a job, about
+    a rank's parameters), although only the last job's model is still alive after it (``gc``): freed memory the
+    C allocator keeps. The engine tests' small fixtures never notice. Once its anonymous RSS passes
+    ``RECYCLE_BYTES`` the worker is replaced by a fresh one between jobs, which leaves the page cache as it is.
+    Each load's peak is reported as what it added to the process."""
 
     RECYCLE_BYTES = 3 * GiB
 
