@@ -70,6 +70,7 @@ REFUSED = [
     ("fp4", {"sliding_window": 16.5}, "it is a float; vLLM reads an integer"),
     ("fp4", {"hc_sinkhorn_iters": True}, "it is a boolean; vLLM reads an integer"),
     ("fp4", {"num_hidden_layers": 2**40}, "beyond any DeepSeek model"),
+    ("fp4", {"rope_theta": 10**400}, "it is an integer too large for a float; vLLM reads a number"),  # OverflowError
     ("fp4", {"quantization_config": None}, "quantization_config is null"),
     ("vl-fp4", {"vision_dim": 66}, "it must divide into vision_n_heads 4"),
     ("dspark-fp4", {"dspark_block_size": None}, "dspark_block_size is null in config.json"),

@@ -448,7 +448,7 @@ def _has_type(value: Any, json_type: str) -> bool:
     if json_type == INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if json_type == NUMBER:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
     if json_type == STRING:
         return isinstance(value, str)
     if json_type == BOOL:
@@ -458,6 +458,14 @@ def _has_type(value: Any, json_type: str) -> bool:
     return isinstance(value, dict)
 
 
+def _finite(value: int | float) -> bool:
+    """A number vLLM can hold as a float (JSON integers have no bound: 10**400 is one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def json_kind(value: Any) -> str:
     """What a JSON value is, in JSON's words (``null``, ``a string``, ``a float``...)."""
     if value is None:
@@ -465,7 +473,7 @@ def json_kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int):
-        return "an integer"
+        return "an integer" if _finite(value) else "an integer too large for a float"
     if isinstance(value, float):
         return "a float" if math.isfinite(value) else "not a finite number"
     if isinstance(value, str):
