@@ -79,3 +79,25 @@ def test_nvfp4_sharded_load_matches_stock_load(
     model = next(r for r in results if r["op"] == "sharded-load" and r["job"]["component"] == "model")
     nvfp4_keys = [k for k in model["keys"] if k.endswith("routed_experts.w13_weight_scale_2")]
     assert len(nvfp4_keys) == layers, nvfp4_keys
+
+
+def test_nvfp4_local_input_scales_load_on_hopper(vllm_release, fixture_dir, converted, run_worker, tmp_path):
+    """``--nvfp4-input-scales local``: the layout of the NVFP4 MoE backends that keep only the rank's own experts'
+    input scales (an H100 serving the export picks one: MARLIN), loaded on a faked H100 byte-identical to the stock
+    load there; and the global layout (Blackwell's) is refused there by vLLM's own loader, so the two differ."""
+    tp, target = 2, target_of(vllm_release)
+    src = fixture_dir("nvfp4")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    local = converted("nvfp4", tp, True, target, "--nvfp4-input-scales", "local")
+    assert manifest_of(local)["options"]["nvfp4_input_scales"] == "local"
+    jobs = [{**j, "gpu": "H100"} for j in _jobs(src, local, tp, True, tmp_path / "dumps")]
+    results = run_worker(jobs)
+    assert {r["gpu"]["sm"] for r in results} == {"SM90"}, [r["gpu"] for r in results]
+    problems, allowed, warnings_left = compare(results, tp, manifest_of(local), layers)
+    problems += engine_table_problems(results, src, tp, True, target, None, "local")
+    _report(f"[{vllm_release.id} nvfp4 tp{tp} ep, local input scales, on an H100]", allowed, warnings_left)
+    assert not problems, "\n".join(problems)
+    flashinfer = converted("nvfp4", tp, True, target)
+    jobs = [{**j, "gpu": "H100"} for j in _jobs(src, flashinfer, tp, True, tmp_path / "dumps-g", ops=("sharded-load",))]
+    refused = [r for r in run_worker(jobs) if r["job"]["component"] == "model"]
+    assert all(r["exception"] is not None for r in refused), [r["exception"] for r in refused]

@@ -105,8 +105,8 @@ def _fake_groups(tp: int, rank: int) -> None:
     stubs.fake_groups(tp, rank)
 
 
-def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str):
-    return stubs.engine_config(config_dir, tp, ep, load_format)
+def _engine_config(config_dir: str, tp: int, ep: bool, load_format: str, gpu: str | None = None):
+    return stubs.engine_config(config_dir, tp, ep, load_format, gpu=gpu)
 
 
 def _component_class(component: str, v41: bool = False):
@@ -165,7 +165,7 @@ def _build(job: dict, load_format: str):
     t0 = time.perf_counter()
     with _capture() as cap:
         cls = _component_class(component, stubs.is_v41(job["config"]))
-        cfg = _engine_config(job["config"], tp, ep, load_format)
+        cfg = _engine_config(job["config"], tp, ep, load_format, job.get("gpu"))  # gpu: a FAKE_GPUS name
         model_config = stubs.component_model_config(cfg, component)
         # the target's config for model and mtp; for dspark the draft config load_dspark_model builds it under
         cfg = stubs.component_vllm_config(cfg, component)

@@ -347,6 +347,7 @@ H100 = FakeGpu("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 << 30, 50 << 20)
 # Blackwell, what NVIDIA's NVFP4 exports are made for: vLLM picks its FlashInfer NVFP4 MoE backends only on the
 # SM100 family (TrtLlmNvFp4Experts*._supports_current_device, fused_moe/experts/trtllm_nvfp4_moe.py, 0.33 and 0.34).
 B200 = FakeGpu("NVIDIA B200", 10, 0, 148, 180 << 30, 126 << 20)
+FAKE_GPUS = {"H100": H100, "B200": B200}
 _GPU = [H100]  # the GPU answered now (use_gpu); bootstrap starts as an H100
 
 
@@ -680,16 +681,25 @@ def build_runner(cfg):
     return contextlib.nullcontext()
 
 
-def engine_config(config_dir: str | Path, tp: int, ep: bool, load_format: str, draft_dir: str | Path | None = None):
+def engine_config(
+    config_dir: str | Path,
+    tp: int,
+    ep: bool,
+    load_format: str,
+    draft_dir: str | Path | None = None,
+    gpu: str | None = None,
+):
     """vLLM's engine config for ``vllm serve config_dir --tensor-parallel-size tp [--enable-expert-parallel]
     --load-format load_format --speculative-config SPEC``, SPEC being ``{"method": "mtp", "model": draft_dir,
     "num_speculative_tokens": 1}`` when config.json has MTP layers, ``{"method": "dspark", "model": draft_dir}``
     (num_speculative_tokens: vLLM's default, dspark_block_size) when it has ``dspark_target_layer_ids``, none
     otherwise; ``draft_dir`` defaults to ``config_dir``. Made (and the model then built) on the GPU a user serves
-    the checkpoint on (:func:`gpu_for_checkpoint`, :func:`use_gpu`)."""
+    the checkpoint on (:func:`gpu_for_checkpoint`, :func:`use_gpu`), or on ``gpu`` (a :data:`FAKE_GPUS` name: an
+    NVFP4 export served on Hopper, whose NVFP4 MoE backend keeps only the local experts' input scales)."""
     from vllm.engine.arg_utils import EngineArgs  # after bootstrap(): see build_model
 
-    use_gpu(gpu_for_checkpoint(config_dir))  # before vLLM asks the platform anything about this checkpoint
+    # before vLLM asks the platform anything about this checkpoint
+    use_gpu(FAKE_GPUS[gpu] if gpu else gpu_for_checkpoint(config_dir))
     method = speculative_method(config_dir)
     draft = str(draft_dir or config_dir)
     speculative = None
