@@ -605,11 +605,16 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
 
     classes = {model_class_of(config).name, draft_kind_of(config).name}
     helds = [h for h in HELD_BY if h.applies & classes]
-    if not helds:
-        return None
     names = names if isinstance(names, (set, frozenset, dict, list, tuple)) else list(names)
     lines = name_lines(list(names))
     present = layer_indices(names, lines=lines)
+    if present and max(present) >= config.num_hidden_layers:
+        # vLLM builds layers 0..num_hidden_layers-1 and nothing loads the others (fewer: completeness names them)
+        return (
+            f"{key_in_file(config.raw, 'num_hidden_layers')} is {config.num_hidden_layers} in config.json, but the "
+            f"checkpoint holds layers {_ranges(sorted(present))} ({V4_SRC} builds that many); config.json is not "
+            "the one released with these weights: use that one, or fix the key"
+        )
     for held in helds:
         have = layers_holding(lines, names, held.tensor) & present
         if held.key == "num_hash_layers":
