@@ -405,3 +405,14 @@ def test_a_serving_env_without_one_of_vllms_requirements_names_it_and_what_to_in
     assert "validation error for" not in proc.stderr, proc.stderr
     assert f"vLLM {release_of(newest_engine_site)} requires llguidance" in proc.stderr, proc.stderr
     assert "-m pip install 'llguidance" in proc.stderr, proc.stderr
+
+
+def test_an_nvfp4_out_is_judged_by_the_serving_vllm(serving_python, converted) -> None:
+    """An NVIDIA NVFP4 export's OUT under ep (every expert's input scales on each rank, FlashInfer's layout): the
+    judge builds the classes on the GPU the export is served on (a B200) and its ShardedStateLoader loads every rank."""
+    proc = verify(converted("nvfp4", 2, True), "--engine", "--engine-python", serving_python, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["engine"]["ranks"] == 4
+    messages = {c["name"]: c["message"] for c in doc["results"] if c["name"].startswith("engine-vllm:")}
+    assert all("parameters match" in m for m in messages.values()), messages
