@@ -11,11 +11,11 @@ decided here, once:
   from there instead (``ckpt_tool.checkpoint.page_cache``: asked, not read; the disk would read it again, and a source
   verified right after convert is all cached); a range that is only partly cached is read a piece at a time, each
   from where it is, so no byte comes from the disk twice. A read under ``DIRECT_FROM`` bytes (the scales of one
-  expert's rank slice: 32 KiB) goes through a second, buffered descriptor instead, without read-ahead (``POSIX_FADV_RANDOM``):
-  the kernel's would read up to ``read_ahead_kb`` (8 MiB on this VM) of the weights beside it, which are read
-  directly, so from the disk a second time (values level, 3-layer skeleton: 34.46 GiB read with it, 33.53 without);
-  a file system that refuses ``O_DIRECT`` (at the open or at the first read) is read through the cache;
-  ``CKPT_TOOL_DIRECT_IO=0`` turns direct I/O off everywhere (the writer's too);
+  expert's rank slice: 32 KiB) goes through a second, buffered descriptor instead, without read-ahead
+  (``POSIX_FADV_RANDOM``): the kernel's would read up to ``read_ahead_kb`` (8 MiB on this VM) of the weights beside
+  it, which are read directly, so from the disk a second time (values level, 3-layer skeleton: 34.46 GiB read with
+  it, 33.53 without); a file system that refuses ``O_DIRECT`` (at the open or at the first read) is read through the
+  cache; ``CKPT_TOOL_DIRECT_IO=0`` turns direct I/O off everywhere (the writer's too);
 - ``sequential`` files (convert's source) get the kernel's sequential read-ahead hint;
 - a failed or short read is a :class:`CheckpointError` naming the file, the tensor and the byte range.
 
