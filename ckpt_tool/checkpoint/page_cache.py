@@ -111,21 +111,23 @@ def cached_runs(fd: int, start: int, end: int, least: int) -> Runs | None:
     if end <= start:
         return []
     count: Callable[[int, int], int | None] = lambda s, e: _cachestat(fd, s, e)  # noqa: E731
-    if count(start, end) is None:
+    whole = count(start, end)
+    if whole is None:
         if _has_cachestat or not _mincore_tells_truth(fd):  # (refused: mincore would not tell the truth either)
             return None
         pages = resident(fd, start, end)
         if pages is None:
             return None
         count = lambda s, e: pages.count(1, (s - start) // PAGE, (e - start) // PAGE)  # noqa: E731
+        whole = count(start, end)
     runs: Runs = []
 
-    def split(s: int, e: int) -> None:
-        n = count(s, e) or 0  # (a failure midway: read that piece directly)
+    def split(s: int, e: int, n: int | None) -> None:
+        n = n or 0  # (a failure midway: read that piece directly)
         if 0 < n < (e - s) // PAGE and e - s > least:
             mid = s + (e - s) // 2 // PAGE * PAGE
-            split(s, mid)
-            split(mid, e)
+            split(s, mid, count(s, mid))
+            split(mid, e, count(mid, e))
             return
         cached = n > 0
         if runs and runs[-1][2] == cached:
@@ -133,5 +135,5 @@ def cached_runs(fd: int, start: int, end: int, least: int) -> Runs | None:
         else:
             runs.append((s, e, cached))
 
-    split(start, end)
+    split(start, end, whole)
     return runs
