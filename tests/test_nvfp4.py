@@ -181,3 +181,25 @@ def test_broken_nvfp4_export_is_refused_before_writing(variant, fixture_dir, tmp
     assert snapshot(src) == before
     code, _, err = run_cli(capsys, "inspect", src)
     assert code == 1 and names.split(" ")[0] in err, err
+
+
+@pytest.mark.parametrize("variant", ["nvfp4", "nvfp4-all"])
+@pytest.mark.parametrize(
+    ("tp", "moe", "scales"), [(1, "tp", None), (2, "tp", None), (4, "ep", "global"), (4, "ep", "local")]
+)
+def test_numeric_units_name_every_nvfp4_engine_parameter(variant, tp, moe, scales, fixture_dir):
+    """verify's numeric units of an NVFP4 OUT name every parameter the engine holds on every rank, no other (so the
+    coverage counts every NVFP4 tensor), in both input-scale layouts."""
+    from ckpt_tool.checkpoint.source import open_checkpoint
+    from ckpt_tool.mapping.engine_table import engine_params
+    from ckpt_tool.verify.tensor_units import tensor_units, unit_tensors
+
+    ckpt = open_checkpoint(fixture_dir(variant))
+    cfg = ckpt.require_config()
+    for comp in ("model", "mtp"):
+        units = tensor_units(cfg, "vllm-0.33+", comp, tp, moe, set(ckpt.tensors), None, scales == "global")
+        expected = set(engine_params(cfg, "vllm-0.33+", comp, tp, moe, 0, None, scales))
+        assert any(n.endswith("w13_input_scale") for n in expected) == (comp == "model" or variant == "nvfp4-all")
+        for rank in range(tp):
+            names = {n for u in units if rank in u.ranks for n in unit_tensors(u)}
+            assert names == expected, (comp, rank, sorted(names ^ expected)[:5])
