@@ -3,6 +3,7 @@
     python bench/convert_bench.py                 # everything, 3 interleaved rounds (medians), ~6 min on 2 cores
     python bench/convert_bench.py --quick         # one round, flatness at 1 vs 2 layers, ~3 min
     python bench/convert_bench.py --json results.json --keep
+    python bench/convert_bench.py --nvfp4         # NVIDIA's NVFP4 export: convert tp 8 / tp 8 ep vs dd, cold cache
 
 In one run, on the same generated skeleton (bench/make_skeleton.py: embed/head/norm/hc_head + the
 MTP layer at real V4-Flash shapes and dtypes, ~5.7 GB), every command runs as a subprocess timed by
@@ -23,6 +24,14 @@ run pays for the previous one's dirty pages:
 The page cache cannot be dropped here (no root on the host), so the source is read from a warm cache
 by every command (it was just written; ``cp`` runs first). Timings on a shared machine are noisy:
 compare ratios within one run, and use --repeat for medians.
+
+``--nvfp4`` runs instead, once, on skeletons with ``--data-layers`` main layers (default 1) + the MTP layer: NVIDIA's
+NVFP4 export (``make_skeleton.py --nvfp4``: NVFP4 main-layer experts, the MTP layer's MXFP4) and then, for the
+peak RSS beside it, the MXFP4 skeleton of the same layers (``--no-mxfp4`` skips it). On each, from a cold page
+cache (``timing.drop_caches``: ``sync``, then drop_caches or ``posix_fadvise(DONTNEED)`` on the source; the block
+reads show it): ``dd bs=16M oflag=direct conv=fsync`` of every source file, ``ckpt-tool convert SRC OUT --tp 8``
+and ``--tp 8 --moe-parallel ep``; convert's seconds over dd's, bytes read and written, peak RSS. Each OUT's rank 0
+headers are checked for the NVFP4 parameters (``w13_weight_scale_2``, ``w2_input_scale``) where the source has them.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -121,6 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         help="--workers for the ckpt-tool converts (default: the tool's own, one per core)",
     )
     p.add_argument("--json", type=Path, default=None, help="write all figures to this file")
+    p.add_argument(
+        "--nvfp4",
+        action="store_true",
+        help="instead: NVIDIA's NVFP4 export vs the MXFP4 skeleton, convert tp 8 / tp 8 ep vs dd, cold cache, once",
+    )
+    p.add_argument(
+        "--data-layers",
+        type=int,
+        default=1,
+        help="--nvfp4: main layers with data (default 1; each +3.6 GiB NVFP4, +3.4 GiB MXFP4)",
+    )
+    p.add_argument("--no-mxfp4", action="store_true", help="--nvfp4: skip the MXFP4 skeleton run beside it")
     args = p.parse_args(argv)
     layers_a, layers_b = args.layers or ((1, 2) if args.quick else (1, 3))
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -135,6 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "mem_available_gib": round(mem_available() / GiB, 1)},
         "runs": {},
     }
+    if args.nvfp4:
+        results["machine"]["load_average"] = os.getloadavg()
+        try:
+            forms = ("nvfp4",) if args.no_mxfp4 else ("nvfp4", "mxfp4")
+            results["nvfp4"] = nvfp4_bench(work, args.data_layers, forms, [*tool, "convert"], wflag, log)
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
+        results["machine"]["load_average_after"] = os.getloadavg()
+        results["bench_seconds"] = time.perf_counter() - started
+        report_nvfp4(results, log)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return 0
     try:
         need = 3 * 5.8e9
         if free_bytes(work) < need:
@@ -287,6 +323,120 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def dd_cmd(src: Path, dst: Path) -> list[str]:
+    """A direct-I/O copy of every source file (the bytes convert reads), fsynced like ckpt-tool's files."""
+    return [
+        "sh",
+        "-c",
+        f"mkdir -p '{dst}' && for f in '{src}'/*.safetensors; do "
+        f'dd if="$f" of=\'{dst}\'/"${{f##*/}}" bs=16M oflag=direct conv=fsync status=none; done',
+    ]
+
+
+def header_names(path: Path) -> list[str]:
+    """The tensor names of one safetensors file (its JSON header only)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+def nvfp4_params(out: Path) -> dict[str, int]:
+    """How many of rank 0's tensors are NVFP4 expert parameters (vLLM's ModelOptNvFp4FusedMoE names), by kind."""
+    names = [n for p in sorted(out.rglob("model-rank-0-*.safetensors")) for n in header_names(p)]
+    return {k: sum(n.endswith(k) for n in names) for k in ("w13_weight_scale_2", "w2_weight_scale_2", "w2_input_scale")}
+
+
+def nvfp4_bench(work: Path, layers: int, forms: tuple[str, ...], convert: list[str], wflag: list[str], log) -> dict:
+    """Per form (the NVFP4 export, the MXFP4 skeleton): its skeleton, then dd / convert tp 8 / convert tp 8 ep,
+    each from a cold page cache; the skeleton is removed before the next form's is written."""
+    if layers < 1:  # the NVFP4 experts are the main layers' (a skeleton of 0 layers has the MTP layer's only)
+        raise SystemExit("--nvfp4 needs --data-layers 1 or more")
+    out: dict = {"layers": layers, "forms": {}}
+    for form in forms:
+        nvfp4 = form == "nvfp4"
+        src, dst = work / f"src-{form}", work / "out"
+        src_bytes = sum(s.nbytes for s in make_skeleton.all_specs(layers, nvfp4=nvfp4))
+        need = 2.3 * src_bytes  # the source and one OUT (tp 8 repeats the replicated tensors on every rank)
+        if free_bytes(work) < need:
+            raise SystemExit(f"{work}: {free_bytes(work) / GiB:.1f} GiB free; --nvfp4 needs ~{need / GiB:.0f} GiB")
+        gen_cmd = [sys.executable, str(HERE / "make_skeleton.py"), str(src), "--layers", str(layers)]
+        gen = run_timed(gen_cmd + (["--nvfp4"] if nvfp4 else []), f"make_skeleton ({form})", log)
+        figures: dict = {"skeleton_bytes": du_bytes(src), "generator_rss_kb": gen["rss_kb"], "runs": {}}
+        commands = {
+            "dd oflag=direct": dd_cmd(src, dst),
+            "convert tp8": [*convert, str(src), str(dst), "--tp", "8", *wflag, "--json"],
+            "convert tp8 ep": [*convert, str(src), str(dst), "--tp", "8", "--moe-parallel", "ep", *wflag, "--json"],
+        }
+        try:
+            for label, cmd in commands.items():
+                shutil.rmtree(dst, ignore_errors=True)
+                how = timing.drop_caches(src)
+                t = timing.run_timed(cmd, cwd=REPO)
+                if t.rc != 0:
+                    raise SystemExit(f"{form} {label}: {' '.join(cmd)} exited {t.rc}\n{t.stderr[-3000:]}")
+                r = {
+                    "seconds": t.seconds,
+                    "rss_mib": t.peak_rss_mib,
+                    "user": t.user_seconds,
+                    "sys": t.sys_seconds,
+                    "bytes_written": du_bytes(dst),
+                    "disk_read_bytes": t.disk_read_bytes,
+                    "cold_cache": how,
+                }
+                if label.startswith("convert"):
+                    # rank 0 holds each NVFP4 layer's parameters once (the MTP layer's experts stay MXFP4)
+                    r["rank0_nvfp4_params"] = found = nvfp4_params(dst)
+                    if set(found.values()) != {layers if nvfp4 else 0}:
+                        raise SystemExit(f"{form} {label}: rank 0 of {dst} holds NVFP4 parameters {found}")
+                figures["runs"][label] = r
+                log(
+                    f"  {form} {label:16s} {t.seconds:7.2f} s  peak RSS {t.peak_rss_mib:6.1f} MiB  "
+                    f"read from disk {t.disk_read_bytes / GiB:5.2f} GiB  wrote {r['bytes_written'] / GiB:5.2f} GiB"
+                    + (f"  rank 0 NVFP4 params {r['rank0_nvfp4_params']}" if "rank0_nvfp4_params" in r else "")
+                )
+        finally:
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.rmtree(src, ignore_errors=True)
+        out["forms"][form] = figures
+    return out
+
+
+def report_nvfp4(res: dict, log) -> None:
+    nv = res["nvfp4"]
+    forms = nv["forms"]
+    load = res["machine"]["load_average"]
+    log("")
+    log(
+        f"--nvfp4: {nv['layers']} main layer(s) + the MTP layer, one run, cold cache "
+        f"({next(iter(next(iter(forms.values()))['runs'].values()))['cold_cache']}); "
+        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the start, "
+        f"{res['machine']['load_average_after'][0]:.1f} at the end"
+    )
+    log(
+        f"{'form':6s} {'command':16s} {'seconds':>8s} {'÷ dd':>6s} {'GiB read':>9s} {'GiB written':>11s} "
+        f"{'peak RSS':>9s}"
+    )
+    for form, f in forms.items():
+        dd = f["runs"]["dd oflag=direct"]["seconds"]
+        for label, r in f["runs"].items():
+            log(
+                f"{form:6s} {label:16s} {r['seconds']:8.2f} {r['seconds'] / dd:6.2f} "
+                f"{r['disk_read_bytes'] / GiB:9.2f} {r['bytes_written'] / GiB:11.2f} {r['rss_mib']:5.0f} MiB"
+            )
+        log(
+            f"       skeleton {f['skeleton_bytes'] / GiB:.2f} GiB, "
+            f"generator peak RSS {f['generator_rss_kb'] / 1024:.0f} MiB"
+        )
+    if len(forms) == 2:
+        a, b = forms["nvfp4"]["runs"], forms["mxfp4"]["runs"]
+        for label in ("convert tp8", "convert tp8 ep"):
+            log(
+                f"peak RSS {label}: NVFP4 {a[label]['rss_mib']:.0f} MiB vs MXFP4 {b[label]['rss_mib']:.0f} MiB "
+                f"({100 * (a[label]['rss_mib'] / b[label]['rss_mib'] - 1):+.1f} %)"
+            )
+    log(f"bench took {res['bench_seconds'] / 60:.1f} min")
 
 
 def report(res: dict, log) -> None:

@@ -4,8 +4,10 @@
     python bench/make_skeleton.py OUT --layers 1           # ... plus main layer 0 (+3.3 GiB per layer)
     python bench/make_skeleton.py OUT --headers-only       # all 43 layers + MTP, 46 shards, ~69k tensors,
                                                            # headers only: data are sparse holes (no disk)
+    python bench/make_skeleton.py OUT --layers 1 --nvfp4   # NVIDIA's NVFP4 export of it (+3.6 GiB per layer)
     python bench/make_skeleton.py --self-check             # names/dtypes/shapes == ckpt_tool.fixtures.make's specs,
                                                            # and == what ckpt-tool derives from config.json
+                                                           # (both forms: MXFP4 experts and the NVFP4 export)
 
 The tensor set follows ckpt_tool/fixtures/make.py (``block_specs`` / ``mtp_specs``) at the real V4-Flash
 dimensions of the released checkpoints (deepseek-ai/DeepSeek-V4-Flash config.json and headers). The specs are
@@ -15,7 +17,11 @@ and this generator must stay under 200 MB;
 
 Bytes are random but valid: E8M0 scales in 110..140 (never the NaN code 0xFF), FP8 e4m3 avoiding
 the NaN codes 0x7F/0xFF, BF16/F32 with |x| < 2 (no Inf/NaN), tid2eid expert ids < 256, plain random
-I8 for packed MXFP4. Data are streamed in chunks from small per-dtype pools: no tensor is ever built
+I8 for packed MXFP4. ``--nvfp4`` writes NVIDIA's NVFP4 export instead (the ``nvfp4`` fixture's form: DeepSeek's
+names, the main layers' routed experts NVFP4 — U8 E2M1 pairs [out, in/2], F8_E4M3 ``weight_scale`` [out, in/16]
+with positive finite codes, positive finite F32 ``weight_scale_2`` and ``input_scale`` scalars — the MTP layer's
+left MXFP4 by ``ignore: [..., "mtp.*"]``, and quantization_config's ``quant_algo`` / ``moe_quant_algo`` / ``ignore``).
+Data are streamed in chunks from small per-dtype pools: no tensor is ever built
 in memory. With ``--headers-only`` (or ``--sparse``) each shard gets its header and is truncated to
 its full size, so its data read back as zeros without using disk space.
 """
@@ -30,6 +36,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +71,12 @@ MTP_LAYERS = 1
 COMPRESS_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0] * MTP_LAYERS  # len 44: 43 main layers + the MTP layer
 INDEX_TOPK_VALUE = 512
 
+# NVIDIA's NVFP4 export (ckpt_tool/fixtures/make.py NVFP4_IGNORE / nvfp4_quant_keys, written out: no torch here;
+# --self-check compares): the ignore list leaves only the MTP layer's routed experts MXFP4, as vLLM matches it
+# (models/deepseek_v41/quant_config.py _is_nvfp4_expert_layer: fnmatch of "{layer}.ffn.experts", vLLM 0.33.0/0.34.0)
+NVFP4_IGNORE = ("*.attn.*", "*.ffn.shared_experts.*", "*.ffn.gate", "head", "mtp.*")
+NVFP4_GROUP = 16  # inputs sharing one E4M3 block scale
+
 # V4-Pro (DeepSeek-V4-Pro's published dimensions, from secondary sources): 61 layers, 384 experts, wider everything.
 # Unconfirmed there and assumed here: index_n_heads 64, hc_mult 4, and the compress-ratio pattern
 # (Flash's: two SWA layers, then CSA/HCA alternating, CSA last).
@@ -86,10 +99,17 @@ def use_pro() -> None:
     globals().update(PRO)
 
 
-def make_config(num_hidden_layers: int | None = None) -> dict:
-    """The released V4-Flash config.json (the keys of deepseek-ai/DeepSeek-V4-Flash's), or V4-Pro's after use_pro()."""
+def nvfp4_layer(layer: str) -> bool:
+    """Whether the routed experts of ``layer`` (``layers.L`` / ``mtp.K``) are NVFP4 in the NVFP4 export."""
+    return not any(fnmatchcase(f"{layer}.ffn.experts", pat) for pat in NVFP4_IGNORE)
+
+
+def make_config(num_hidden_layers: int | None = None, *, nvfp4: bool = False) -> dict:
+    """The released V4-Flash config.json (the keys of deepseek-ai/DeepSeek-V4-Flash's), or V4-Pro's after use_pro();
+    ``nvfp4``: with the keys NVIDIA's NVFP4 export adds to quantization_config."""
     if num_hidden_layers is None:
         num_hidden_layers = NUM_LAYERS
+    nvfp4_keys = {"quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4", "ignore": list(NVFP4_IGNORE)}
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -144,6 +164,7 @@ def make_config(num_hidden_layers: int | None = None) -> dict:
             "fmt": "e4m3",
             "scale_fmt": "ue8m0",
             "weight_block_size": [128, 128],
+            **(nvfp4_keys if nvfp4 else {}),
         },
     }
 
@@ -157,6 +178,7 @@ class Spec:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    fill: str | None = None  # which pool of valid bytes (Pools): the dtype's unless a tensor needs its own
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +196,16 @@ def _expert(prefix: str, out: int, inp: int) -> list[Spec]:  # MXFP4: I8 [out, i
     return [Spec(f"{prefix}.weight", "I8", (out, inp // 2)), Spec(f"{prefix}.scale", "F8_E8M0", (out, inp // 32))]
 
 
-def block_specs(prefix: str, *, ratio: int, hash_layer: bool) -> list[Spec]:
+def _nvfp4_expert(prefix: str, out: int, inp: int) -> list[Spec]:  # NVIDIA's NVFP4 export of one projection
+    return [
+        Spec(f"{prefix}.weight", "U8", (out, inp // 2), "I8"),  # two E2M1 codes a byte: any byte (I8's pool)
+        Spec(f"{prefix}.weight_scale", "F8_E4M3", (out, inp // NVFP4_GROUP), "e4m3_scale"),
+        Spec(f"{prefix}.weight_scale_2", "F32", (), "f32_scale"),
+        Spec(f"{prefix}.input_scale", "F32", (), "f32_scale"),
+    ]
+
+
+def block_specs(prefix: str, *, ratio: int, hash_layer: bool, nvfp4: bool = False) -> list[Spec]:
     mix = (2 + HC) * HC
     s = [Spec(f"{prefix}.attn_norm.weight", "BF16", (HIDDEN,)), Spec(f"{prefix}.ffn_norm.weight", "BF16", (HIDDEN,))]
     for part in ("attn", "ffn"):
@@ -219,14 +250,15 @@ def block_specs(prefix: str, *, ratio: int, hash_layer: bool) -> list[Spec]:
     s += _fp8_linear(f"{f}.shared_experts.w1", MOE_INTER, HIDDEN)
     s += _fp8_linear(f"{f}.shared_experts.w2", HIDDEN, MOE_INTER)
     s += _fp8_linear(f"{f}.shared_experts.w3", MOE_INTER, HIDDEN)
+    expert = _nvfp4_expert if nvfp4 and nvfp4_layer(prefix) else _expert
     for j in range(EXPERTS):
-        s += _expert(f"{f}.experts.{j}.w1", MOE_INTER, HIDDEN)
-        s += _expert(f"{f}.experts.{j}.w2", HIDDEN, MOE_INTER)
-        s += _expert(f"{f}.experts.{j}.w3", MOE_INTER, HIDDEN)
+        s += expert(f"{f}.experts.{j}.w1", MOE_INTER, HIDDEN)
+        s += expert(f"{f}.experts.{j}.w2", HIDDEN, MOE_INTER)
+        s += expert(f"{f}.experts.{j}.w3", MOE_INTER, HIDDEN)
     return s
 
 
-def mtp_specs(i: int) -> list[Spec]:
+def mtp_specs(i: int, *, nvfp4: bool = False) -> list[Spec]:
     p = f"mtp.{i}"
     s = [
         Spec(f"{p}.enorm.weight", "BF16", (HIDDEN,)),
@@ -234,7 +266,7 @@ def mtp_specs(i: int) -> list[Spec]:
         *_fp8_linear(f"{p}.e_proj", HIDDEN, HIDDEN),
         *_fp8_linear(f"{p}.h_proj", HIDDEN, HIDDEN),
     ]
-    s += block_specs(p, ratio=0, hash_layer=False)
+    s += block_specs(p, ratio=0, hash_layer=False, nvfp4=nvfp4)
     s += [
         Spec(f"{p}.norm.weight", "BF16", (HIDDEN,)),
         Spec(f"{p}.hc_head_fn", "F32", (HC, HC * HIDDEN)),
@@ -244,11 +276,12 @@ def mtp_specs(i: int) -> list[Spec]:
     return s  # the released V4-Flash stores no mtp.{i}.emb / mtp.{i}.head (the converter materializes them)
 
 
-def all_specs(layers: int) -> list[Spec]:
-    """Tensors in file order: embed, main layers 0..layers-1, final norm/head/hc_head, MTP layers."""
+def all_specs(layers: int, *, nvfp4: bool = False) -> list[Spec]:
+    """Tensors in file order: embed, main layers 0..layers-1, final norm/head/hc_head, MTP layers (``nvfp4``: as
+    NVIDIA's NVFP4 export writes them)."""
     s = [Spec("embed.weight", "BF16", (VOCAB, HIDDEN))]
     for layer in range(layers):
-        s += block_specs(f"layers.{layer}", ratio=COMPRESS_RATIOS[layer], hash_layer=layer < HASH_LAYERS)
+        s += block_specs(f"layers.{layer}", ratio=COMPRESS_RATIOS[layer], hash_layer=layer < HASH_LAYERS, nvfp4=nvfp4)
     s += [
         Spec("norm.weight", "BF16", (HIDDEN,)),
         Spec("head.weight", "BF16", (VOCAB, HIDDEN)),
@@ -257,7 +290,7 @@ def all_specs(layers: int) -> list[Spec]:
         Spec("hc_head_scale", "F32", (1,)),
     ]
     for i in range(MTP_LAYERS):
-        s += mtp_specs(i)
+        s += mtp_specs(i, nvfp4=nvfp4)
     return s
 
 
@@ -302,6 +335,10 @@ class Pools:
     def _make(self, dtype: str) -> np.ndarray:
         n = self.POOL + self.PIECE
         rng = self.rng
+        if dtype == "e4m3_scale":  # NVFP4 block scales: positive finite e4m3fn codes (0x08..0x77: 2^-6 .. 240)
+            return rng.integers(0x08, 0x78, size=n, dtype=np.uint8)
+        if dtype == "f32_scale":  # NVFP4 global and input scales: positive finite float32 (2^-12 .. 2^-4)
+            return np.exp2(rng.random(n // 4, dtype=np.float32) * 8 - 12).astype("<f4").view(np.uint8)
         if dtype == "F8_E8M0":
             return rng.integers(110, 141, size=n, dtype=np.uint8)  # 2^-17 .. 2^13, never 0xFF (NaN)
         b = rng.integers(0, 256, size=n, dtype=np.uint8)
@@ -349,7 +386,7 @@ def write_shard(path: Path, specs: list[Spec], pools: Pools | None) -> int:
             left = s.nbytes
             while left:
                 n = min(left, Pools.PIECE)
-                mv = pools.chunk(s.dtype, n)
+                mv = pools.chunk(s.fill or s.dtype, n)
                 while mv:
                     mv = mv[os.write(fd, mv) :]
                 left -= n
@@ -366,14 +403,15 @@ def make_skeleton(
     shard_size: int = 4 * GiB,
     num_shards: int | None = None,
     seed: int = 0,
+    nvfp4: bool = False,
     log=print,
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    specs = all_specs(layers)
+    specs = all_specs(layers, nvfp4=nvfp4)
     groups = shard(specs, shard_size=shard_size, num_shards=num_shards)
     n = len(groups)
     # a skeleton of k main layers says so in its config: the engine (and convert) want every layer it names
-    (out / "config.json").write_text(json.dumps(make_config(layers or None), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(make_config(layers or None, nvfp4=nvfp4), indent=2) + "\n")
     pools = None if headers_only else Pools(seed)
     weight_map: dict[str, str] = {}
     total = 0
@@ -388,13 +426,14 @@ def make_skeleton(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     if log:
-        what = "headers only (sparse)" if headers_only else "data"
+        what = ("headers only (sparse)" if headers_only else "data") + (", NVFP4 export" if nvfp4 else "")
         log(f"wrote {out}: {n} shards, {len(specs)} tensors, {total / GiB:.2f} GiB, {what}")
     return out
 
 
 def self_check() -> int:
-    """Compare this module's specs with ckpt_tool.fixtures.make's (monkeypatched to V4-Flash dims)."""
+    """Compare this module's specs with ckpt_tool.fixtures.make's (monkeypatched to V4-Flash dims), in both forms:
+    MXFP4 experts (the ``fp4`` fixture) and NVIDIA's NVFP4 export (the ``nvfp4`` fixture)."""
     import ckpt_tool.fixtures.make as fm  # imports torch: only --self-check pays for it
 
     for name in (
@@ -415,42 +454,54 @@ def self_check() -> int:
         "HASH_LAYERS",
     ):
         setattr(fm, name, globals()[name])
-    # the variant carries its own moe_intermediate_size (set when ckpt_tool.fixtures.make was imported): give it ours
-    variant = dataclasses.replace(fm.VARIANTS["fp4"], moe_inter=MOE_INTER)
     ok = True
-    cases = [("layers.0", 0, True), ("layers.2", 4, True), ("layers.3", 128, False), ("layers.5", 4, False)]
-    for prefix, ratio, hashed in cases:
-        theirs = [
-            (s.name, s.dtype, tuple(s.shape)) for s in fm.block_specs(prefix, variant, ratio=ratio, hash_layer=hashed)
-        ]
-        mine = [(s.name, s.dtype, s.shape) for s in block_specs(prefix, ratio=ratio, hash_layer=hashed)]
+    for form, nvfp4 in (("fp4", False), ("nvfp4", True)):
+        # the variant carries its own moe_intermediate_size (set when ckpt_tool.fixtures.make was imported): ours
+        variant = dataclasses.replace(fm.VARIANTS[form], moe_inter=MOE_INTER)
+        print(f"{form} ({'NVIDIA NVFP4 export' if nvfp4 else 'MXFP4 experts'}):")
+        cases = [("layers.0", 0, True), ("layers.2", 4, True), ("layers.3", 128, False), ("layers.5", 4, False)]
+        for prefix, ratio, hashed in cases:
+            theirs = [
+                (s.name, s.dtype, tuple(s.shape))
+                for s in fm.block_specs(prefix, variant, ratio=ratio, hash_layer=hashed)
+            ]
+            mine = [
+                (s.name, s.dtype, s.shape) for s in block_specs(prefix, ratio=ratio, hash_layer=hashed, nvfp4=nvfp4)
+            ]
+            ok &= theirs == mine
+            print(f"  block {prefix} ratio {ratio}: {'same' if theirs == mine else 'DIFFERENT'} ({len(mine)} tensors)")
+        theirs = [(s.name, s.dtype, tuple(s.shape)) for s in fm.mtp_specs(0, variant)]
+        mine = [(s.name, s.dtype, s.shape) for s in mtp_specs(0, nvfp4=nvfp4)]
         ok &= theirs == mine
-        print(f"block {prefix} ratio {ratio}: {'same' if theirs == mine else 'DIFFERENT'} ({len(mine)} tensors)")
-    theirs = [(s.name, s.dtype, tuple(s.shape)) for s in fm.mtp_specs(0, variant)]
-    mine = [(s.name, s.dtype, s.shape) for s in mtp_specs(0)]
-    ok &= theirs == mine
-    print(f"mtp.0: {'same' if theirs == mine else 'DIFFERENT'} ({len(mine)} tensors)")
-    cfg = fm.make_config(variant)
-    missing = sorted(set(cfg) - set(make_config()))
-    print(f"config keys missing vs fixtures: {missing or 'none'}")
-    ok &= agrees_with_its_config()
-    return 0 if ok and not missing else 1
+        print(f"  mtp.0: {'same' if theirs == mine else 'DIFFERENT'} ({len(mine)} tensors)")
+        cfg = fm.make_config(variant)
+        missing = sorted(set(cfg) - set(make_config(nvfp4=nvfp4)))
+        ok &= not missing
+        print(f"  config keys missing vs fixtures: {missing or 'none'}")
+        # the keys the export adds (fixtures.make nvfp4_quant_keys) and nothing else of the fixture's is left out
+        quant = make_config(nvfp4=nvfp4)["quantization_config"]
+        quant_missing = {k: v for k, v in cfg["quantization_config"].items() if quant.get(k) != v}
+        ok &= not quant_missing
+        print(f"  quantization_config keys differing from the fixture's: {quant_missing or 'none'}")
+        ok &= agrees_with_its_config(nvfp4=nvfp4)
+    return 0 if ok else 1
 
 
-def agrees_with_its_config() -> bool:
-    """Whether every tensor of the full skeleton has the shape and dtype ckpt-tool derives from its config.json."""
+def agrees_with_its_config(*, nvfp4: bool = False) -> bool:
+    """Whether every tensor of the full skeleton has the shape and dtype ckpt-tool derives from its config.json, and
+    (``nvfp4``) whether ckpt-tool reads the expert format of each layer as written."""
     from ckpt_tool.checkpoint.agreement import config_disagreement
     from ckpt_tool.checkpoint.config import V4Config
     from ckpt_tool.checkpoint.headers import TensorInfo
 
     tensors, offset = [], 0
-    for s in all_specs(NUM_LAYERS):
+    for s in all_specs(NUM_LAYERS, nvfp4=nvfp4):
         tensors.append(TensorInfo(s.name, s.dtype, s.shape, "skeleton.safetensors", offset, offset + s.nbytes))
         offset += s.nbytes
-    config = V4Config.from_dict(make_config())
+    config = V4Config.from_dict(make_config(nvfp4=nvfp4))
     found = config_disagreement(config, tensors)
     print(
-        f"shapes and dtypes ckpt-tool derives from config.json ({len(tensors)} tensors): "
+        f"  shapes and dtypes ckpt-tool derives from config.json ({len(tensors)} tensors): "
         f"{'same' if found is None else found.message(config)}"
     )
     return found is None
@@ -480,6 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         "--self-check", action="store_true", help="compare specs with ckpt_tool.fixtures.make (imports torch) and exit"
     )
     p.add_argument("--model", choices=("flash", "pro"), default="flash", help="V4-Flash (default) or V4-Pro dimensions")
+    p.add_argument(
+        "--nvfp4",
+        action="store_true",
+        help="NVIDIA's NVFP4 export: NVFP4 main-layer experts, the MTP layer's MXFP4 (ignore mtp.*)",
+    )
     args = p.parse_args(argv)
     if args.model == "pro":
         use_pro()
@@ -498,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_size=int(args.shard_size * GiB),
         num_shards=num_shards,
         seed=args.seed,
+        nvfp4=args.nvfp4,
     )
     return 0
 

@@ -274,10 +274,11 @@ def test_verify_fails_when_a_serving_file_is_missing_from_out(fixture_dir, tmp_p
     assert "tokenizer.json: missing" in failed[0]["message"]
 
 
+@pytest.mark.parametrize("nvfp4", [False, True], ids=["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("model", ["flash", "pro"])
-def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, monkeypatch) -> None:
-    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes: its config.json must imply
-    them all."""
+def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, nvfp4: bool, monkeypatch) -> None:
+    """bench/make_skeleton.py writes V4-Flash / V4-Pro's real names, shapes and dtypes, and (--nvfp4) NVIDIA's NVFP4
+    export of them: its config.json must imply them all."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -289,4 +290,4 @@ def test_the_full_size_bench_skeleton_agrees_with_its_config(model: str, monkeyp
     spec.loader.exec_module(skeleton)  # a module of its own: use_pro() changes its constants
     if model == "pro":
         skeleton.use_pro()
-    assert skeleton.agrees_with_its_config()
+    assert skeleton.agrees_with_its_config(nvfp4=nvfp4)
