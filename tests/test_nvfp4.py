@@ -203,3 +203,25 @@ def test_numeric_units_name_every_nvfp4_engine_parameter(variant, tp, moe, scale
         for rank in range(tp):
             names = {n for u in units if rank in u.ranks for n in unit_tensors(u)}
             assert names == expected, (comp, rank, sorted(names ^ expected)[:5])
+
+
+def test_an_nvfp4_scale_of_the_wrong_dtype_names_the_key_that_chooses_it(fixture_copy, tmp_path, capsys):
+    """A block scale stored E8M0 where config.json's moe_quant_algo implies E4M3: one line naming the tensor and the
+    key (the key's value was read as a config attribute once: a traceback)."""
+    import struct
+
+    src = fixture_copy("nvfp4")
+    name = "layers.0.ffn.experts.1.w1.weight_scale"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    data = bytearray(shard.read_bytes())
+    size = struct.unpack("<Q", data[:8])[0]
+    header = data[8 : 8 + size].decode()
+    edited = header.replace(f'"{name}":{{"dtype":"F8_E4M3"', f'"{name}":{{"dtype":"F8_E8M0"')
+    assert edited != header and len(edited) == len(header)
+    data[8 : 8 + size] = edited.encode()
+    shard.write_bytes(bytes(data))
+    for args in (("inspect", src), ("convert", src, tmp_path / "out")):
+        code, _, err = run_cli(capsys, *args)
+        assert code == 1 and "Traceback" not in err, err
+        assert name in err and "moe_quant_algo 'NVFP4'" in err, err
+    assert not (tmp_path / "out").exists()

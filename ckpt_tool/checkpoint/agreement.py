@@ -27,6 +27,7 @@ from ckpt_tool.checkpoint.expected import (
     expected_shapes,
     union_keys,
 )
+from ckpt_tool.checkpoint.expert_format import MOE_QUANT_KEY
 from ckpt_tool.checkpoint.headers import TensorInfo
 from ckpt_tool.errors import PlanError
 
@@ -125,6 +126,8 @@ def _key_value(config: V4Config, key: str, name: str) -> str:
         return f"{key} {list(config.compress_ratios)}"
     if key == BLOCK_KEY:
         return f"{key} {list(config.weight_block_size)}"
+    if key == MOE_QUANT_KEY:  # NVIDIA's NVFP4 exports (checkpoint.expert_format): it chooses the experts' format
+        return f"{key} {config.moe_quant.algo!r}"
     return f"{key} {getattr(config, key)!r}"
 
 
