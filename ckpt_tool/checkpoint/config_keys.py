@@ -619,7 +619,7 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
         have = layers_holding(lines, names, held.tensor) & present
         if held.key == "num_hash_layers":
             value: Any = config.num_hash_layers
-            named = set(range(value))
+            named = {layer for layer in present if layer < value}  # the first layers: no range() of the value
         else:
             value = list(getattr(config, held.key))
             named = set(value)
