@@ -320,22 +320,27 @@ def folder_bytes(path: Path) -> int:
 
 
 def fit_costs(doc: dict) -> dict:
-    """Per load kind, CPU seconds = a x tensors + b x GiB handed over, least squares over every cold rank of the
-    run (all releases, cases and components); and the disk rate of the run's cold stock loads (bytes / wall)."""
-    import numpy as np
-
-    fits = {}
-    for op in OPS:
-        rows, cpu = [], []
-        for rel in doc["releases"].values():
-            for case in rel["cases"].values():
-                for comp in case["components"].values():
-                    for f in comp["cold"][op]:
-                        rows.append([f["tensors"], f["tensor_bytes"] / GiB])
-                        cpu.append(f["cpu_seconds"])
-        (a, b), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(cpu, dtype=float), rcond=None)
-        fits[op] = {"cpu_s_per_tensor": float(max(a, 0.0)), "cpu_s_per_gib": float(max(b, 0.0)), "points": len(rows)}
-    return fits
+    """The run's per-byte CPU costs, over every cold rank: ``write``, CPU seconds per GiB of the rank's parameters
+    (the sharded load: reading its files and copying every byte into a parameter, fresh pages included); ``walk``,
+    what the stock load costs beyond that, per GiB it is handed (the whole checkpoint, memory-mapped, names
+    remapped; both loads write the same parameters). Per tensor, for reference: on a skeleton of one layer kind,
+    bytes and tensors grow together, so the two cannot be told apart here, and the projection charges per GiB."""
+    pairs = [
+        (st, sh)
+        for rd in doc["releases"].values()
+        for cd in rd["cases"].values()
+        for comp in cd["components"].values()
+        for st, sh in zip(comp["cold"]["stock"], comp["cold"]["sharded"])
+    ]
+    written = sum(sh["tensor_bytes"] for _, sh in pairs) / GiB
+    handed = sum(st["tensor_bytes"] for st, _ in pairs) / GiB
+    return {
+        "write_cpu_s_per_gib": sum(sh["cpu_seconds"] for _, sh in pairs) / written,
+        "walk_cpu_s_per_gib": max(0.0, sum(st["cpu_seconds"] - sh["cpu_seconds"] for st, sh in pairs) / handed),
+        "stock_cpu_s_per_tensor": sum(st["cpu_seconds"] for st, _ in pairs) / sum(st["tensors"] for st, _ in pairs),
+        "sharded_cpu_s_per_tensor": sum(sh["cpu_seconds"] for _, sh in pairs) / sum(sh["tensors"] for _, sh in pairs),
+        "ranks": len(pairs),
+    }
 
 
 def plan_shapes(model: str, tp: int, ep: bool, work: Path) -> dict:
@@ -367,7 +372,9 @@ def plan_shapes(model: str, tp: int, ep: bool, work: Path) -> dict:
     sizes = _tensor_sizes(skel)
     experts = int(json.loads((skel / "config.json").read_text())["n_routed_experts"])
     local = set(range(experts // tp)) if ep else None  # rank 0's experts (vLLM's linear EP placement)
-    for comp, pick in (("model", lambda n: not n.startswith("mtp.")), ("mtp", lambda n: n.startswith("mtp."))):
+    picks = {"model": lambda n: not n.startswith("mtp."), "mtp": lambda n: n.startswith("mtp."), "all": bool}
+    out["all"] = {}
+    for comp, pick in picks.items():  # "all": the files target and draft read together (one node's cache)
         read_files = {index[n] for n in index if pick(n)}  # vLLM skips a file none of whose tensors the class uses
         names = [n for n in index if index[n] in read_files]
         if local is not None:
@@ -397,37 +404,58 @@ def _tensor_sizes(skel: Path) -> dict[str, int]:
 
 
 def disk_rate(doc: dict) -> float:
-    """GiB/s of this machine's disk as the run saw it: the cold sharded loads' bytes from disk over their wall time
-    (whole files read in order, so the nearest thing to a plain read here; their CPU time makes it a lower bound)."""
+    """GiB/s of this machine's disk as the run saw it: every cold load's bytes from disk over its wall time (their
+    CPU time makes it a lower bound)."""
     loads = [
         f
         for rd in doc["releases"].values()
         for cd in rd["cases"].values()
         for comp in cd["components"].values()
-        for f in comp["cold"]["sharded"]
+        for op in OPS
+        for f in comp["cold"][op]
     ]
     return sum(f["disk_read_bytes"] or 0 for f in loads) / GiB / sum(f["seconds"] for f in loads)
 
 
-# Machines of the projection: (name, cores a node, disk GB/s, whether ranks of a node load at once)
-MACHINES = [
-    ("this VM (2 cores, its measured disk)", 2, None),
-    ("32-core node, 3 GB/s local disk", 32, 3.0),
-    ("32-core node, network file system at 200 MB/s", 32, 0.2),
+def touched_share(doc: dict) -> float:
+    """Of the tensor bytes vLLM's stock loader hands over (memory-mapped, read when touched), the share a rank's
+    cold load made the disk read: its own slices of the split weights and the read-ahead around them."""
+    loads = [
+        f
+        for rd in doc["releases"].values()
+        for cd in rd["cases"].values()
+        for comp in cd["components"].values()
+        for f in comp["cold"]["stock"]
+    ]
+    return sum(f["disk_read_bytes"] or 0 for f in loads) / sum(f["tensor_bytes"] for f in loads)
+
+
+# Scenarios of the projection: (name, cores a node, disk GB/s (None: this run's), the node's page cache holds what
+# its ranks read (each byte read from the disk once a node) or not (each rank reads what it touches))
+SCENARIOS = [
+    ("this VM: 2 cores, this run's disk", 2, None, True),
+    ("32 cores, 3 GB/s local disk", 32, 3.0, True),
+    ("32 cores, 3 GB/s local disk, page cache smaller than the checkpoint", 32, 3.0, False),
+    ("32 cores, network file system at 200 MB/s", 32, 0.2, True),
+    ("32 cores, network file system at 200 MB/s, page cache smaller than the checkpoint", 32, 0.2, False),
 ]
 
 
 def project(doc: dict, work: Path) -> list[dict]:
     """Start-up load time of V4-Flash / V4-Pro (model + MTP draft) at tp 8 (one node) and tp 16 (two nodes of 8).
 
-    Model, per rank: CPU = a x tensors + b x GiB (the fit of this run) for the tensors its loader hands over (stock:
-    every tensor of every file its component reads, the rank's experts only with ep; sharded: the rank's OUT). Per
-    node (8 ranks at once, one per core, the page cache shared and large enough): the disk reads each needed byte
-    once (stock: the files its ranks read; sharded: its ranks' OUT files); a node's time is
-    max(disk bytes / rate, CPU of one rank x ceil(8 / cores)). On the VM, the rate is its cold stock loads' bytes /
-    wall. GPU copies, kernel warm-up and everything else in vLLM's start are not counted."""
+    Per rank, CPU (:func:`fit_costs`, this run's costs) = ``write`` x the rank's parameter GiB (its OUT), and for
+    the stock load also ``walk`` x the GiB it is handed (every tensor of every file its component reads, only the
+    rank's experts with ep). Per
+    node, its 8 ranks load at once, one a core: the time is max(disk bytes / rate, CPU of one rank x
+    ceil(8 / cores)). Disk bytes of a node: where its page cache holds what its ranks read, each byte once (stock:
+    the files its ranks read for target and draft, with ep only their experts; sharded: its ranks' OUT files);
+    where it does not, every
+    rank reads what it touches (stock: :func:`touched_share` of what it is handed; sharded: its files). On the VM
+    the rate is :func:`disk_rate`. Two nodes load at once, each its half. GPU copies, weight post-processing,
+    kernel warm-up and the rest of vLLM's start are not counted."""
     fits = fit_costs(doc)
-    rate_vm = doc["disk_gib_s"]
+    share = touched_share(doc)
     rows = []
     for model in ("flash", "pro"):
         for tp in (8, 16):
@@ -435,22 +463,23 @@ def project(doc: dict, work: Path) -> list[dict]:
             ep = model == "pro" and tp == 16
             shapes = plan_shapes(model, tp, ep, work)
             nodes = tp // 8
-            for name, cores, rate in MACHINES:
-                gib_s = rate_vm if rate is None else rate * 1e9 / GiB
-                row = {"model": model, "tp": tp, "ep": ep, "machine": name}
+            for name, cores, rate, shared in SCENARIOS:
+                gib_s = doc["disk_gib_s"] if rate is None else rate * 1e9 / GiB
+                row = {"model": model, "tp": tp, "ep": ep, "machine": name, "shared_cache": shared}
                 for op in OPS:
-                    fit = fits[op]
+                    stock = op == "stock"
                     cpu, disk = 0.0, 0.0
                     for comp in ("model", "mtp"):
-                        s = shapes[comp]
-                        t, b = (
-                            (s["stock_tensors"], s["stock_bytes"])
-                            if op == "stock"
-                            else (s["out_tensors"], s["out_bytes"])
-                        )
-                        cpu += fit["cpu_s_per_tensor"] * t + fit["cpu_s_per_gib"] * b / GiB
-                        # a node reads the stock files once for its ranks; sharded: its ranks' share of OUT
-                        disk += s["node_stock_bytes"] if op == "stock" else s["out_bytes_all_ranks"] / nodes
+                        sh = shapes[comp]
+                        cpu += fits["write_cpu_s_per_gib"] * sh["out_bytes"] / GiB
+                        if stock:
+                            cpu += fits["walk_cpu_s_per_gib"] * sh["stock_bytes"] / GiB
+                        if not shared:  # every rank reads what it touches
+                            disk += 8 * (share * sh["stock_bytes"] if stock else sh["out_bytes"])
+                        elif not stock:
+                            disk += sh["out_bytes_all_ranks"] / nodes
+                    if shared and stock:  # the files target and draft read, once a node
+                        disk = shapes["all"]["node_stock_bytes"]
                     waves = -(-8 // cores)
                     row[op] = {
                         "rank_cpu_s": round(cpu, 1),
