@@ -127,6 +127,33 @@ def test_a_front_to_back_read_hashes_every_byte_once(data_file, block) -> None:
         seq.close()
 
 
+@pytest.mark.parametrize("block", [4096, 10_000])
+def test_a_front_to_back_read_compares_in_place_and_names_the_first_differing_byte(data_file, block) -> None:
+    """``mismatch``: None where the file's bytes equal the ones wanted, else the offset of the first that differs,
+    within a block or in a range spanning several (its first byte, its last, one on each side of a block boundary),
+    and every byte still hashed once."""
+    import hashlib
+
+    path, data = data_file
+    seq = SequentialRead(path, len(data), block)
+    try:
+        assert seq.mismatch(100, data[100:5100]) is None
+        start = 6000
+        for n, flip in [(3 * block, 0), (2 * block + 7, 2 * block + 6), (5000, 2191)]:  # (in file order)
+            want = bytearray(data[start : start + n])
+            want[flip] ^= 0x10
+            assert seq.mismatch(start, bytes(want)) == flip, (start, n, flip)
+            assert seq.mismatch(start + n, data[start + n : start + n + 3]) is None
+            start += n + 1000
+        edge = start - start % block + block  # a block boundary: the difference just after it
+        want = bytearray(data[edge - 50 : edge + 50])
+        want[50] ^= 1
+        assert seq.mismatch(edge - 50, bytes(want)) == 50
+        assert seq.hexdigest() == hashlib.sha256(data).hexdigest()
+    finally:
+        seq.close()
+
+
 def test_no_stage_reads_checkpoint_bytes_but_through_the_reader() -> None:
     """One reader: positional reads and direct-I/O opens for reading live in checkpoint/reader.py. (The writer opens
     OUT with O_DIRECT to write it; the hand-back file of a forked worker (processes.py) and the hub reader's spool

@@ -1265,12 +1265,19 @@ def test_values_reads_each_source_block_once_for_every_rank_within_the_window(
             with lock:
                 pos[mine.rel] = base[mine.rel]
 
-        def read(self, start, n):
+        def _at(self, start):
             with lock:
                 pos[mine.rel] = base[mine.rel] + start
             if files[mine.rel].rank == 0:
                 time.sleep(0.002)
+
+        def read(self, start, n):  # (the engine's zero padding)
+            self._at(start)
             return super().read(start, n)
+
+        def mismatch(self, start, want):  # (bytes cut from the source)
+            self._at(start)
+            return super().mismatch(start, want)
 
     class Watched(LocalFiles):
         def read_span(self, file, offset, n, scratch, **how):

@@ -367,6 +367,33 @@ class SequentialRead:
             start, n = start + take, n - take
         return b"".join(parts)
 
+    def mismatch(self, start: int, want: bytes) -> int | None:
+        """Where bytes ``[start, start + len(want))`` first differ from ``want`` (an offset into ``want``; None: they
+        are equal), compared in place (``bytes.startswith`` over the blocks: a memcmp, no copy of the file's bytes).
+        The range must lie within the file (``size``); the same order rule as :meth:`read`."""
+        if start < self.block_start:
+            raise AssertionError("tensors must be read in file order")
+        if start + len(want) > self.size:
+            raise AssertionError("a comparison past the end of the file")
+        done = 0
+        while done < len(want):
+            while self.block is None or start >= self.block_start + self.block_len:
+                self._next_block()
+            lo = start - self.block_start
+            take = min(len(want) - done, self.block_len - lo)
+            piece = self.view[lo : lo + take]
+            if not want.startswith(piece, done):  # (want[done:] starts with piece: the two equal, compared in place)
+                same, differs = 0, take  # piece[:same] equal; the first difference is in [same, differs)
+                while differs - same > 1:
+                    mid = (same + differs) // 2
+                    if want.startswith(piece[same:mid], done + same):
+                        same = mid
+                    else:
+                        differs = mid
+                return done + same
+            start, done = start + take, done + take
+        return None
+
     def hexdigest(self) -> str:
         while self.block_start + self.block_len < self.size:  # (an empty file asks for no block)
             self._next_block()
