@@ -66,7 +66,7 @@ class KeyRule:
     key: str  # in the flat config (``quantization_config.weight_block_size``: a nested one)
     json_type: str
     applies: frozenset[str]  # the model classes and draft kinds it is read for
-    rule: str  # what the value must satisfy, in words (docs/output-format.md lists the table)
+    rule: str  # what the value must satisfy, in words (docs/verification.md lists the main ones)
     source: str  # the vLLM file the type and the rule come from
     required: bool | Callable[[dict], bool] = False  # vLLM reads it without a default (a callable: only then)
     null_is_default: bool = False  # vLLM reads null as absent (``getattr(config, key, None) or default``)
@@ -106,8 +106,11 @@ def _layer_list(low: Callable[[dict], int], high: Callable[[dict], int], what: s
                 f"{'layer' if len(outside) == 1 else 'layers'} {', '.join(map(str, outside[:4]))} "
                 f"{'is' if len(outside) == 1 else 'are'} not {what} {lo}-{hi} (num_hidden_layers {_layers(flat)})"
             )
-        if len(set(ids)) != len(ids):
-            return f"layer {next(i for i in ids if ids.count(i) > 1)} is named twice"
+        seen: set[int] = set()
+        for i in ids:
+            if i in seen:
+                return f"layer {i} is named twice"
+            seen.add(i)
         if ascending and list(ids) != sorted(ids):
             return "the ids are not in ascending order (vLLM collects them in layer order)"
         return None
