@@ -343,10 +343,11 @@ def fit_costs(doc: dict) -> dict:
     }
 
 
-def plan_shapes(model: str, tp: int, ep: bool, work: Path) -> dict:
+def plan_shapes(model: str, tp: int, ep: bool, work: Path, ep_filter: bool = False) -> dict:
     """What a rank of V4-Flash / V4-Pro holds and reads, from a headers-only skeleton (no data on disk) and
     ``convert --dry-run``: per component, OUT bytes and tensors of rank 0, and the source bytes and tensors vLLM's
-    stock load reads for rank 0 (every tensor of its component's files; with ep, only the rank's experts)."""
+    stock load reads for rank 0 (every tensor of its component's files; only the rank's experts with ep and
+    ``ep_filter``, vLLM's opt-in ``--enable-ep-weight-filter``)."""
     skel = work / f"hdr-{model}"
     if not skel.exists():
         subprocess.run(
@@ -371,7 +372,9 @@ def plan_shapes(model: str, tp: int, ep: bool, work: Path) -> dict:
     index = json.loads((skel / "model.safetensors.index.json").read_text())["weight_map"]
     sizes = _tensor_sizes(skel)
     experts = int(json.loads((skel / "config.json").read_text())["n_routed_experts"])
-    local = set(range(experts // tp)) if ep else None  # rank 0's experts (vLLM's linear EP placement)
+    # rank 0's experts (vLLM's linear EP placement) only with --enable-ep-weight-filter, which is off by default
+    # (ParallelConfig.enable_ep_weight_filter = False, vllm/config/parallel.py, 0.33.0 and 0.34.0)
+    local = set(range(experts // tp)) if ep and ep_filter else None
     picks = {"model": lambda n: not n.startswith("mtp."), "mtp": lambda n: n.startswith("mtp."), "all": bool}
     out["all"] = {}
     for comp, pick in picks.items():  # "all": the files target and draft read together (one node's cache)
@@ -383,8 +386,8 @@ def plan_shapes(model: str, tp: int, ep: bool, work: Path) -> dict:
         out[comp]["stock_tensors"] = len(names)
         in_files = [n for n in index if index[n] in read_files]
         expert_bytes = sum(sizes[n] for n in in_files if ".experts." in n)
-        # what the 8 ranks of one node read together: every tensor of those files, with ep only their experts
-        share = 1.0 if not ep else min(1.0, 8 / tp)
+        # what the 8 ranks of one node read together: every tensor of those files (with the filter, their experts)
+        share = 1.0 if local is None else min(1.0, 8 / tp)
         out[comp]["node_stock_bytes"] = sum(sizes[n] for n in in_files) - expert_bytes * (1 - share)
     return out
 
@@ -445,15 +448,13 @@ def project(doc: dict, work: Path) -> list[dict]:
     """Start-up load time of V4-Flash / V4-Pro (model + MTP draft) at tp 8 (one node) and tp 16 (two nodes of 8).
 
     Per rank, CPU (:func:`fit_costs`, this run's costs) = ``write`` x the rank's parameter GiB (its OUT), and for
-    the stock load also ``walk`` x the GiB it is handed (every tensor of every file its component reads, only the
-    rank's experts with ep). Per
-    node, its 8 ranks load at once, one a core: the time is max(disk bytes / rate, CPU of one rank x
-    ceil(8 / cores)). Disk bytes of a node: where its page cache holds what its ranks read, each byte once (stock:
-    the files its ranks read for target and draft, with ep only their experts; sharded: its ranks' OUT files);
-    where it does not, every
-    rank reads what it touches (stock: :func:`touched_share` of what it is handed; sharded: its files). On the VM
-    the rate is :func:`disk_rate`. Two nodes load at once, each its half. GPU copies, weight post-processing,
-    kernel warm-up and the rest of vLLM's start are not counted."""
+    the stock load also ``walk`` x the GiB it is handed (every tensor of every file its component reads; with ep
+    too, as vLLM's EP weight filter is opt-in). Per node, its 8 ranks load at once, one a core: the time is
+    max(disk bytes / rate, CPU of one rank x ceil(8 / cores)). Disk bytes of a node: where its page cache holds
+    what its ranks read, each byte once (stock: the files its ranks read for target and draft; sharded: its ranks'
+    OUT files); where it does not, every rank reads what it touches (stock: :func:`touched_share` of what it is
+    handed; sharded: its files). On the VM the rate is :func:`disk_rate`. Two nodes load at once, each its half.
+    GPU copies, weight post-processing, kernel warm-up and the rest of vLLM's start are not counted."""
     fits = fit_costs(doc)
     share = touched_share(doc)
     rows = []
