@@ -63,6 +63,10 @@ REFUSED = [
      "num_hash_layers is 0 in config.json, but the checkpoint holds a hash-routing table (ffn.gate.tid2eid) for "
      "layers 0"),
     ("fp4", {"num_hash_layers": -1}, "it must be at least 0"),
+    ("fp4", {"num_nextn_predict_layers": 0}, "num_nextn_predict_layers is 0 in config.json, but the checkpoint holds "
+     "MTP layers mtp.0"),
+    ("dspark-fp4", {"n_mtp_layers": 2}, "n_mtp_layers is 2 in config.json, but the checkpoint holds DSpark stages "
+     "mtp.0-2"),
     ("fp4", {"num_hash_layers": 2**40}, "for layers 0"),  # once a set of 2**40 layer numbers: 20 GiB and the OOM killer
     ("fp4", {"num_hidden_layers": 2, "compress_ratios": [0, 4]},
      "num_hidden_layers is 2 in config.json, but the checkpoint holds layers 0-2"),

@@ -510,7 +510,7 @@ def key_in_file(original: dict, key: str) -> str:
 def _refusal(where: str, original: dict, rule: KeyRule, value: Any, problem: str) -> CheckpointError:
     return CheckpointError(
         f"{where}: {key_in_file(original, rule.key)} is {shown(value)} in config.json, but {problem} ({rule.source}); "
-        "use the model's released config.json, or fix the key"
+        "use the model's released config.json, or fix the config"
     )
 
 
@@ -616,8 +616,11 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
         return (
             f"{key_in_file(config.raw, 'num_hidden_layers')} is {config.num_hidden_layers} in config.json, but the "
             f"checkpoint holds layers {_ranges(sorted(present))} ({V4_SRC} builds that many); config.json is not "
-            "the one released with these weights: use that one, or fix the key"
+            "the one released with these weights: use that one, or fix the config"
         )
+    extra = _extra_draft_layers(config, names, lines)
+    if extra is not None:
+        return extra
     for held in helds:
         have = layers_holding(lines, names, held.tensor) & present
         if held.key == "num_hash_layers":
@@ -632,9 +635,31 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
         return (
             f"{key_in_file(config.raw, held.key)} is {shown(value)} in config.json, but the checkpoint holds "
             f"{held.what} for {holds} (vLLM builds them where the key says: {held.source}); config.json is not the "
-            "one released with these weights: use that one, or fix the key"
+            "one released with these weights: use that one, or fix the config"
         )
     return None
+
+
+def _extra_draft_layers(config, names: Collection[str], lines: str | None) -> str | None:
+    """Draft layers ``mtp.{i}`` past the count config.json gives (vLLM builds that many, and nothing loads the others;
+    fewer: completeness names the missing ones)."""
+    from ckpt_tool.checkpoint.completeness import count_by_index
+    from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
+
+    held = sorted(count_by_index(names, "mtp.", lines))
+    if not held or held[-1] < config.draft_layers:
+        return None
+    kind = draft_kind_of(config)
+    # the key vLLM counts them by: DSpark's n_mtp_layers (V4.1's falls back to num_nextn_predict_layers), else nextn
+    counted_by_stages = config.is_dspark and (config.n_mtp_layers or not config.is_v41)
+    key = "n_mtp_layers" if counted_by_stages else "num_nextn_predict_layers"
+    value = getattr(config, key)
+    shown_value = shown(value) if value is not None else f"absent (vLLM's {kind.name} draft: {config.draft_layers})"
+    return (
+        f"{key_in_file(config.raw, key)} is {shown_value} in config.json, but the checkpoint holds "
+        f"{kind.layer_word}s mtp.{_ranges(held)} ({kind.vllm_class.split(':')[0]} builds {config.draft_layers}); "
+        "config.json is not the one released with these weights: use that one, or fix the config"
+    )
 
 
 def check_tensors(config, names: Collection[str]) -> None:
