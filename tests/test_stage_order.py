@@ -130,3 +130,22 @@ def test_every_standalone_file_exists() -> None:
 )
 def test_the_rules_judge_an_import_as_the_docstring_says(importer: str, imported: str, ok: bool) -> None:
     assert allowed(importer, imported) is ok
+
+
+def test_config_keys_names_the_model_class_and_draft_kind_the_mapping_stage_chooses() -> None:
+    """checkpoint.config_keys says which model class and draft kind a config is without importing mapping (a later
+    stage): its answer is mapping.profiles' for every fixture config."""
+    from ckpt_tool.checkpoint.config import V4Config
+    from ckpt_tool.checkpoint.config_keys import config_classes, draft_of
+    from ckpt_tool.fixtures.make import VARIANTS, make_config
+    from ckpt_tool.mapping.profiles import draft_kind_of, model_class_of
+
+    for name, variant in VARIANTS.items():
+        if variant.broken:
+            continue
+        config = V4Config.from_dict(make_config(variant))
+        kind = draft_kind_of(config)
+        assert config_classes(config) == {model_class_of(config).name, kind.name}, name
+        facts = draft_of(config)
+        assert (facts.name, facts.layer_word) == (kind.name, kind.layer_word), name
+        assert kind.vllm_class.startswith(facts.vllm_file + ":"), name

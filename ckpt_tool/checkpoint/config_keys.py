@@ -431,6 +431,32 @@ def classes_of(flat: dict) -> frozenset[str]:
     return frozenset({model, DSPARK if dspark else MTP})
 
 
+def config_classes(config) -> frozenset[str]:
+    """The model class and draft kind a V4Config describes, by name: what ckpt_tool.mapping.profiles' model_class_of
+    and draft_kind_of choose (a later stage: tests/test_stage_order.py holds the two equal)."""
+    if config.is_v41:
+        return frozenset({V41, DSPARK_V41})
+    return frozenset({VISION if config.is_vision else TEXT, DSPARK if config.is_dspark else MTP})
+
+
+@dataclass(frozen=True)
+class DraftFacts:
+    """What a message says of a draft kind (ckpt_tool.mapping.profiles.draft_kind's record of the same name)."""
+
+    name: str
+    layer_word: str
+    vllm_file: str
+
+
+def draft_of(config) -> DraftFacts:
+    """The draft kind ``config`` describes, as :func:`config_classes` names it."""
+    if config.is_v41:
+        return DraftFacts(DSPARK_V41, "DSpark stage", "vllm/models/deepseek_v41/nvidia/dspark.py")
+    if config.is_dspark:
+        return DraftFacts(DSPARK, "DSpark stage", "vllm/models/deepseek_v4/nvidia/dspark.py")
+    return DraftFacts(MTP, "MTP layer", "vllm/models/deepseek_v4/nvidia/mtp.py")
+
+
 def rules_for(classes: Collection[str]) -> list[KeyRule]:
     """The rules that apply to a config of ``classes`` (a model class and a draft kind), in table order."""
     return [r for r in RULES if r.applies & set(classes)]
@@ -603,10 +629,8 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
     Judged only among the main layers the checkpoint holds (a layer absent altogether is completeness's to name;
     a draft-only source holds none)."""
     from ckpt_tool.checkpoint.completeness import layer_indices, name_lines
-    from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
-    from ckpt_tool.mapping.profiles.model_class import model_class_of
 
-    classes = {model_class_of(config).name, draft_kind_of(config).name}
+    classes = config_classes(config)
     helds = [h for h in HELD_BY if h.applies & classes]
     names = names if isinstance(names, (set, frozenset, dict, list, tuple)) else list(names)
     lines = name_lines(list(names))
@@ -644,12 +668,11 @@ def _extra_draft_layers(config, names: Collection[str], lines: str | None) -> st
     """Draft layers ``mtp.{i}`` past the count config.json gives (vLLM builds that many, and nothing loads the others;
     fewer: completeness names the missing ones)."""
     from ckpt_tool.checkpoint.completeness import count_by_index
-    from ckpt_tool.mapping.profiles.draft_kind import draft_kind_of
 
     held = sorted(count_by_index(names, "mtp.", lines))
     if not held or held[-1] < config.draft_layers:
         return None
-    kind = draft_kind_of(config)
+    kind = draft_of(config)
     # the key vLLM counts them by: DSpark's n_mtp_layers (V4.1's falls back to num_nextn_predict_layers), else nextn
     counted_by_stages = config.is_dspark and (config.n_mtp_layers or not config.is_v41)
     key = "n_mtp_layers" if counted_by_stages else "num_nextn_predict_layers"
@@ -657,7 +680,7 @@ def _extra_draft_layers(config, names: Collection[str], lines: str | None) -> st
     shown_value = shown(value) if value is not None else f"absent (vLLM's {kind.name} draft: {config.draft_layers})"
     return (
         f"{key_in_file(config.raw, key)} is {shown_value} in config.json, but the checkpoint holds "
-        f"{kind.layer_word}s mtp.{_ranges(held)} ({kind.vllm_class.split(':')[0]} builds {config.draft_layers}); "
+        f"{kind.layer_word}s mtp.{_ranges(held)} ({kind.vllm_file} builds {config.draft_layers}); "
         "config.json is not the one released with these weights: use that one, or fix the config"
     )
 
