@@ -41,6 +41,7 @@ import marshal
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -324,3 +325,30 @@ def helpers(count: int, fn: Callable[..., Any], *args: Any) -> Iterator[list[Chi
     finally:
         for child in children:
             child.cancel()
+
+
+# The signals that stop a command (ckpt_tool.cli.common.stop_signals installs their handlers in the main thread).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_signals_to_main() -> None:
+    """Block the stop signals in the calling thread unless it is the main thread: every thread ckpt-tool starts calls
+    this first (:func:`signal_free`, or as a ThreadPoolExecutor's initializer).
+
+    The kernel delivers a signal sent to the process to any thread that does not block it, and Python runs the
+    handler only in the main thread, at its next bytecode. A main thread waiting on a lock with no timeout (joining a
+    writer, waiting for a file's future) wakes only when the signal interrupts its own wait: a SIGTERM that lands on a
+    writer thread would wait for the files in flight to end before it is seen, and a second one would not stop the
+    command at once. Threads started by these threads inherit the mask."""
+    if threading.current_thread() is not threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def signal_free(target: Callable[..., Any]) -> Callable[..., Any]:
+    """``target`` run with the stop signals blocked in its thread (:func:`stop_signals_to_main`)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        stop_signals_to_main()
+        return target(*args, **kwargs)
+
+    return run

@@ -47,6 +47,7 @@ from ckpt_tool import __version__
 from ckpt_tool.checkpoint.hub import HubRef, network_error
 from ckpt_tool.checkpoint.reader import Scratch
 from ckpt_tool.errors import CheckpointError
+from ckpt_tool.processes import signal_free, stop_signals_to_main
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +392,9 @@ class HubRangeReader:
         self._requests = self._bytes_fetched = 0
         self._waited_s = 0.0
         self._peak_cached_bytes = 0
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hub-prefetch")
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="hub-prefetch", initializer=stop_signals_to_main
+        )
         # fetches filling a chunk at once: the prefetch workers and one read (the others that miss wait for it)
         self._filling = threading.BoundedSemaphore(workers + 1)
         self._spool_dir, self._spool_bytes = spool_dir, spool_bytes
@@ -733,7 +736,7 @@ class HubRangeReader:
         with self._lock:
             if self._spiller is None or self._spiller[0] != os.getpid():  # none yet in this process (or forked)
                 q: queue.Queue = queue.Queue(maxsize=SPILL_QUEUE)
-                thread = threading.Thread(target=self._spill_run, args=(q,), name="hub-spool", daemon=True)
+                thread = threading.Thread(target=signal_free(self._spill_run), args=(q,), name="hub-spool", daemon=True)
                 thread.start()
                 self._spiller = (os.getpid(), q, thread)
             q = self._spiller[1]

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from ckpt_tool.checkpoint import page_cache
 from ckpt_tool.errors import CheckpointError
+from ckpt_tool.processes import signal_free
 
 DIRECT_ALIGN = 4096  # O_DIRECT offset/length/address granularity kept to (covers 512-byte devices too)
 ALIGN = max(DIRECT_ALIGN, page_cache.PAGE)  # a direct read's bounds: also whole pages of the page cache, asked about
@@ -320,7 +321,7 @@ class SequentialRead:
         self.block: Scratch | None = None  # the block being served
         self.view, self.block_start, self.block_len = memoryview(b""), 0, 0
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._prefetch, name="verify-read", daemon=True)
+        self.thread = threading.Thread(target=signal_free(self._prefetch), name="verify-read", daemon=True)
         self.thread.start()
 
     def _prefetch(self) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from ckpt_tool import processes
 from ckpt_tool.checkpoint.gc_pause import gc_paused
 from ckpt_tool.cli.jsondoc import json_document, json_pieces_sharing, plan_json, print_json, print_json_pieces
 from ckpt_tool.cli.streams import drop_stdout
@@ -68,7 +69,7 @@ def report_error(exc: BaseException) -> None:
 
 
 # What stops a command from outside: Ctrl-C, and what Slurm, Kubernetes (SIGTERM) and a closed terminal (SIGHUP) send.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = processes.STOP_SIGNALS  # every thread but the main one blocks them (processes.stop_signals_to_main)
 
 
 class Preempted(KeyboardInterrupt):

@@ -67,6 +67,7 @@ from ckpt_tool.output.writer import (
     source_reads,
     write_output_file,
 )
+from ckpt_tool.processes import stop_signals_to_main
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def _write_files(
         for f in todo:
             work(f)
     else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPoolExecutor(max_workers=workers, initializer=stop_signals_to_main) as pool:
             futures = [pool.submit(work, f) for f in todo]
             try:
                 for fut in futures:
@@ -422,7 +423,7 @@ def _write_in_lockstep(todo: list[OutFile], work: Callable, failed: threading.Ev
             finally:
                 step.done(i)
 
-        with ThreadPoolExecutor(max_workers=len(group)) as pool:
+        with ThreadPoolExecutor(max_workers=len(group), initializer=stop_signals_to_main) as pool:
             futures = [pool.submit(member, i, f) for i, f in enumerate(group)]
             try:
                 for fut in futures:

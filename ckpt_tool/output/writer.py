@@ -47,7 +47,7 @@ from ckpt_tool.checkpoint.reader import DIRECT_ALIGN, ByteSource, LocalFiles, Sc
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Segment
-from ckpt_tool.processes import usable_cpus
+from ckpt_tool.processes import signal_free, usable_cpus
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
@@ -422,8 +422,12 @@ class _Pipeline(_Sink):
         self.lead = 0  # where the current buffer's bytes start: at the file offset's place in a page (direct writes)
         self.offset = 0  # file offset of the current buffer's first byte
         self.threads = [
-            threading.Thread(target=self._run, args=(self.hash_q, self._hash), name="ckpt-tool-hash", daemon=True),
-            threading.Thread(target=self._run, args=(self.write_q, self._write), name="ckpt-tool-write", daemon=True),
+            threading.Thread(
+                target=signal_free(self._run), args=(self.hash_q, self._hash), name="ckpt-tool-hash", daemon=True
+            ),
+            threading.Thread(
+                target=signal_free(self._run), args=(self.write_q, self._write), name="ckpt-tool-write", daemon=True
+            ),
         ]
         for t in self.threads:
             t.start()

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckpt_tool.processes import TaskQueue, can_fork, fork, thread_ending, usable_cpus
+from ckpt_tool.processes import TaskQueue, can_fork, fork, stop_signals_to_main, thread_ending, usable_cpus
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,6 +58,7 @@ class ComputePool:
         self._native_ids: list[int] = []  # the pool's threads, announced to processes.thread_ending once joined
 
     def _enter(self) -> None:
+        stop_signals_to_main()
         self._native_ids.append(threading.get_native_id())
         torch.set_num_threads(1)
         torch.set_flush_denormal(True)

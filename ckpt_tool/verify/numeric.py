@@ -29,6 +29,7 @@ from ckpt_tool.checkpoint.reader import DropBehind
 from ckpt_tool.checkpoint.source import Checkpoint
 from ckpt_tool.errors import CheckpointError
 from ckpt_tool.mapping.plan import ZERO, Plan
+from ckpt_tool.processes import signal_free
 from ckpt_tool.verify.compute_pool import ComputePool, ForkedTasks, may_fan_out
 from ckpt_tool.verify.coverage import Coverage
 from ckpt_tool.verify.expert_probes import ProbedShard, compare_expert_probes
@@ -213,7 +214,7 @@ class NumericLevel:
         if paced:
             self.pace = OnePass(walk, self._task_needs(unit_needs), self._forked.release, window)
             self._plan_drops(reads)
-        self._collector = threading.Thread(target=self._collect, name="numeric-answers", daemon=True)
+        self._collector = threading.Thread(target=signal_free(self._collect), name="numeric-answers", daemon=True)
         self._collector.start()
 
     def _unit_reads(self, comp: str, unit) -> tuple[list[tuple[Path, int, int]], list[tuple[Path, int, int]]]:

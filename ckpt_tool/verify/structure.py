@@ -15,6 +15,7 @@ from ckpt_tool.mapping.engine_table import ENGINES, compare_with_engine, engine_
 from ckpt_tool.mapping.plan import OutFile, Plan
 from ckpt_tool.output.convert import serving_files
 from ckpt_tool.output.layout import COMPONENTS, MANIFEST, index_doc
+from ckpt_tool.processes import stop_signals_to_main
 from ckpt_tool.verify.verdict import Check, VerifyReport
 
 
@@ -84,7 +85,7 @@ def check_structure(
     digests: dict[str, str] = {}
     if hash_files:  # files hashed in parallel (hashlib and reads release the GIL)
         todo = [rel for rel in planned if rel in present]
-        with ThreadPoolExecutor(max(1, workers)) as pool:
+        with ThreadPoolExecutor(max(1, workers), initializer=stop_signals_to_main) as pool:
             digests = dict(zip(todo, pool.map(lambda rel: sha256_file(out / rel), todo)))
     for rel, f in planned.items():
         if rel not in present:

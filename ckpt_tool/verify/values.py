@@ -26,6 +26,7 @@ from ckpt_tool.checkpoint.lockstep import Lockstep
 from ckpt_tool.checkpoint.reader import ByteSource, SequentialRead
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Plan, Segment
+from ckpt_tool.processes import stop_signals_to_main
 from ckpt_tool.verify.one_pass import OnePass, Walk
 from ckpt_tool.verify.shared_rows import Key, SharedRows
 from ckpt_tool.verify.verdict import Check, Progress, VerifyReport
@@ -145,7 +146,7 @@ def check_values(
     # group and takes tasks in order, so a group's members all run once the groups before it are done (a member
     # waiting for one not yet started is never stuck: that one starts when an earlier group's thread frees)
     results: dict[str, tuple[list[str], str | None, str]] = {}
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads, initializer=stop_signals_to_main) as pool:
         futures = []
         for gi, g in enumerate(groups):
             lockstep = Lockstep(len(g), window or max(4 * block, LOCKSTEP_WINDOW // len(g)))
