@@ -63,6 +63,12 @@ REFUSED = [
      "num_hash_layers is 0 in config.json, but the checkpoint holds a hash-routing table (ffn.gate.tid2eid) for "
      "layers 0"),
     ("fp4", {"num_hash_layers": -1}, "it must be at least 0"),
+    ("fp4", {"n_shared_experts": 0}, "n_shared_experts is 0 in config.json, but the checkpoint holds shared experts "
+     "in layers 0-2, for which vLLM would build no parameter"),
+    ("dspark-fp4", {"enable_confidence_head": False}, "enable_confidence_head is false in config.json, but the "
+     "checkpoint holds a confidence head (mtp.2.confidence_head.*)"),
+    ("vl-fp4", {"vision_n_layers": 1}, "vision_n_layers is 1 in config.json, but the checkpoint holds vision tower "
+     "blocks 0-1"),
     ("fp4", {"num_nextn_predict_layers": 0}, "num_nextn_predict_layers is 0 in config.json, but the checkpoint holds "
      "MTP layers mtp.0"),
     ("dspark-fp4", {"n_mtp_layers": 2}, "n_mtp_layers is 2 in config.json, but the checkpoint holds DSpark stages "

@@ -642,7 +642,7 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
             f"checkpoint holds layers {_ranges(sorted(present))} ({V4_SRC} builds that many); config.json is not "
             "the one released with these weights: use that one, or fix the config"
         )
-    extra = _extra_draft_layers(config, names, lines)
+    extra = _extra_draft_layers(config, names, lines) or _held_without_key(config, names, lines, present)
     if extra is not None:
         return extra
     for held in helds:
@@ -683,6 +683,42 @@ def _extra_draft_layers(config, names: Collection[str], lines: str | None) -> st
         f"{kind.layer_word}s mtp.{_ranges(held)} ({kind.vllm_file} builds {config.draft_layers}); "
         "config.json is not the one released with these weights: use that one, or fix the config"
     )
+
+
+def _held_without_key(config, names: Collection[str], lines: str | None, present: set[int]) -> str | None:
+    """Tensors stored for modules the config's counts and switches leave out: vLLM builds no parameter for them (its
+    sharded loader refuses the extra keys; a rule would still convert them). Shared experts with n_shared_experts 0
+    (V4: nvidia/model.py builds them only when it is above 0), a confidence head with enable_confidence_head false
+    (nvidia/dspark.py), vision blocks past vision_n_layers (common/vision.py)."""
+    from ckpt_tool.checkpoint.completeness import count_by_index
+
+    def refuse(key: str, value, what: str) -> str:
+        return (
+            f"{key_in_file(config.raw, key)} is {shown(value)} in config.json, but the checkpoint holds {what}, for "
+            "which vLLM would build no parameter; config.json is not the one released with these weights: use that "
+            "one, or fix the config"
+        )
+
+    if not config.is_v41 and not config.n_shared_experts:
+        shared = layers_holding(lines, names, r"ffn\.shared_experts\.") & present
+        if shared:
+            what = f"shared experts in layers {_ranges(sorted(shared))}"
+            return refuse("n_shared_experts", config.n_shared_experts, what)
+    if config.is_dspark and not config.enable_confidence_head:
+        heads = sorted(count_by_index([n for n in names if ".confidence_head." in n], "mtp."))
+        if heads:
+            what = f"a confidence head (mtp.{_ranges(heads)}.confidence_head.*)"
+            return refuse("enable_confidence_head", _file_value(config.raw, "enable_confidence_head"), what)
+    blocks = sorted(count_by_index(names, "vision.blocks.", lines))
+    if blocks and blocks[-1] >= config.vision_n_layers:
+        return refuse("vision_n_layers", config.vision_n_layers, f"vision tower blocks {_ranges(blocks)}")
+    return None
+
+
+def _file_value(raw: dict, key: str):
+    """``key`` as config.json gives it (V4.1: text_config first, as vLLM's config class copies it up)."""
+    text = raw.get("text_config")
+    return text[key] if isinstance(text, dict) and key in text else raw.get(key)
 
 
 def check_tensors(config, names: Collection[str]) -> None:
