@@ -99,8 +99,13 @@ def test_convert_writes_modelopts_nvfp4_parameters(tp, ep, scales, fixture_dir, 
         assert got == want, rank
         draft = {k.rsplit(".", 1)[1]: v for k, v in _shapes(out, "mtp", rank).items() if ".routed_experts." in k}
         assert sorted(draft) == ["w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"]  # left MXFP4
-    options = json.loads((out / "ckpt-tool.json").read_text())["options"]
-    assert options.get("nvfp4_input_scales") == (scales if ep else None)
+    manifest = json.loads((out / "ckpt-tool.json").read_text())
+    assert manifest["options"].get("nvfp4_input_scales") == (scales if ep else None)
+    # the manifest names the backends the layout is for
+    backends = [n for n in manifest["notes"] if n.startswith("NVFP4 experts under ep")]
+    assert len(backends) == ep and (
+        not ep or ("FLASHINFER_TRTLLM" in backends[0].split(";")[0]) == (scales == "global")
+    )
 
 
 @pytest.mark.parametrize("variant", NVFP4_VARIANTS)

@@ -223,6 +223,14 @@ def _deviations_and_notes(
             notes.append(DSPARK_CONTEXT_NOTE)
     if opts.vllm_series:
         notes.append(series_note(draft, opts.vllm_series, PROFILES[opts.profile].covers))
+    if opts.nvfp4_input_scales:
+        other = "local" if opts.nvfp4_input_scales == "global" else "global"
+        notes.append(
+            f"NVFP4 experts under ep: input scales written {opts.nvfp4_input_scales} ("
+            + ("every expert's on each rank" if other == "local" else "each rank's own experts'")
+            + f"), the layout of vLLM's NVFP4 MoE backends {NVFP4_BACKENDS[opts.nvfp4_input_scales]}; for "
+            f"{NVFP4_BACKENDS[other]} convert with --nvfp4-input-scales {other}"
+        )
     if config.expert_dtype == "fp8" and any(t.dtype == "F8_E8M0" and ".experts." in n for n, t in tensors.items()):
         deviations.append(
             "fp8 routed-expert E8M0 scales written as float32 2^(b-127) (the seed and vLLM 0.33's stock loader store "
