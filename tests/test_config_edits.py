@@ -322,6 +322,7 @@ FOUND = [
     ("fp4", ("num_hash_layers",), 2**40),  # a set of every layer number below it: killed for memory
     ("fp4", ("num_nextn_predict_layers",), 0),  # inspect said ok (convert refused): mtp.0 judged by no one
     ("fp4", ("n_shared_experts",), 0),  # inspect said ok: the shared experts stored were judged by no one
+    ("v41", ("draft_vocab_size",), 2),  # V4.1's markov_head.head is [draft_vocab_size, rank]: it was not checked
     ("fp4", ("index_head_dim",), MISSING),  # harmless: transformers' default, 128
     ("v41", ("text_config", "index_head_dim"), MISSING),  # V4.1 has no default: exit 0 before
     ("v41", ("text_config", "hc_eps"), MISSING),  # the same

@@ -386,11 +386,13 @@ def v41_dspark_specs(config: V4Config) -> tuple[Specs, Specs]:
     D, V = _dim(config, "hidden_size"), _dim(config, "vocab_size")
     targets = Dim(len(config.dspark_target_layer_ids), (TARGETS_KEY,))
     r = Dim(config.dspark_markov_rank, (MARKOV_KEY,))
+    # DSparkMarkovHead(vocab_size, draft_vocab_size or vocab_size, rank): embed is markov_w1, head markov_w2
+    draft_vocab = Dim(config.draft_vocab_size, ("draft_vocab_size",)) if config.draft_vocab_size else V
     first = (*_mx8_linear(config, "main_proj", D, D * targets), ("main_norm.weight", _spec(BF16, D)))
     last: tuple[tuple[str, Expected], ...] = (
         ("norm.weight", _spec(BF16, D)),
         ("markov_head.embed.weight", _spec(HEAD_FLOAT, V, r)),
-        ("markov_head.head.weight", _spec(HEAD_FLOAT, V, r)),
+        ("markov_head.head.weight", _spec(HEAD_FLOAT, draft_vocab, r)),
     )
     if config.enable_confidence_head:
         last += (("confidence_head.proj.weight", _spec(HEAD_FLOAT, Dim(1), D + r)),)
