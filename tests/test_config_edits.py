@@ -14,7 +14,8 @@ the very parameters of the unedited fixture from the edited config, which the en
 3. vLLM does not read the key for this model class and draft (:data:`IGNORED`);
 4. the key is removed (or set to null where vLLM reads null as absent) and vLLM's default equals the fixture's
    value, or set to the default where the fixture omits it (:data:`DEFAULTS`);
-5. ``compress_ratios`` keeps every ratio vLLM reads for a main layer and every entry is a ratio vLLM accepts.
+5. ``compress_ratios`` keeps every ratio vLLM reads for a main layer and every entry is a ratio vLLM accepts;
+   ``engram_vocab_size`` moves where no prime lies between (vLLM's EngramLayout draws the same bucket primes).
 
 Everything else changes what vLLM would build or is a value it cannot read: it must be refused.
 
@@ -38,7 +39,7 @@ from hypothesis import strategies as st
 
 from ckpt_tool.checkpoint.config import V4Config, flatten_v41
 from ckpt_tool.checkpoint.config_keys import MAX_COUNT, RULES, classes_of, key_in_file, rules_for
-from ckpt_tool.fixtures.make import VARIANTS, make_config
+from ckpt_tool.fixtures.make import VARIANTS, make_config, v41_engram_head_sizes
 
 FIXTURES = ("fp4", "vl-fp4", "dspark-fp4", "v41")
 EXAMPLES = int(os.environ.get("CONFIG_EDIT_EXAMPLES", "60"))
@@ -185,7 +186,16 @@ def harmless(variant: str, path: tuple[str, ...], old, new) -> bool:
         return type(before) is type(after) and before == after
     if flat_key == "compress_ratios":
         return _ratios_harmless(variant, old, new)
+    if flat_key == "engram_vocab_size":  # only where the bucket primes start: the same first prime, the same tables
+        return _int(new) and 2 <= new <= 10**6 and _next_prime(new) == v41_engram_head_sizes()[0][0]
     return False
+
+
+def _next_prime(n: int) -> int:
+    """The smallest prime >= n (trial division: n is small here)."""
+    while n < 2 or any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n
 
 
 # --- the edits ----------------------------------------------------------------------------------------------------
@@ -323,6 +333,7 @@ FOUND = [
     ("fp4", ("num_nextn_predict_layers",), 0),  # inspect said ok (convert refused): mtp.0 judged by no one
     ("fp4", ("n_shared_experts",), 0),  # inspect said ok: the shared experts stored were judged by no one
     ("v41", ("draft_vocab_size",), 2),  # V4.1's markov_head.head is [draft_vocab_size, rank]: it was not checked
+    ("v41", ("text_config", "engram_vocab_size"), 511),  # harmless: the first prime at or above it is 521 all the same
     ("fp4", ("index_head_dim",), MISSING),  # harmless: transformers' default, 128
     ("v41", ("text_config", "index_head_dim"), MISSING),  # V4.1 has no default: exit 0 before
     ("v41", ("text_config", "hc_eps"), MISSING),  # the same
