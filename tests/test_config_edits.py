@@ -169,7 +169,9 @@ def harmless(variant: str, path: tuple[str, ...], old, new) -> bool:
     flat_key = path[-1] if path[0] in ("text_config",) else key
     if path[0] == "vision_config":
         flat_key = "vision:" + path[-1]
-    if (old is MISSING and new is MISSING) or (type(old) is type(new) and old == new):
+    if (old is MISSING and new is MISSING) or (
+        old is not MISSING and new is not MISSING and json.dumps(old) == json.dumps(new)  # 0.0 is not 0 in JSON
+    ):
         return True
     if flat_key in RUNTIME:
         ok, may_be_absent = RUNTIME[flat_key]
