@@ -352,3 +352,34 @@ def signal_free(target: Callable[..., Any]) -> Callable[..., Any]:
         return target(*args, **kwargs)
 
     return run
+
+
+# How long the main thread waits on another thread at a time. A handler runs in the main thread only once it is back
+# in Python: a wait with no timeout returns for a signal delivered to the main thread itself, and a process-directed
+# signal may go to any thread that does not block it (a library's own, such as OpenBLAS's, started unblocked).
+SIGNAL_POLL_S = 0.05
+
+
+def join_in_steps(thread: threading.Thread) -> None:
+    """``thread.join()`` in steps of :data:`SIGNAL_POLL_S`, so that a stop signal's handler runs meanwhile."""
+    while thread.is_alive():
+        thread.join(SIGNAL_POLL_S)
+
+
+def results_in_steps(futures: Iterable[Any]) -> None:
+    """Each future's result in turn (its exception raised), waited for in steps of :data:`SIGNAL_POLL_S`."""
+    from concurrent.futures import wait  # only where a pool is used
+
+    for fut in futures:
+        while not fut.done():
+            wait([fut], timeout=SIGNAL_POLL_S)
+        fut.result()
+
+
+def settle_in_steps(futures: list[Any]) -> None:
+    """Wait, in steps of :data:`SIGNAL_POLL_S`, until every future has finished (the files in flight after a first
+    stop signal; a second one is seen meanwhile)."""
+    from concurrent.futures import wait
+
+    while wait(futures, timeout=SIGNAL_POLL_S).not_done:
+        pass

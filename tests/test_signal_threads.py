@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import signal
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,3 +89,58 @@ def _calls_helper(tree: ast.AST, method: str) -> bool:
                 and getattr(first.value.func, "id", None) == "stop_signals_to_main"
             )
     return False
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_signal_another_thread_received_is_handled_while_the_main_thread_waits() -> None:
+    """A library's thread started without the mask (OpenBLAS starts its own) takes a process-directed signal: the
+    main thread, waiting for a writer through ``join_in_steps``, runs the handler while the writer is still going.
+    (A plain ``join()`` returns only when the writer ends, and the handler with it: seen in the issue-43 runs.)"""
+    from ckpt_tool.processes import join_in_steps
+
+    release, finished = threading.Event(), threading.Event()
+
+    def write() -> None:
+        release.wait(120)
+        finished.set()
+
+    writer = threading.Thread(target=signal_free(write))
+    main = threading.main_thread().ident
+
+    def waiting_on_writer() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "_wait_for_tstate_lock":  # inside Thread.join, however it was called
+                return True
+            frame = frame.f_back
+        return False
+
+    def library_thread_takes_the_signal() -> None:
+        while not waiting_on_writer() and not release.is_set():  # sent once the main thread waits on the writer
+            time.sleep(0.001)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+
+    library = threading.Thread(target=library_thread_takes_the_signal)
+
+    def stop(signum, frame):
+        raise _Stop
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        writer.start()
+        try:
+            library.start()  # its signal may be handled as soon as this returns, or inside the wait below
+            join_in_steps(writer)
+            raise AssertionError("the handler never ran")
+        except _Stop:
+            # handled while the writer was still writing (not writer.is_alive(): a join a handler's exception
+            # interrupted marks the thread stopped, CPython's threading._wait_for_tstate_lock)
+            assert not finished.is_set()
+    finally:
+        release.set()
+        writer.join()
+        library.join()
+        signal.signal(signal.SIGUSR1, previous)

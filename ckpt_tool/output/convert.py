@@ -67,7 +67,7 @@ from ckpt_tool.output.writer import (
     source_reads,
     write_output_file,
 )
-from ckpt_tool.processes import stop_signals_to_main
+from ckpt_tool.processes import results_in_steps, settle_in_steps, stop_signals_to_main
 
 log = logging.getLogger(__name__)
 
@@ -389,10 +389,10 @@ def _write_files(
         with ThreadPoolExecutor(max_workers=workers, initializer=stop_signals_to_main) as pool:
             futures = [pool.submit(work, f) for f in todo]
             try:
-                for fut in futures:
-                    fut.result()
+                results_in_steps(futures)  # waits in steps: a stop signal's handler runs meanwhile
             except BaseException:
                 failed.set()  # (Ctrl-C lands here, not in a worker) files in flight finish, no new one starts
+                settle_in_steps(futures)
                 raise
 
 
@@ -426,10 +426,10 @@ def _write_in_lockstep(todo: list[OutFile], work: Callable, failed: threading.Ev
         with ThreadPoolExecutor(max_workers=len(group), initializer=stop_signals_to_main) as pool:
             futures = [pool.submit(member, i, f) for i, f in enumerate(group)]
             try:
-                for fut in futures:
-                    fut.result()
+                results_in_steps(futures)
             except BaseException:
                 failed.set()
+                settle_in_steps(futures)
                 raise
 
 

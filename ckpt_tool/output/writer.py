@@ -47,7 +47,7 @@ from ckpt_tool.checkpoint.reader import DIRECT_ALIGN, ByteSource, LocalFiles, Sc
 from ckpt_tool.errors import OutputError
 from ckpt_tool.mapping import conversions
 from ckpt_tool.mapping.plan import ZERO, OutFile, OutTensor, Segment
-from ckpt_tool.processes import signal_free, usable_cpus
+from ckpt_tool.processes import join_in_steps, signal_free, usable_cpus
 
 CHUNK = 8 * 1024 * 1024  # bytes per output buffer (one read/hash/write step); bounds memory per worker
 RING = 4  # buffers per writer: one being filled, the others being hashed / written
@@ -500,7 +500,7 @@ class _Pipeline(_Sink):
         self.hash_q.put(None)
         self.write_q.put(None)
         for t in self.threads:
-            t.join()
+            join_in_steps(t)  # a stop signal's handler runs meanwhile (processes.SIGNAL_POLL_S)
         self.readback.close()
         try:
             for v in self.views:
