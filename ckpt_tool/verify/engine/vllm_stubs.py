@@ -694,8 +694,9 @@ def engine_config(
     "num_speculative_tokens": 1}`` when config.json has MTP layers, ``{"method": "dspark", "model": draft_dir}``
     (num_speculative_tokens left out: 0.33.0 and 0.34.0 both take dspark_block_size) when it has
     ``dspark_target_layer_ids``, none otherwise; ``draft_dir`` defaults to ``config_dir``. Made (and the model then
-    built) on the GPU a user serves the checkpoint on (:func:`gpu_for_checkpoint`, :func:`use_gpu`), or on ``gpu`` (a :data:`FAKE_GPUS` name: an
-    NVFP4 export served on Hopper, whose NVFP4 MoE backend keeps only the local experts' input scales)."""
+    built) on the GPU a user serves the checkpoint on (:func:`gpu_for_checkpoint`, :func:`use_gpu`), or on ``gpu``
+    (a :data:`FAKE_GPUS` name: an NVFP4 export served on Hopper, whose NVFP4 MoE backend keeps only the local
+    experts' input scales)."""
     from vllm.engine.arg_utils import EngineArgs  # after bootstrap(): see build_model
 
     # before vLLM asks the platform anything about this checkpoint
