@@ -93,9 +93,14 @@ class SlowConvert:
         env.pop("CKPT_TOOL_DEBUG", None)
         markers = [str(self.writing), str(self.gate), str(self.stopping)]
         cmd = [sys.executable, str(wrapper), *markers, "convert", str(src), str(out), *OPTS, *extra]
-        ignore = None if ignoring is None else (lambda: signal.signal(ignoring, signal.SIG_IGN))
+        def dispositions() -> None:
+            # A child inherits ignored signals: under `nohup` (SIGHUP) or as a job a shell started with & (SIGINT)
+            # the test runner's would make the convert keep them ignored, as it must. Each test sets its own.
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(s, signal.SIG_IGN if s == ignoring else signal.SIG_DFL)
+
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dispositions
         )
         self.wait_for(self.writing, "the conversion never started writing")
 
