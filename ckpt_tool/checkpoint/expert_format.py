@@ -78,9 +78,6 @@ class ExpertFormat:
     description: str
     block: int  # inputs sharing one scale along a row (the TP split of the inputs must keep them whole)
 
-    def part(self, suffix: str) -> SourcePart:
-        return next(p for p in self.parts if p.suffix == suffix)
-
 
 MXFP4 = ExpertFormat(
     "mxfp4",
