@@ -13,7 +13,7 @@ from cli_helpers import run_cli, snapshot
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.config_keys import RULES, check_values, classes_of
 from ckpt_tool.errors import CheckpointError
-from ckpt_tool.fixtures.make import DSPARK_BLOCK_SIZE, VARIANTS, make_config
+from ckpt_tool.fixtures.make import DSPARK_BLOCK_SIZE, VARIANTS, make_config, v41_engram_num_embeddings
 
 
 def _edited(fixture_copy, variant: str, **edits) -> Path:
@@ -58,6 +58,9 @@ REFUSED = [
      "text_config.kv_source_layer_ids is [0, 2] in config.json, but the checkpoint holds a compressor for layers 0, 3"),
     ("v41", {"index_source_layer_ids": [1, 3]}, "layer 0 has compress ratio 2 and no index source at or below it"),
     ("v41", {"engram_num_embeddings": [10, 10]}, "layer 1's table has 10 rows, fewer than its"),
+    ("v41", {"engram_vocab_size": 2},
+     "text_config.engram_num_embeddings is [%d, %d] in config.json, but layer 1's 16 hash buckets (prime sizes from "
+     "engram_vocab_size 2) reach only " % tuple(v41_engram_num_embeddings())),
     ("v41", {"index_head_dim": None}, "text_config.index_head_dim is null in config.json"),
     ("fp4", {"num_hash_layers": 0},
      "num_hash_layers is 0 in config.json, but the checkpoint holds a hash-routing table (ffn.gate.tid2eid) for "

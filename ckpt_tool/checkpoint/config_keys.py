@@ -209,8 +209,14 @@ def _hash_heads(v, flat):
 
 
 def _engram_rows(rows, flat):
-    """Each table at least as long as its layer's hash buckets (ParallelEngramEmbedding asserts
-    ``sum(head_sizes) <= num_embeddings``)."""
+    """Each table exactly as long as its layer's hash buckets together.
+
+    Fewer rows: vLLM refuses them (ParallelEngramEmbedding asserts ``sum(head_sizes) <= num_embeddings``). More rows:
+    vLLM builds the model, but no hash reaches the rows past the last bucket, and the buckets it does reach are not
+    the ones the table was trained with: the prime buckets come from ``engram_vocab_size``, ``engram_n_heads`` and
+    ``engram_max_ngram_size`` (EngramLayout), and DeepSeek lays each table out as exactly those buckets (V4.1-Flash:
+    24 primes just above 16,000,000 a layer, 384,006,168 and 384,016,682 rows). A table longer than its buckets is
+    one laid out for other Engram keys: the served model would look up the wrong rows, with no error anywhere."""
     if any(r < 1 for r in rows):
         return "every table size must be at least 1"
     from ckpt_tool.checkpoint.engram import EngramSplit  # the prime buckets, as vLLM draws them
@@ -220,6 +226,12 @@ def _engram_rows(rows, flat):
     for layer, have, sizes in zip(ids, rows, split.head_sizes if split else ()):
         if have < sum(sizes):
             return f"layer {layer}'s table has {have} rows, fewer than its {sum(sizes)} hash buckets"
+        if have > sum(sizes):
+            return (
+                f"layer {layer}'s {len(sizes)} hash buckets (prime sizes from engram_vocab_size "
+                f"{flat.get('engram_vocab_size')}) reach only {sum(sizes)} of its {have} rows: the table was laid out "
+                "for other engram_vocab_size, engram_n_heads or engram_max_ngram_size values"
+            )
     return None
 
 
@@ -410,7 +422,7 @@ RULES: tuple[KeyRule, ...] = (
     _r("engram_vocab_size", INT, {V41}, ">= 2", ENGRAM_SRC, required=_engram, check=_at_least(2, None)),
     _r("engram_compressed_vocab_size", INT, {V41}, ">= 1", ENGRAM_SRC, required=_engram, check=POSITIVE),
     _r("engram_pad_token_id", INT, {V41}, ">= 0", ENGRAM_SRC, required=_engram, check=_at_least(0, None)),
-    _r("engram_num_embeddings", INTS, {V41}, "per Engram layer, at least its hash buckets' rows", ENGRAM_SRC,
+    _r("engram_num_embeddings", INTS, {V41}, "per Engram layer, its hash buckets' rows exactly", ENGRAM_SRC,
        required=_engram, check=_engram_rows),
 )
 # fmt: on
