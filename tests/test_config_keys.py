@@ -59,8 +59,8 @@ REFUSED = [
     ("v41", {"index_source_layer_ids": [1, 3]}, "layer 0 has compress ratio 2 and no index source at or below it"),
     ("v41", {"engram_num_embeddings": [10, 10]}, "layer 1's table has 10 rows, fewer than its"),
     ("v41", {"engram_vocab_size": 2},
-     "text_config.engram_num_embeddings is [%d, %d] in config.json, but layer 1's 16 hash buckets (prime sizes from "
-     "engram_vocab_size 2) reach only " % tuple(v41_engram_num_embeddings())),
+     f"text_config.engram_num_embeddings is {v41_engram_num_embeddings()} in config.json, but layer 1's 16 hash "
+     "buckets (prime sizes from engram_vocab_size 2) reach only "),
     ("v41", {"index_head_dim": None}, "text_config.index_head_dim is null in config.json"),
     ("fp4", {"num_hash_layers": 0},
      "num_hash_layers is 0 in config.json, but the checkpoint holds a hash-routing table (ffn.gate.tid2eid) for "
