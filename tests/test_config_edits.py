@@ -1,21 +1,26 @@
 """Hand-edited config.json, generated: every key the tool reads (ckpt_tool.checkpoint.config_keys.RULES, as written
 in each fixture's file) set to every JSON type (missing, null, booleans, negative, zero and huge integers, floats,
 strings, lists too short, too long, out of range, reordered, objects), for the V4 (``fp4``), vision (``vl-fp4``),
-DSpark (``dspark-fp4``) and V4.1 (``v41``) fixtures. For each edit, ``inspect`` and ``convert`` (in-process) must
-either both exit 0 with a complete OUT, where :func:`harmless` says the edit is harmless, or both exit 1 with one
+DSpark (``dspark-fp4``), V4.1 (``v41``) and NVIDIA's NVFP4 export (``nvfp4``) fixtures. For each edit, ``inspect``
+and ``convert`` (in-process) must either both exit 0 with a complete OUT, where :func:`harmless` says the edit is
+harmless, or both exit 1 with one
 line on stderr and no traceback, leaving no complete OUT; the source is never touched.
 
 :func:`harmless` decides by a stated rule, not by what the tool did. An edit is harmless when vLLM's loader builds
 the very parameters of the unedited fixture from the edited config, which the engine matrix proves it loads:
 
 1. the value is the same JSON value (same type) as before;
-2. the key only matters at run time (:data:`RUNTIME`: no parameter's shape or presence depends on it) and the new
-   value is one vLLM reads as such (the JSON type, the range);
+2. the key only matters at run time (:data:`RUNTIME`, ``qk_rope_head_dim``: no parameter's shape or presence depends
+   on it) and the new value is one vLLM reads as such (the JSON type, the range, what its kernels assert);
 3. vLLM does not read the key for this model class and draft (:data:`IGNORED`);
 4. the key is removed (or set to null where vLLM reads null as absent) and vLLM's default equals the fixture's
    value, or set to the default where the fixture omits it (:data:`DEFAULTS`);
 5. ``compress_ratios`` keeps every ratio vLLM reads for a main layer and every entry is a ratio vLLM accepts;
-   ``engram_vocab_size`` moves where no prime lies between (vLLM's EngramLayout draws the same bucket primes).
+   ``engram_vocab_size`` moves where no prime lies between (vLLM's EngramLayout draws the same bucket primes);
+   ``quantization_config.moe_quant_algo`` is a string (or null, or absent) that vLLM upper-cases to the same
+   algorithm; ``quantization_config.ignore`` is a list of strings (or null, or absent) that leaves the same expert
+   blocks in DeepSeek's format, matched as vLLM matches them (``fnmatchcase`` on ``{block}.ffn.experts``), or any
+   value where ``moe_quant_algo`` is not NVFP4 (vLLM does not read it then).
 
 Everything else changes what vLLM would build or is a value it cannot read: it must be refused.
 
@@ -41,8 +46,8 @@ from ckpt_tool.checkpoint.config import V4Config, flatten_v41
 from ckpt_tool.checkpoint.config_keys import MAX_COUNT, RULES, classes_of, key_in_file, rules_for
 from ckpt_tool.fixtures.make import VARIANTS, make_config, v41_engram_head_sizes
 
-FIXTURES = ("fp4", "vl-fp4", "dspark-fp4", "v41")
-EXAMPLES = int(os.environ.get("CONFIG_EDIT_EXAMPLES", "60"))
+FIXTURES = ("fp4", "vl-fp4", "dspark-fp4", "v41", "nvfp4")
+EXAMPLES = int(os.environ.get("CONFIG_EDIT_EXAMPLES", "75"))
 MISSING = object()
 
 
@@ -120,6 +125,10 @@ RUNTIME = {
     "block_size": (_positive_int, True),
     "dspark_noise_token_id": (lambda v: _int(v) and 0 <= v < 512, True),  # the fixtures' vocab: 512
     "engram_pad_token_id": (lambda v: _int(v) and v >= 0, False),  # vLLM reads it without a default
+    # sizes no parameter: vLLM compares it with the compressed vocabulary it builds from the tokenizer when it starts
+    # and refuses a mismatch itself, naming both (NgramHashState, deepseek_v41/common/engram.py); the tool reads
+    # tensor headers, not the tokenizer
+    "engram_compressed_vocab_size": (_positive_int, False),
 }
 # (fixture, key) -> what vLLM reads there, for a key vLLM does not read for that model class and draft
 IGNORED = {
@@ -151,10 +160,33 @@ def _ratios_harmless(variant: str, old: list, new) -> bool:
     if not isinstance(new, list) or not all(_int(r) for r in new):
         return False
     layers = 4 if variant == "v41" else 3
-    if variant == "v41":  # deepseek_v41/attention.py: 0, 1 or 2; a layer past the list reads 0
-        return all(r in (0, 1, 2) for r in new) and [*new, *[0] * layers][:layers] == old[:layers]
+    if variant == "v41":
+        return _v41_ratios_harmless(old, new, layers)
     # transformers' DeepseekV4Config maps every entry (0, 4, 128), vLLM reads layer_types[layer] for each main layer
     return all(r in (0, 4, 128) for r in new) and len(new) >= layers and new[:layers] == old[:layers]
+
+
+def _v41_ratios_harmless(old: list, new: list, layers: int) -> bool:
+    """V4.1 (vllm/models/deepseek_v41/attention.py, compressor.py): each ratio 0, 1 or 2 (a layer past the list reads
+    0). The source layer ids, not the ratios, place the compressors and indexers; a ratio shapes a parameter only
+    on a kv source (its compressor has a gate for ratio 2). So the parameters stay the fixture's when each kv source
+    keeps a ratio of 1 or 2 with or without the gate as before, each index source a ratio above 0 (the indexer
+    divides by it), and every compressed layer a kv and an index source at or below it; a non-source layer's ratio
+    decides only which compressed cache it reads at run time."""
+    if not all(r in (0, 1, 2) for r in new):
+        return False
+    text = make_config(VARIANTS["v41"])["text_config"]
+    kv, index = text["kv_source_layer_ids"], text["index_source_layer_ids"]
+
+    def ratio(ratios, layer):
+        return ratios[layer] if layer < len(ratios) else 0
+
+    return (
+        all(ratio(new, s) in (1, 2) and (ratio(new, s) > 1) == (ratio(old, s) > 1) for s in kv)
+        and all(ratio(new, s) > 0 for s in index)
+        and all(min(kv) <= layer and min(index) <= layer for layer, r in enumerate(new) if r > 0)
+        and len(old) >= layers
+    )
 
 
 # V4.1's config class copies text_config with no defaults: what its model reads as config.key must be there
@@ -188,9 +220,40 @@ def harmless(variant: str, path: tuple[str, ...], old, new) -> bool:
         return type(before) is type(after) and before == after
     if flat_key == "compress_ratios":
         return _ratios_harmless(variant, old, new)
+    if flat_key == "qk_rope_head_dim":  # sizes no parameter: rotary pairs below head_dim; V4.1's compressor wants 64
+        head_dim = _flat(make_config(VARIANTS[variant]))["head_dim"]
+        return _int(new) and 2 <= new < head_dim and new % 2 == 0 and (variant != "v41" or new == 64)
+    if key == "quantization_config.moe_quant_algo":
+        return _algo(new) is not None and _algo(new) == _algo(old)
+    if key == "quantization_config.ignore":
+        if _algo(_get(make_config(VARIANTS[variant]), ("quantization_config", "moe_quant_algo"))) != "NVFP4":
+            return True  # vLLM reads it only for NVFP4 experts
+        return _left_out(variant, new) is not None and _left_out(variant, new) == _left_out(variant, old)
     if flat_key == "engram_vocab_size":  # only where the bucket primes start: the same first prime, the same tables
         return _int(new) and 2 <= new <= 10**6 and _next_prime(new) == v41_engram_head_sizes()[0][0]
     return False
+
+
+def _algo(value) -> str | None:
+    """The algorithm vLLM reads from moe_quant_algo (``(value or "").upper()``); None: a value of another JSON type."""
+    if value is MISSING or value is None:
+        return ""
+    return value.upper() if isinstance(value, str) else None
+
+
+def _left_out(variant: str, ignore) -> frozenset[str] | None:
+    """The expert blocks ``ignore`` leaves in DeepSeek's format (vLLM's _is_nvfp4_expert_layer); None: not a list of
+    strings."""
+    from fnmatch import fnmatchcase
+
+    if ignore is MISSING or ignore is None:
+        ignore = []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        return None
+    config = make_config(VARIANTS[variant])
+    blocks = [f"layers.{i}" for i in range(config["num_hidden_layers"])]
+    blocks += [f"mtp.{i}" for i in range(config["num_nextn_predict_layers"])]
+    return frozenset(b for b in blocks if any(fnmatchcase(f"{b}.ffn.experts", p) for p in ignore))
 
 
 def _next_prime(n: int) -> int:
@@ -307,14 +370,16 @@ def test_a_generated_config_edit_is_converted_whole_or_refused_in_one_line(edita
 
 
 def test_every_key_the_config_reads_has_a_rule() -> None:
-    """The keys config.py and the draft kind read from config.json (found in their source) are all in the table, so
-    the edits above reach them."""
+    """The keys config.py, the draft kind and expert_format read from config.json (found in their source) are all in
+    the table, so the edits above reach them."""
     import re
 
     import ckpt_tool.checkpoint.config as config_module
+    import ckpt_tool.checkpoint.expert_format as expert_format_module
     import ckpt_tool.mapping.profiles.draft_kind as draft_module
 
-    text = Path(config_module.__file__).read_text() + Path(draft_module.__file__).read_text()
+    modules = (config_module, draft_module, expert_format_module)
+    text = "".join(Path(m.__file__).read_text() for m in modules)
     read = set(re.findall(r"""(?:raw|quant|flat)(?:\.get\(|\[)"([a-z_0-9]+)""", text))
     read |= set(re.findall(r"""_flat_get\(config\.raw, "([a-z_0-9]+)"\)""", text))
     read -= {"text_config", "vision_config"}  # the V4.1 nesting itself: edited as a whole above
@@ -342,11 +407,31 @@ FOUND = [
     ("fp4", ("index_head_dim",), MISSING),  # harmless: transformers' default, 128
     ("v41", ("text_config", "index_head_dim"), MISSING),  # V4.1 has no default: exit 0 before
     ("v41", ("text_config", "hc_eps"), MISSING),  # the same
+    # layers 1-2 stored with a compressor (and layer 1 an indexer) read as ratio 0: vLLM builds neither, its sharded
+    # loader would refuse the keys; convert wrote them, complete, before
+    ("dspark-fp4", ("compress_ratios",), [0, 0, 0, 128, 4, 0]),
+    # V4.1: kv source 3 at ratio 2 wants a gate the checkpoint lacks; kv source 0 at 1 would leave its gate unloaded;
+    # index source 1 at 0 divides by zero; non-source layer 2 at 1 only reads source 0's compressed cache (harmless)
+    ("v41", ("text_config", "compress_ratios"), [2, 2, 0, 2, 0, 0, 0]),
+    ("v41", ("text_config", "compress_ratios"), [1, 2, 0, 1, 0, 0, 0]),
+    ("v41", ("text_config", "compress_ratios"), [2, 0, 0, 1, 0, 0, 0]),
+    ("v41", ("text_config", "compress_ratios"), [2, 2, 1, 1, 0, 0, 0]),
+    ("fp4", ("qk_rope_head_dim",), 63),  # sizes no parameter, but vLLM's rotary kernels assert an even count
+    # NVIDIA's NVFP4 export: which experts are NVFP4 (vLLM's _is_nvfp4_expert_layer)
+    ("nvfp4", ("quantization_config", "ignore"), ["*.attn.*", "head"]),  # mtp.0's MXFP4 experts would be built NVFP4
+    ("nvfp4", ("quantization_config", "ignore"), ["mtp.*", "head"]),  # harmless: the same blocks left out
+    ("nvfp4", ("quantization_config", "ignore"), "mtp.*"),  # vLLM drops a non-list: every block NVFP4
+    ("nvfp4", ("quantization_config", "ignore"), ["mtp.*", 1]),  # vLLM drops the 1: refused as ill-typed
+    ("nvfp4", ("quantization_config", "moe_quant_algo"), "nvfp4"),  # harmless: vLLM upper-cases it
+    ("nvfp4", ("quantization_config", "moe_quant_algo"), MISSING),  # MXFP4 would be built for NVFP4 experts
+    ("fp4", ("quantization_config", "moe_quant_algo"), "NVFP4"),  # NVFP4 would be built for MXFP4 experts
+    ("fp4", ("quantization_config", "moe_quant_algo"), False),  # vLLM's `or ""` takes it; the tool reads strings
+    ("fp4", ("quantization_config", "ignore"), 7),  # harmless: not read without moe_quant_algo NVFP4
 ]
 
 
 @pytest.mark.parametrize(("variant", "path", "new"), FOUND, ids=[f"{v}-{'.'.join(p)}" for v, p, _ in FOUND])
-def test_found_edits_are_refused_in_one_line(editable, capsys, tmp_path, variant, path, new) -> None:
+def test_a_found_edit_gets_the_verdict_the_rule_names(editable, capsys, tmp_path, variant, path, new) -> None:
     check_edit(editable, capsys, tmp_path, variant, path, new)
 
 

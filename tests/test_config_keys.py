@@ -54,14 +54,20 @@ REFUSED = [
      "3 layers"),
     ("v41", {"engram_layer_ids": [1, 3]},
      "text_config.engram_layer_ids is [1, 3] in config.json, but the checkpoint holds Engram tables for layers 1-2"),
+    ("v41", {"kv_source_layer_ids": [0, 1]},
+     "text_config.kv_source_layer_ids is [0, 1] in config.json, but the checkpoint holds a compressor for layers 0, 3"),
     ("v41", {"kv_source_layer_ids": [0, 2]},
-     "text_config.kv_source_layer_ids is [0, 2] in config.json, but the checkpoint holds a compressor for layers 0, 3"),
+     "text_config.kv_source_layer_ids is [0, 2] in config.json, but compress_ratios gives source layer 2 ratio 0: "
+     "vLLM's V4.1 compressor takes 1 or 2"),
     ("v41", {"index_source_layer_ids": [1, 3]}, "layer 0 has compress ratio 2 and no index source at or below it"),
     ("v41", {"engram_num_embeddings": [10, 10]}, "layer 1's table has 10 rows, fewer than its"),
     ("v41", {"engram_vocab_size": 2},
      f"text_config.engram_num_embeddings is {v41_engram_num_embeddings()} in config.json, but layer 1's 16 hash "
      "buckets (prime sizes from engram_vocab_size 2) reach only "),
     ("v41", {"index_head_dim": None}, "text_config.index_head_dim is null in config.json"),
+    ("fp4", {"compress_ratios": [0, 128, 128, 0]},
+     "compress_ratios is [0, 128, 128, 0] in config.json, but the checkpoint holds an indexer for layer 1, whose "
+     "ratios it gives as 128 for layer 1 (vLLM builds an indexer only for ratio 4"),
     ("fp4", {"num_hash_layers": 0},
      "num_hash_layers is 0 in config.json, but the checkpoint holds a hash-routing table (ffn.gate.tid2eid) for "
      "layers 0"),

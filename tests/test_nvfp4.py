@@ -51,12 +51,17 @@ def test_layer_format_is_vllms_choice(quant, main, draft):
 
 
 def test_unknown_moe_quant_algo_and_bad_ignore_are_config_errors():
-    with pytest.raises(CheckpointError, match="moe_quant_algo is 'MXFP8'"):
+    with pytest.raises(CheckpointError, match='moe_quant_algo is "MXFP8" in config.json, but it is a format'):
         _config("nvfp4", moe_quant_algo="MXFP8")
-    with pytest.raises(CheckpointError, match="moe_quant_algo is 4"):
+    with pytest.raises(CheckpointError, match="moe_quant_algo is 4 in config.json, but it is an integer"):
         _config("nvfp4", moe_quant_algo=4)
-    with pytest.raises(CheckpointError, match="ignore is 'mtp.*', not a list"):
+    # vLLM drops a non-list ignore and a list's non-strings, and would build the draft's MXFP4 experts as NVFP4
+    with pytest.raises(CheckpointError, match=r'ignore is "mtp\.\*" in config.json, but it is a string'):
         _config("nvfp4", ignore="mtp.*")
+    with pytest.raises(CheckpointError, match="but it is a list of mixed values; vLLM reads a list of strings"):
+        _config("nvfp4", ignore=["mtp.*", 5])
+    # read only with moe_quant_algo NVFP4, as vLLM reads it
+    assert _config("fp4", ignore="anything").moe_quant.ignore == ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +169,7 @@ BROKEN = {
     "nvfp4-missing-input-scale": ("layers.0.ffn.experts.5.w1.input_scale", "float32 activation scale"),
     "nvfp4-scale-grid": ("layers.2.ffn.experts.2.w3.weight_scale", "one scale per 32 inputs"),
     "nvfp4-ignore-mismatch": ("quantization_config.ignore pattern 'layers.1.*'", "format is ambiguous"),
-    "nvfp4-unknown-algo": ("moe_quant_algo is 'MXFP8'", "does not know"),
+    "nvfp4-unknown-algo": ('moe_quant_algo is "MXFP8"', "does not know"),
 }
 
 

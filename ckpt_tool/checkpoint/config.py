@@ -309,7 +309,7 @@ class V4Config:
             index_head_dim=int(raw.get("index_head_dim", 128)),
             weight_block_size=(int(block[0]), int(block[1])),
             scale_fmt=str(quant.get("scale_fmt", "ue8m0")),
-            moe_quant=moe_quant_of(raw, where),
+            moe_quant=moe_quant_of(raw),
             **vision,
             **dspark,
             **_v41_fields(raw),

@@ -31,6 +31,7 @@ NUMBER = "number"
 STRING = "string"
 BOOL = "boolean"
 INTS = "list of integers"
+STRINGS = "list of strings"
 OBJECT = "object"
 
 # model classes (ckpt_tool.mapping.profiles.model_class) and draft kinds (ckpt_tool.mapping.profiles.draft_kind)
@@ -54,6 +55,7 @@ AUX_SRC = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_l
 SPEC_SRC = "vllm 0.33.0 config/speculative.py SpeculativeConfig; 0.34.0 v1/worker/gpu/spec_decode/dspark/config.py"
 ENGRAM_SRC = "vllm/models/deepseek_v41/common/engram.py EngramLayout, ParallelEngramEmbedding"
 VISION_SRC = "vllm/models/deepseek_v4/common/vision.py"
+NVFP4_SRC = "vllm/models/deepseek_v41/quant_config.py DeepseekV4FP8Config (_is_nvfp4_expert_layer)"
 V41_VISION_SRC = "vllm/transformers_utils/configs/deepseek_v41.py, which fills vision_* from vision_config"
 
 Check = Callable[[Any, dict], "str | None"]  # (value, the flat config) -> what is wrong (None: nothing)
@@ -71,9 +73,13 @@ class KeyRule:
     required: bool | Callable[[dict], bool] = False  # vLLM reads it without a default (a callable: only then)
     null_is_default: bool = False  # vLLM reads null as absent (``getattr(config, key, None) or default``)
     check: Check | None = None
+    read: Callable[[dict], bool] | None = None  # vLLM reads the key only where this holds (None: always)
 
     def needed(self, flat: dict) -> bool:
         return self.required(flat) if callable(self.required) else self.required
+
+    def is_read(self, flat: dict) -> bool:
+        return self.read is None or self.read(flat)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -132,16 +138,31 @@ def _v41_ratios(ratios, flat):
     return f"ratio {bad[0]} is not one of 0, 1 and 2" if bad else None
 
 
+# What V4.1 builds on a source layer takes only some compress ratios (vllm/models/deepseek_v41, 0.33.0 and 0.34.0):
+# a kv source's compressor 1 or 2 (compressor.py raises a ValueError for any other), an index source's indexer any
+# ratio above 0 (attention.py divides max_model_len by it)
+SOURCE_RATIOS = {
+    "kv_source_layer_ids": ((1, 2), "vLLM's V4.1 compressor takes 1 or 2 (deepseek_v41/compressor.py)"),
+    "index_source_layer_ids": ((1, 2), "vLLM's V4.1 indexer divides by it (deepseek_v41/attention.py)"),
+}
+
+
 def _sources(key: str) -> Check:
-    """V4.1's kv / index source layers: model layers, each once, ascending, and one at or below every layer whose
-    compress ratio is above 0 (attention.py: ``max(s for s in sources if s <= layer_id)``, a ValueError otherwise)."""
+    """V4.1's kv / index source layers: model layers, each once, ascending, each with a ratio its module takes
+    (:data:`SOURCE_RATIOS`), and one at or below every layer whose compress ratio is above 0 (attention.py:
+    ``max(s for s in sources if s <= layer_id)``, a ValueError otherwise)."""
     in_range = _layer_list(lambda f: 0, lambda f: _layers(f) - 1, "among the model's layers")
+    takes, why = SOURCE_RATIOS[key]
 
     def check(ids, flat):
         problem = in_range(ids, flat)
         if problem:
             return problem
         ratios = flat.get("compress_ratios") or []
+        for layer in ids:
+            ratio = ratios[layer] if layer < len(ratios) else 0  # past the list: 0 (attention.py)
+            if ratio not in takes:
+                return f"compress_ratios gives source layer {layer} ratio {ratio}: {why}"
         compressed = [layer for layer, r in enumerate(ratios) if r > 0]
         uncovered = [layer for layer in compressed if not any(s <= layer for s in ids)]
         if uncovered:
@@ -243,6 +264,17 @@ class _Attrs:
         self.__dict__.update(override)
 
 
+def _rope_dim(v, flat):
+    """Rotary pairs: an even count (vllm/models/deepseek_v4/common/ops/fused_inv_rope_fp8_quant.py asserts
+    ``rope_dim % 2 == 0``); V4.1's compressor asserts 64 (vllm/models/deepseek_v41/compressor.py). No parameter's shape
+    depends on it, so only these rules can catch a wrong one."""
+    if v < 2 or v % 2:
+        return "it must be an even number of at least 2 (rotary pairs: vLLM's fused_inv_rope_fp8_quant asserts it)"
+    if _v41(flat) and _any_compressed(flat) and v != 64:
+        return "vLLM's V4.1 compressor asserts 64 (deepseek_v41/compressor.py) and compress_ratios compresses layers"
+    return None
+
+
 def _head_dim(v, flat):
     rope = flat["qk_rope_head_dim"]
     return None if v > rope else f"it must exceed qk_rope_head_dim {rope} (nope part: head_dim - qk_rope_head_dim)"
@@ -292,6 +324,26 @@ def _in_vocab(v, flat):
     return None if 0 <= v < flat["vocab_size"] else f"it is not a token id below vocab_size {flat['vocab_size']}"
 
 
+def _moe_quant_algo(v, flat):
+    """vLLM compares ``(moe_quant_algo or "").upper()`` with "NVFP4" and builds MXFP4 experts for anything else: an
+    algorithm ckpt-tool does not know would be served in the wrong format (empty: DeepSeek's own formats)."""
+    from ckpt_tool.checkpoint.expert_format import KNOWN_MOE_QUANT_ALGOS
+
+    if v == "" or v.upper() in KNOWN_MOE_QUANT_ALGOS:
+        return None
+    return (
+        f"it is a format of routed experts ckpt-tool does not know (known: {', '.join(KNOWN_MOE_QUANT_ALGOS)}, in any "
+        "case); vLLM would build MXFP4 experts for it"
+    )
+
+
+def _nvfp4_experts(flat: dict) -> bool:
+    """moe_quant_algo names NVFP4: only then does vLLM match the experts' names with ``ignore``."""
+    quant = flat.get("quantization_config")
+    algo = quant.get("moe_quant_algo") if isinstance(quant, dict) else None
+    return isinstance(algo, str) and algo.upper() == "NVFP4"
+
+
 def _multiple_of_32(v, flat):
     return "it must be a positive multiple of 32 (one E8M0 scale per 32 columns)" if v < 32 or v % 32 else None
 
@@ -337,7 +389,8 @@ RULES: tuple[KeyRule, ...] = (
     _r("vocab_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("hidden_size", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("num_attention_heads", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
-    _r("qk_rope_head_dim", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
+    _r("qk_rope_head_dim", INT, EVERY, "even, >= 2; V4.1 with compressed layers: 64", V4_SRC + ", compressor.py",
+       required=True, check=_rope_dim),
     _r("head_dim", INT, EVERY, "> qk_rope_head_dim", V4_SRC, required=True, check=_head_dim),
     _r("q_lora_rank", INT, EVERY, ">= 1", V4_SRC, required=True, check=POSITIVE),
     _r("o_groups", INT, EVERY, "divides num_attention_heads", V4_SRC, required=True, check=_groups),
@@ -374,6 +427,14 @@ RULES: tuple[KeyRule, ...] = (
     _r("quantization_config.expert_dtype", STRING, {V41}, "fp4 or fp8 (V4.1's expert format when no expert_dtype)",
        V41_VISION_SRC, check=_expert_dtype),
     _r("quantization_config.scale_fmt", STRING, EVERY, "any", "vllm/models/deepseek_v41/quant_config.py"),
+    # NVIDIA's NVFP4 exports (ckpt_tool.checkpoint.expert_format): which routed experts are NVFP4
+    _r("quantization_config.moe_quant_algo", STRING, EVERY, "NVFP4, in any case (null, empty or absent: DeepSeek's "
+       "own expert formats)", NVFP4_SRC, null_is_default=True, check=_moe_quant_algo),
+    # vLLM drops a non-list and the non-strings of a list without a word, which changes the layers it builds NVFP4:
+    # the tool refuses both
+    _r("quantization_config.ignore", STRINGS, EVERY, "module-name patterns (fnmatch) of the expert layers left in "
+       "DeepSeek's format; read only with moe_quant_algo NVFP4 (null or absent: none)", NVFP4_SRC,
+       null_is_default=True, read=_nvfp4_experts),
     # the vision tower (V4: top-level vision_* keys; V4.1: vision_config, with vLLM's defaults)
     _r("vision_n_layers", INT, EVERY, f"0-{MAX_COUNT}", VISION_SRC, check=_at_least(0)),
     _r("vision_n_heads", INT, {VISION, V41}, ">= 1", VISION_SRC, required=lambda f: f.get("vision_n_layers", 0) != 0,
@@ -496,6 +557,8 @@ def _has_type(value: Any, json_type: str) -> bool:
         return isinstance(value, bool)
     if json_type == INTS:
         return isinstance(value, list) and all(_has_type(v, INT) for v in value)
+    if json_type == STRINGS:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return isinstance(value, dict)
 
 
@@ -520,7 +583,9 @@ def json_kind(value: Any) -> str:
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):
-        return "a list" + ("" if all(_has_type(v, INT) for v in value) else " holding non-integers")
+        if all(_has_type(v, INT) for v in value):
+            return "a list of integers" if value else "an empty list"
+        return "a list of strings" if all(isinstance(v, str) for v in value) else "a list of mixed values"
     return "an object"
 
 
@@ -558,6 +623,8 @@ def check_types(flat: dict, original: dict | None = None, where: str = "config.j
     original = flat if original is None else original
     for rule in rules_for(classes_of(flat)):
         value = _lookup(flat, rule.key)
+        if not rule.is_read(flat):
+            continue
         if value is _MISSING:
             if rule.needed(flat):
                 raise CheckpointError(
@@ -578,7 +645,7 @@ def check_values(flat: dict, original: dict | None = None, where: str = "config.
     original = flat if original is None else original
     for rule in rules_for(classes_of(flat)):
         value = _lookup(flat, rule.key)
-        if rule.check is None or value is _MISSING or value is None:
+        if rule.check is None or value is _MISSING or value is None or not rule.is_read(flat):
             continue
         problem = rule.check(value, flat)
         if problem:
@@ -654,7 +721,11 @@ def tensor_key_problem(config, names: Collection[str]) -> str | None:
             f"checkpoint holds layers {_ranges(sorted(present))} ({V4_SRC} builds that many); config.json is not "
             "the one released with these weights: use that one, or fix the config"
         )
-    extra = _extra_draft_layers(config, names, lines) or _held_without_key(config, names, lines, present)
+    extra = (
+        _extra_draft_layers(config, names, lines)
+        or _held_without_key(config, names, lines, present)
+        or _compressed_without_ratio(config, names, lines, present)
+    )
     if extra is not None:
         return extra
     for held in helds:
@@ -725,6 +796,39 @@ def _held_without_key(config, names: Collection[str], lines: str | None, present
     if blocks and blocks[-1] >= config.vision_n_layers:
         return refuse("vision_n_layers", config.vision_n_layers, f"vision tower blocks {_ranges(blocks)}")
     return None
+
+
+# The attention modules whose presence a main layer's compress ratio decides, and the ratios that build them.
+# V4 (vllm/models/deepseek_v4/attention.py, 0.33.0 and 0.34.0): a compressor for 4 or 128, an indexer (with its own
+# compressor) for 4 only; a draft layer's ratio is 1. V4.1: the source layer ids place compressors and indexers
+# (HELD_BY); a kv source's compressor has a gate only for ratio 2 (deepseek_v41/compressor.py ``has_gate``).
+RATIO_MODULES = {
+    False: ((r"attn\.compressor\.", "a compressor", (4, 128)), (r"attn\.indexer\.", "an indexer", (4,))),
+    True: ((r"attn\.compressor\.wgate\.", "a compressor gate (attn.compressor.wgate)", (2,)),),
+}
+RATIO_SRC = {False: "vllm/models/deepseek_v4/attention.py", True: "vllm/models/deepseek_v41/compressor.py"}
+
+
+def _compressed_without_ratio(config, names: Collection[str], lines: str | None, present: set[int]) -> str | None:
+    """A module stored for a main layer whose compress ratio builds none (:data:`RATIO_MODULES`; vLLM's sharded loader
+    refuses the extra keys, a rule would still convert them). A missing one is completeness's to name."""
+    for tensor, what, ratios in RATIO_MODULES[config.is_v41]:
+        held = layers_holding(lines, names, tensor) & present
+        stray = sorted(layer for layer in held if config.compress_ratio(layer) not in ratios)
+        if stray:
+            have = ", ".join(f"{config.compress_ratio(layer)} for layer {layer}" for layer in stray[:3])
+            rule = f"vLLM builds {what} only for ratio {' or '.join(map(str, ratios))}"
+            return (
+                f"{key_in_file(config.raw, 'compress_ratios')} is {shown(list(config.compress_ratios))} in "
+                f"config.json, but the checkpoint holds {what} for {_layer_word(stray)} {_ranges(stray)}, whose "
+                f"ratios it gives as {have} ({rule}: {RATIO_SRC[config.is_v41]}); config.json is not the one released "
+                "with these weights: use that one, or fix the config"
+            )
+    return None
+
+
+def _layer_word(ids: list[int]) -> str:
+    return "layer" if len(ids) == 1 else "layers"
 
 
 def _file_value(raw: dict, key: str):

@@ -146,29 +146,15 @@ class MoeQuant:
     ignore: tuple[str, ...] = ()  # fnmatch patterns of the layers left in DeepSeek's format
 
 
-def moe_quant_of(raw: dict[str, Any], where: str = "config.json") -> MoeQuant:
-    """``quantization_config``'s ``moe_quant_algo`` and ``ignore``, checked as vLLM reads them: the algorithm one it
-    knows (vLLM 0.33.0 / 0.34.0 compare it with "NVFP4" and build MXFP4 experts for anything else: a typo would be
-    served in the wrong format), the ignore list a list of strings."""
+def moe_quant_of(raw: dict[str, Any]) -> MoeQuant:
+    """``quantization_config``'s ``moe_quant_algo`` and ``ignore`` as vLLM reads them (vLLM 0.33.0 / 0.34.0:
+    ``(moe_quant_algo or "").upper()``). Their types and values are config_keys' rules, applied before this runs:
+    an algorithm ckpt-tool does not know and an ignore list that is not a list of strings are refused there."""
     quant = raw.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("moe_quant_algo") in (None, ""):
-        return MoeQuant()  # vLLM: `(quant_cfg.get("moe_quant_algo") or "").upper() or None`
-    algo = quant["moe_quant_algo"]
-    if not isinstance(algo, str) or algo.upper() not in KNOWN_MOE_QUANT_ALGOS:
-        raise CheckpointError(
-            f"{where}: {MOE_QUANT_KEY} is {algo!r}, a format of routed experts ckpt-tool does not know (known: "
-            f"{', '.join(KNOWN_MOE_QUANT_ALGOS)}); vLLM would build MXFP4 experts for it: use the model's released "
-            "config.json"
-        )
+    if not isinstance(quant, dict) or not quant.get("moe_quant_algo"):
+        return MoeQuant()
     ignore = quant.get("ignore")
-    if ignore is None:
-        ignore = []
-    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
-        raise CheckpointError(
-            f"{where}: {IGNORE_KEY} is {ignore!r}, not a list of name patterns (vLLM matches each with fnmatch); use "
-            "the model's released config.json"
-        )
-    return MoeQuant(algo.upper(), tuple(ignore))
+    return MoeQuant(quant["moe_quant_algo"].upper(), tuple(ignore) if isinstance(ignore, list) else ())
 
 
 def experts_module(prefix: str) -> str:
