@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 from ckpt_tool.checkpoint.config import V4Config, flatten_v41
 from ckpt_tool.checkpoint.config_keys import MAX_COUNT, RULES, classes_of, key_in_file, rules_for
-from ckpt_tool.fixtures.make import VARIANTS, make_config, v41_engram_head_sizes
+from ckpt_tool.fixtures.make import VARIANTS, VISION_DIM, make_config, v41_engram_head_sizes
 
 FIXTURES = ("fp4", "vl-fp4", "dspark-fp4", "v41", "nvfp4")
 EXAMPLES = int(os.environ.get("CONFIG_EDIT_EXAMPLES", "75"))
@@ -129,6 +129,11 @@ RUNTIME = {
     # and refuses a mismatch itself, naming both (NgramHashState, deepseek_v41/common/engram.py); the tool reads
     # tensor headers, not the tokenizer
     "engram_compressed_vocab_size": (_positive_int, False),
+    # the vision tower's heads size no parameter at tp 1 (wqkv is [3 x vision_dim, vision_dim] whatever the split;
+    # vllm/models/deepseek_v4/common/vision.py), as long as they divide vision_dim. V4 reads the key without a
+    # default; V4.1's config class gives 16 (vllm/transformers_utils/configs/deepseek_v41.py), which divides 64
+    "vision_n_heads": (lambda v: _positive_int(v) and VISION_DIM % v == 0, False),
+    "vision:num_attention_heads": (lambda v: _positive_int(v) and VISION_DIM % v == 0, True),
 }
 # (fixture, key) -> what vLLM reads there, for a key vLLM does not read for that model class and draft
 IGNORED = {
@@ -417,6 +422,7 @@ FOUND = [
     ("v41", ("text_config", "compress_ratios"), [2, 0, 0, 1, 0, 0, 0]),
     ("v41", ("text_config", "compress_ratios"), [2, 2, 1, 1, 0, 0, 0]),
     ("fp4", ("qk_rope_head_dim",), 63),  # sizes no parameter, but vLLM's rotary kernels assert an even count
+    ("v41", ("vision_config", "num_attention_heads"), MISSING),  # harmless: vLLM's 16 divides 64, sizes nothing
     # NVIDIA's NVFP4 export: which experts are NVFP4 (vLLM's _is_nvfp4_expert_layer)
     ("nvfp4", ("quantization_config", "ignore"), ["*.attn.*", "head"]),  # mtp.0's MXFP4 experts would be built NVFP4
     ("nvfp4", ("quantization_config", "ignore"), ["mtp.*", "head"]),  # harmless: the same blocks left out
