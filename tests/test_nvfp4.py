@@ -161,6 +161,16 @@ def test_inspect_names_each_layers_expert_format(fixture_dir, capsys):
     assert "NVFP4 (ModelOptNvFp4FusedMoE) in layers.0-2, mtp.0" in text and "ignore [none]" in text
 
 
+def test_inspect_counts_nvfp4_weight_scales_as_the_experts_scales(fixture_dir, capsys):
+    """NVFP4's block scales are ``.weight_scale`` (E4M3), not DeepSeek's ``.scale`` (E8M0): the quantization summary
+    named the draft's E8M0 scales for an export whose main layers hold E4M3 ones."""
+    code, doc, _ = run_cli(capsys, "inspect", fixture_dir("nvfp4-all"), "--json")
+    assert code == 0
+    quant = json.loads(doc)["quant"]
+    assert (quant["expert_weight_dtype"], quant["expert_scale_dtype"]) == ("U8", "F8_E4M3")
+    assert quant["linear_scale_dtype"] == "F8_E8M0"  # the linears keep DeepSeek's block FP8
+
+
 # ---------------------------------------------------------------------------------------------
 # broken exports: refused before writing, each with its own diagnosis
 

@@ -115,6 +115,9 @@ class ShardTally(NamedTuple):
 
 
 _EXPERTS = ".ffn.experts."
+# the block scales: DeepSeek's ``.scale`` (E8M0), NVIDIA's NVFP4 ``.weight_scale`` (E4M3, one per 16 inputs; its F32
+# ``weight_scale_2`` and ``input_scale`` are one number a tensor, not a grid)
+_SCALES = (".scale", ".weight_scale")
 _QUANT_FIELDS = ("expert_weights", "expert_scales", "linear_weights", "linear_scales")
 
 
@@ -134,13 +137,13 @@ def tally_file(
     experts' counts are all weights (scales) less theirs.
     """
     weights = Counter(compress(dtypes, map(str.endswith, names, repeat(".weight"))))
-    scales = Counter(compress(dtypes, map(str.endswith, names, repeat(".scale"))))
+    scales = Counter(compress(dtypes, map(str.endswith, names, repeat(_SCALES))))
     linear_weights: Counter[str] = Counter()
     linear_scales: Counter[str] = Counter()
     for name, dtype in compress(zip(names, dtypes), map(not_, map(str.__contains__, names, repeat(_EXPERTS)))):
         if name.endswith(".weight"):
             linear_weights[dtype] += 1
-        elif name.endswith(".scale"):
+        elif name.endswith(_SCALES):
             linear_scales[dtype] += 1
     expert_weights = weights - linear_weights
     lines = name_lines(names)
