@@ -125,10 +125,6 @@ RUNTIME = {
     "block_size": (_positive_int, True),
     "dspark_noise_token_id": (lambda v: _int(v) and 0 <= v < 512, True),  # the fixtures' vocab: 512
     "engram_pad_token_id": (lambda v: _int(v) and v >= 0, False),  # vLLM reads it without a default
-    # sizes no parameter: vLLM compares it with the compressed vocabulary it builds from the tokenizer when it starts
-    # and refuses a mismatch itself, naming both (NgramHashState, deepseek_v41/common/engram.py); the tool reads
-    # tensor headers, not the tokenizer
-    "engram_compressed_vocab_size": (_positive_int, False),
     # the vision tower's heads size no parameter at tp 1 (wqkv is [3 x vision_dim, vision_dim] whatever the split;
     # vllm/models/deepseek_v4/common/vision.py), as long as they divide vision_dim. V4 reads the key without a
     # default; V4.1's config class gives 16 (vllm/transformers_utils/configs/deepseek_v41.py), which divides 64
@@ -422,6 +418,8 @@ FOUND = [
     ("v41", ("text_config", "compress_ratios"), [2, 0, 0, 1, 0, 0, 0]),
     ("v41", ("text_config", "compress_ratios"), [2, 2, 1, 1, 0, 0, 0]),
     ("fp4", ("qk_rope_head_dim",), 63),  # sizes no parameter, but vLLM's rotary kernels assert an even count
+    # sizes no tensor, but vLLM refuses to start when the tokenizer compresses to another count (engram_vocab)
+    ("v41", ("text_config", "engram_compressed_vocab_size"), 511),
     ("v41", ("vision_config", "num_attention_heads"), MISSING),  # harmless: vLLM's 16 divides 64, sizes nothing
     # NVIDIA's NVFP4 export: which experts are NVFP4 (vLLM's _is_nvfp4_expert_layer)
     ("nvfp4", ("quantization_config", "ignore"), ["*.attn.*", "head"]),  # mtp.0's MXFP4 experts would be built NVFP4

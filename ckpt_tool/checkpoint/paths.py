@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 from ckpt_tool.checkpoint.config import V4Config
+from ckpt_tool.checkpoint.engram_vocab import engram_vocab_problem
 from ckpt_tool.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,7 +55,11 @@ def resolve_layout(src: Path) -> tuple[Path, Path | None, list[str] | None]:
 def load_config(root: Path, *, need_config: bool = True) -> tuple[V4Config | None, str | None]:
     """(config, None), or with ``need_config=False`` (None, why not) when config.json is absent or bad."""
     try:
-        return V4Config.load(root / "config.json"), None
+        config = V4Config.load(root / "config.json")
+        problem = engram_vocab_problem(config, root)  # a size no tensor shows: the tokenizer's (engram_vocab)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return config, None
     except CheckpointError as exc:
         if need_config:
             raise
