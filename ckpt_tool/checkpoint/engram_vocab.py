@@ -60,9 +60,9 @@ def engram_vocab_problem(config, root: Path) -> str | None:
         return f"{tokenizer}: cannot be read as a tokenizer ({exc}); vLLM builds the Engram's token map from it"
     if built == config.engram_compressed_vocab_size:
         return None
-    key = "text_config.engram_compressed_vocab_size" if isinstance(config.raw.get("text_config"), dict) else (
-        "engram_compressed_vocab_size"
-    )
+    from ckpt_tool.checkpoint.config_keys import key_in_file
+
+    key = key_in_file(config.raw, "engram_compressed_vocab_size")
     return (
         f"{root / 'config.json'}: {key} is {config.engram_compressed_vocab_size} in config.json, but the tokenizer "
         f"beside it ({TOKENIZER_FILE}) compresses to {built} ids, and vLLM refuses to start on the difference "
