@@ -3,8 +3,8 @@ in each fixture's file) set to every JSON type (missing, null, booleans, negativ
 strings, lists too short, too long, out of range, reordered, objects), for the V4 (``fp4``), vision (``vl-fp4``),
 DSpark (``dspark-fp4``), V4.1 (``v41``) and NVIDIA's NVFP4 export (``nvfp4``) fixtures. For each edit, ``inspect``
 and ``convert`` (in-process) must either both exit 0 with a complete OUT, where :func:`harmless` says the edit is
-harmless, or both exit 1 with one
-line on stderr and no traceback, leaving no complete OUT; the source is never touched.
+harmless, or both exit 1 with one line on stderr and no traceback, leaving no complete OUT; the source is never
+touched.
 
 :func:`harmless` decides by a stated rule, not by what the tool did. An edit is harmless when vLLM's loader builds
 the very parameters of the unedited fixture from the edited config, which the engine matrix proves it loads:
@@ -15,7 +15,8 @@ the very parameters of the unedited fixture from the edited config, which the en
 3. vLLM does not read the key for this model class and draft (:data:`IGNORED`);
 4. the key is removed (or set to null where vLLM reads null as absent) and vLLM's default equals the fixture's
    value, or set to the default where the fixture omits it (:data:`DEFAULTS`);
-5. ``compress_ratios`` keeps every ratio vLLM reads for a main layer and every entry is a ratio vLLM accepts;
+5. ``compress_ratios`` keeps the ratios that size a parameter (V4: every main layer's; V4.1: the source layers',
+   :func:`_v41_ratios_harmless`) and every entry is a ratio vLLM accepts;
    ``engram_vocab_size`` moves where no prime lies between (vLLM's EngramLayout draws the same bucket primes);
    ``quantization_config.moe_quant_algo`` is a string (or null, or absent) that vLLM upper-cases to the same
    algorithm; ``quantization_config.ignore`` is a list of strings (or null, or absent) that leaves the same expert
