@@ -405,6 +405,25 @@ def test_online_convert_refuses_a_config_the_headers_disagree_with_before_any_do
     assert not (tmp_path / "out").exists()
 
 
+def test_online_convert_counts_a_v41_repos_compressed_vocabulary_from_its_tokenizer(hub, fixture_dir, tmp_path):
+    """A V4.1 repo's engram_compressed_vocab_size is compared with its tokenizer.json, downloaded with the other small
+    files, before any shard: vLLM would refuse to start on the difference (ckpt_tool/checkpoint/engram_vocab.py)."""
+    src = tmp_path / "v41-edited"
+    shutil.copytree(fixture_dir("v41"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["engram_compressed_vocab_size"] -= 1
+    (src / "config.json").write_text(json.dumps(cfg))
+    hub.push("deepseek-ai/Tiny-V41-edited", src)
+    res = online(tmp_path, hub, "convert", "deepseek-ai/Tiny-V41-edited", tmp_path / "out")
+    assert res.returncode == 1, res.stderr
+    assert "text_config.engram_compressed_vocab_size is 511 in config.json, but the tokenizer beside it" in res.stderr
+    assert [line for line in res.stderr.splitlines() if line.startswith("error: ")] == [
+        res.stderr.strip().splitlines()[-1]
+    ], res.stderr  # one error line, after huggingface_hub's download progress
+    assert shard_bytes(hub) == {}
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # The test ground itself: tests/hub_server.py answers the real client as the hub does (in-process, the
 # endpoint passed explicitly: HF_ENDPOINT is read at import), ranges and injected faults included

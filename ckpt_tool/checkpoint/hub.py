@@ -29,6 +29,7 @@ from typing import Protocol
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.headers import HeaderError, TensorInfo, parse_header, read_shard_header
 from ckpt_tool.checkpoint.index import read_index
+from ckpt_tool.checkpoint.paths import load_config
 from ckpt_tool.checkpoint.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ckpt_tool.errors import CheckpointError
 
@@ -171,7 +172,7 @@ def _read_small(folder: Path, ref: HubRef) -> tuple[V4Config, dict[str, str] | N
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{ref}: config.json is not in the snapshot {folder}")
-    config = V4Config.load(config_path)
+    config, _ = load_config(folder)  # as a local folder's: the snapshot holds the serving files (tokenizer.json)
     index = folder / INDEX_NAME
     return config, (read_index(index) if index.is_file() else None)
 
