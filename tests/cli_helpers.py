@@ -1,10 +1,13 @@
-"""Helpers several test modules share: run the CLI in-process, and fingerprint a folder tree."""
+"""Helpers several test modules share: run the CLI in-process, fingerprint a folder tree, list what a rank of OUT
+holds."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
+
+from safetensors import safe_open
 
 from ckpt_tool.cli.entry import main
 
@@ -36,3 +39,14 @@ def snapshot(root: Path) -> dict[str, str]:
                     h.update(chunk)
             snap[str(p.relative_to(root))] = h.hexdigest()
     return snap
+
+
+def rank_keys(out: Path, component: str, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every key in ``out/<component>``'s files for ``rank``: its dtype and shape, from the headers."""
+    keys = {}
+    for path in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                sl = f.get_slice(k)
+                keys[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+    return keys

@@ -10,8 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli, snapshot
-from safetensors import safe_open
+from cli_helpers import rank_keys, run_cli, snapshot
 
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.fixtures.broken import patch_bytes, tensor_offset
@@ -19,16 +18,6 @@ from ckpt_tool.fixtures.make import DSPARK_BLOCK_SIZE, DSPARK_STAGES, MAIN_LAYER
 from ckpt_tool.mapping.engine_table import engine_params
 
 DOWNLOAD = "download the missing files again"
-
-
-def rank_keys(out: Path, component: str, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    keys = {}
-    for path in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                sl = f.get_slice(k)
-                keys[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return keys
 
 
 def convert(capsys, src: Path, out: Path, *args) -> tuple[int, str, str]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import run_cli, snapshot
-from safetensors import safe_open
+from cli_helpers import rank_keys, run_cli, snapshot
 
 from ckpt_tool.checkpoint.config import V4Config
 from ckpt_tool.checkpoint.expert_format import MXFP4, NVFP4, layer_format
@@ -68,16 +67,6 @@ def test_unknown_moe_quant_algo_and_bad_ignore_are_config_errors():
 # convert and verify
 
 
-def _shapes(out, component: str, rank: int) -> dict[str, tuple[str, list[int]]]:
-    shapes = {}
-    for f in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(f, "pt") as h:
-            for k in h.keys():  # noqa: SIM118
-                sl = h.get_slice(k)
-                shapes[k] = (sl.get_dtype(), list(sl.get_shape()))
-    return shapes
-
-
 @pytest.mark.parametrize(
     ("tp", "ep", "scales"), [(1, False, "global"), (2, False, "global"), (2, True, "global"), (2, True, "local")]
 )
@@ -90,19 +79,19 @@ def test_convert_writes_modelopts_nvfp4_parameters(tp, ep, scales, fixture_dir, 
     El, Il = (E // tp, I) if ep else (E, I // tp)
     Eg = El if ep and scales == "local" else E
     want = {
-        "w13_weight": ("U8", [El, 2 * Il, H // 2]),
-        "w13_weight_scale": ("F8_E4M3", [El, 2 * Il, H // 16]),
-        "w13_weight_scale_2": ("F32", [El, 2]),
-        "w13_input_scale": ("F32", [Eg, 2]),
-        "w2_weight": ("U8", [El, H, Il // 2]),
-        "w2_weight_scale": ("F8_E4M3", [El, H, Il // 16]),
-        "w2_weight_scale_2": ("F32", [El]),
-        "w2_input_scale": ("F32", [Eg]),
+        "w13_weight": ("U8", (El, 2 * Il, H // 2)),
+        "w13_weight_scale": ("F8_E4M3", (El, 2 * Il, H // 16)),
+        "w13_weight_scale_2": ("F32", (El, 2)),
+        "w13_input_scale": ("F32", (Eg, 2)),
+        "w2_weight": ("U8", (El, H, Il // 2)),
+        "w2_weight_scale": ("F8_E4M3", (El, H, Il // 16)),
+        "w2_weight_scale_2": ("F32", (El,)),
+        "w2_input_scale": ("F32", (Eg,)),
     }
     for rank in range(tp):
-        got = {k.rsplit(".", 1)[1]: v for k, v in _shapes(out, "model", rank).items() if k.startswith(ROUTED + ".")}
+        got = {k.rsplit(".", 1)[1]: v for k, v in rank_keys(out, "model", rank).items() if k.startswith(ROUTED + ".")}
         assert got == want, rank
-        draft = {k.rsplit(".", 1)[1]: v for k, v in _shapes(out, "mtp", rank).items() if ".routed_experts." in k}
+        draft = {k.rsplit(".", 1)[1]: v for k, v in rank_keys(out, "mtp", rank).items() if ".routed_experts." in k}
         assert sorted(draft) == ["w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"]  # left MXFP4
     manifest = json.loads((out / "ckpt-tool.json").read_text())
     assert manifest["options"].get("nvfp4_input_scales") == (scales if ep else None)

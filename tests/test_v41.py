@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli, snapshot
+from cli_helpers import rank_keys, run_cli, snapshot
 from safetensors import safe_open
 
 from ckpt_tool.checkpoint.config import V4Config
@@ -28,16 +28,6 @@ from ckpt_tool.verify.numeric import check_numeric
 from ckpt_tool.verify.rows import RowReader
 from ckpt_tool.verify.tensor_units import ExactUnit, LinearUnit, tensor_units, unit_tensors
 from ckpt_tool.verify.verdict import VerifyReport
-
-
-def rank_keys(out: Path, rank: int, component: str = "model") -> dict[str, tuple[str, tuple[int, ...]]]:
-    keys = {}
-    for path in sorted((out / component).glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                sl = f.get_slice(k)
-                keys[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return keys
 
 
 def rank_file_keys(path: Path) -> str:
@@ -71,7 +61,7 @@ def test_every_rank_holds_the_engine_table(tp, ep, fixture_dir, tmp_path, capsys
     cfg = V4Config.load(src / "config.json")
     for rank in range(tp):
         want = engine_params(cfg, "vllm-0.33+", "model", tp, "ep" if ep else "tp", rank)
-        got = rank_keys(out, rank)
+        got = rank_keys(out, "model", rank)
         assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
         for k, p in want.items():
             assert got[k][1] == p.shape or p.prefix, (k, got[k], p)
@@ -83,7 +73,8 @@ def test_every_rank_holds_the_engine_table(tp, ep, fixture_dir, tmp_path, capsys
         )
         assert s[0] == "U8" and s[1][0] == w[1][0] and s[1][1] == w[1][1] // 32
     layout = EngramSplit.from_config(cfg)
-    rows = [rank_keys(out, r)["language_model.model.layers.1.engram.embed_tokens.weight"][1][0] for r in range(tp)]
+    table = "language_model.model.layers.1.engram.embed_tokens.weight"
+    rows = [rank_keys(out, "model", r)[table][1][0] for r in range(tp)]
     assert rows == [hi - lo for lo, hi in layout.rank_rows(1, tp)]
 
 
@@ -106,7 +97,7 @@ def test_the_v41_draft_is_written_for_the_vllm_series_it_names(vllm, series, fix
     cfg = V4Config.load(src / "config.json")
     for rank in range(2):
         want = engine_params(cfg, "vllm-0.33+", "dspark", 2, "tp", rank, series)
-        got = rank_keys(out, rank, "dspark")
+        got = rank_keys(out, "dspark", rank)
         assert set(got) == set(want), sorted(set(got) ^ set(want))
         for k, p in want.items():
             assert (got[k][1] == p.shape or p.prefix) and got[k][0] == p.dtype, (k, got[k], p)
